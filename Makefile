@@ -1,0 +1,38 @@
+# The two set-up commands of the README: `make demo` and `make test`.
+# Each creates or updates .venv from the pinned requirements; a second run reuses it.
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.kvbridge-installed
+
+.PHONY: demo test lint format docs check-docs bench clean
+
+$(STAMP): requirements/dev.txt pyproject.toml
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "kvbridge needs Python >= 3.10, $(PYTHON) is " + sys.version.split()[0])'
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -r requirements/dev.txt
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
+	@touch $@
+
+demo: $(STAMP)
+	$(BIN)/kvbridge inspect --sample sglang-mooncake-registration
+	$(BIN)/kvbridge inspect --sample native-transfer-request
+
+test: $(STAMP)
+	$(BIN)/ruff check src tests
+	$(BIN)/ruff format --check src tests
+	$(BIN)/python -m pytest
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests
+
+format: $(STAMP)
+	$(BIN)/ruff check --fix src tests
+	$(BIN)/ruff format src tests
+
+docs: $(STAMP)
+	$(BIN)/kvbridge protocol-doc --output docs/PROTOCOL.md
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

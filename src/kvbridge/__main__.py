@@ -1,0 +1,3 @@
+from kvbridge.cli.main import app
+
+app(prog_name="kvbridge")

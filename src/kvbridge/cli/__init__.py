@@ -1,0 +1,1 @@
+"""The `kvbridge` command line."""

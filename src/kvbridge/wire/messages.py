@@ -1,0 +1,158 @@
+"""Control messages shared by the native and the SGLang Mooncake profiles, and wire rules.
+
+Each message is a dataclass of explicit scalar fields; how it becomes frames is a `Layout` in
+each profile (`kvbridge.wire.native`, `kvbridge.wire.sglang.mooncake`). A field that one
+profile has no frame for keeps its default there (encoding refuses any other value).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from kvbridge.wire.layout import FieldValueError, Message
+
+
+class KVPoll(enum.IntEnum):
+    """A room's transfer state, numbered as SGLang numbers it on the wire."""
+
+    Failed = 0
+    Bootstrapping = 1
+    WaitingForInput = 2
+    Transferring = 3
+    Success = 4
+
+
+class KVLayout(enum.IntEnum):
+    """How a rank stores KV: MHA keeps K and V buffers per layer, MLA one latent buffer."""
+
+    MHA = 1
+    MLA = 2
+
+
+class MemoryKind(enum.IntEnum):
+    """Where registered buffers live (NIXL's segment types)."""
+
+    DRAM = 1
+    VRAM = 2
+
+
+# STAGING_RSP offset meaning "this chunk can never fit in the ring" (fall back to per-token).
+STAGING_NEVER_FITS = -2
+
+MAX_PORT = 65535
+
+
+def staging_registered(staging_base_ptr: int, staging_total_size: int) -> bool:
+    """Whether a peer registered a staging ring: the one rule every profile uses."""
+    return staging_base_ptr != 0 or staging_total_size != 0
+
+
+def check_staging(staging_base_ptr: int, staging_total_size: int) -> None:
+    """Refuse a ring with an address but no size: it could never be written to."""
+    if staging_base_ptr != 0 and staging_total_size == 0:
+        raise FieldValueError(
+            "staging_total_size",
+            f"staging_base_ptr is {staging_base_ptr:#x} but staging_total_size is 0: a staging "
+            "ring needs a size (send both as 0 when there is no ring)",
+        )
+
+
+def check_dcp(dcp_size: int, dcp_rank: int, size_field: str, rank_field: str) -> None:
+    if dcp_size < 1:
+        raise FieldValueError(size_field, f"must be at least 1, got {dcp_size}")
+    if dcp_rank >= dcp_size:
+        raise FieldValueError(rank_field, f"must be below {size_field} {dcp_size}, got {dcp_rank}")
+
+
+def check_port(port: int, field: str) -> None:
+    if port > MAX_PORT:
+        raise FieldValueError(field, f"a TCP port is at most {MAX_PORT}, got {port}")
+
+
+@dataclass(eq=False)
+class TransferStatus(Message):
+    """Prefill → decode: how a room's transfer from one prefill rank ended or stands."""
+
+    room: int
+    status: KVPoll
+    prefill_rank: int
+    # Why a room failed; only the native profile has a frame for it.
+    reason: str = ""
+
+
+@dataclass(eq=False)
+class Abort(Message):
+    """Decode → prefill: the decode side gave up on a room."""
+
+    room: int
+    decode_ip: str
+    decode_port: int
+    reason: str = ""
+
+    def check(self) -> None:
+        check_port(self.decode_port, "decode_port")
+
+
+@dataclass(eq=False)
+class AbortAck(Message):
+    """Prefill → decode: no write of this room is in flight any more from this rank."""
+
+    room: int
+    prefill_rank: int
+
+
+@dataclass(eq=False)
+class StagingRequest(Message):
+    """Prefill → decode: ask for ring space for one chunk of a room."""
+
+    room: int
+    chunk_idx: int
+    chunk_num_pages: int
+    session_id: str
+
+
+@dataclass(eq=False)
+class StagingResponse(Message):
+    """Decode → prefill: where in the ring the chunk may be written (or that it never fits)."""
+
+    room: int
+    chunk_idx: int
+    offset: int
+    round: int
+    end: int
+    session_id: str
+
+    @property
+    def never_fits(self) -> bool:
+        return self.offset == STAGING_NEVER_FITS
+
+
+@dataclass(eq=False)
+class Watermark(Message):
+    """Decode → prefill: ring space up to `tail` of `round` is free again."""
+
+    round: int
+    tail: int
+    session_id: str
+
+
+@dataclass(eq=False)
+class ChunkReady(Message):
+    """Prefill → decode: a chunk landed in the ring and may be scattered into pages."""
+
+    room: int
+    chunk_idx: int
+    page_start: int
+    num_pages: int
+    session_id: str
+    prefill_rank: int
+
+
+@dataclass(eq=False)
+class Heartbeat(Message):
+    """Either way, native profile only: the sender is alive for another `lease_ms`."""
+
+    sender_id: str
+    sequence: int
+    lease_ms: int

@@ -1,0 +1,465 @@
+"""`kvbridge/1`: the native profile spoken between kvbridge peers.
+
+Frame 0 is a fixed 8-byte header (magic, major/minor version, message type, flags); the
+message's fields follow, one frame each, as fixed-width little-endian integers, UTF-8 text,
+packed integer arrays or opaque bytes. An optional field that is absent is an empty frame, so
+0 is always a real value. With the `FLAG_TAG` flag the last frame is an HMAC-SHA256 tag over
+all frames before it, each preceded by its length as a little-endian uint32.
+
+Compatibility: a different major version is refused naming both versions. A peer with a newer
+minor version may append fields (always optional ones) and message types; this side ignores
+the extra trailing frames. A peer with an older minor version may omit trailing optional
+frames, which take their defaults.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from kvbridge.wire import codecs as c
+from kvbridge.wire.errors import WireError, describe_bytes
+from kvbridge.wire.layout import Field, FieldValueError, FrameRow, Layout, Message
+from kvbridge.wire.messages import (
+    Abort,
+    AbortAck,
+    ChunkReady,
+    Heartbeat,
+    KVLayout,
+    KVPoll,
+    MemoryKind,
+    StagingRequest,
+    StagingResponse,
+    TransferStatus,
+    Watermark,
+    check_dcp,
+    check_port,
+    check_staging,
+    staging_registered,
+)
+from kvbridge.wire.profile import Inspection, Profile, require_frames
+
+PROFILE = "kvbridge/1"
+MAGIC = b"KVBR"
+MAJOR = 1
+MINOR = 0
+FLAG_TAG = 0x01
+KNOWN_FLAGS = FLAG_TAG
+TAG_SIZE = hashlib.sha256().digest_size
+
+# The header frame, as a table: (name, struct format, meaning).
+HEADER_FIELDS = (
+    ("magic", "4s", f"always {MAGIC!r}"),
+    ("major", "B", f"major version, {MAJOR}"),
+    ("minor", "B", f"minor version, {MINOR}"),
+    ("type", "B", "message type code (table below)"),
+    ("flags", "B", f"bit 0 ({FLAG_TAG:#x}): the last frame is an HMAC-SHA256 tag"),
+)
+HEADER = struct.Struct("<" + "".join(fmt for _, fmt, _ in HEADER_FIELDS))
+
+
+@dataclass(frozen=True)
+class Header:
+    major: int
+    minor: int
+    type_code: int
+    flags: int
+
+    def pack(self) -> bytes:
+        return HEADER.pack(MAGIC, self.major, self.minor, self.type_code, self.flags)
+
+
+# --- messages that only the native profile has ---------------------------------------------
+
+
+@dataclass(eq=False)
+class Registration(Message):
+    """Decode → prefill, once per peer: everything a prefill rank needs to plan transfers."""
+
+    peer_id: str
+    host: str
+    control_port: int
+    engine: str
+    engine_descriptor: bytes
+    tp_rank: int
+    attn_tp_size: int
+    dcp_rank: int
+    dcp_size: int
+    kv_layout: KVLayout
+    total_kv_heads: int
+    head_dim: int
+    dtype: str
+    page_size: int
+    kv_layer_ids: list[int]
+    kv_ptrs: list[int]
+    kv_item_lens: list[int]
+    aux_ptrs: list[int]
+    aux_item_lens: list[int]
+    state_ptrs: list[list[int]] = field(default_factory=list)
+    state_item_lens: list[list[int]] = field(default_factory=list)
+    state_dim_per_tensor: list[list[int]] = field(default_factory=list)
+    state_layer_ids: list[list[int]] = field(default_factory=list)
+    staging_base_ptr: int = 0
+    staging_total_size: int = 0
+    memory_kind: MemoryKind = MemoryKind.DRAM
+    device_id: int = 0
+    capabilities: frozenset[str] = frozenset()
+
+    @property
+    def staging_registered(self) -> bool:
+        return staging_registered(self.staging_base_ptr, self.staging_total_size)
+
+    def check(self) -> None:
+        check_port(self.control_port, "control_port")
+        check_staging(self.staging_base_ptr, self.staging_total_size)
+        check_dcp(self.dcp_size, self.dcp_rank, "dcp_size", "dcp_rank")
+        for name in ("attn_tp_size", "total_kv_heads", "head_dim", "page_size"):
+            if getattr(self, name) < 1:
+                raise FieldValueError(name, f"must be at least 1, got {getattr(self, name)}")
+        if self.tp_rank >= self.attn_tp_size:
+            raise FieldValueError(
+                "tp_rank", f"must be below attn_tp_size {self.attn_tp_size}, got {self.tp_rank}"
+            )
+        if len(self.kv_item_lens) != len(self.kv_ptrs):
+            raise FieldValueError(
+                "kv_item_lens",
+                f"one per KV buffer: {len(self.kv_ptrs)} buffers, {len(self.kv_item_lens)} lengths",
+            )
+        if len(self.aux_item_lens) != len(self.aux_ptrs):
+            raise FieldValueError(
+                "aux_item_lens",
+                f"one per aux buffer: {len(self.aux_ptrs)} buffers, "
+                f"{len(self.aux_item_lens)} lengths",
+            )
+        buffers_per_layer = 2 if self.kv_layout == KVLayout.MHA else 1
+        if len(self.kv_ptrs) != buffers_per_layer * len(self.kv_layer_ids):
+            raise FieldValueError(
+                "kv_ptrs",
+                f"{self.kv_layout.name} has {buffers_per_layer} buffer(s) per layer: "
+                f"{len(self.kv_layer_ids)} layers need {buffers_per_layer * len(self.kv_layer_ids)}"
+                f" pointers, got {len(self.kv_ptrs)}",
+            )
+
+
+@dataclass(eq=False)
+class TransferRequest(Message):
+    """Decode → prefill, per room and target prefill rank: which pages to fill."""
+
+    room: int
+    peer_id: str
+    is_dummy: bool
+    dst_kv_indices: npt.NDArray[np.int32]
+    dst_aux_index: int | None
+    dst_state_indices: list[list[int]]
+    required_dst_info_num: int
+    decode_prefix_len: int | None = None
+
+    def check(self) -> None:
+        if self.is_dummy and (len(self.dst_kv_indices) or self.dst_aux_index is not None):
+            raise FieldValueError(
+                "is_dummy", "a dummy request carries no page indices and no aux index"
+            )
+        if not self.is_dummy and self.dst_aux_index is None:
+            raise FieldValueError("dst_aux_index", "absent, but the request is not a dummy")
+
+
+def _optional(name: str, codec: c.Codec[Any], doc: str = "") -> Field:
+    """An optional scalar: None is sent as an empty frame, so 0 stays a real value."""
+    return Field(name, codec, doc, default=None, send_default_empty=True)
+
+
+# Message type codes are part of the protocol: never renumber, only append.
+_LAYOUT_ROWS: tuple[tuple[int, type[Message], str, tuple[Field, ...]], ...] = (
+    (
+        1,
+        Registration,
+        "Decode → prefill, once per peer.",
+        (
+            Field("peer_id", c.UTF8, "decode rank's unique name"),
+            Field("host", c.UTF8, "decode control host"),
+            Field("control_port", c.U16),
+            Field("engine", c.UTF8, "transfer engine name: nixl, mooncake, loopback"),
+            Field("engine_descriptor", c.BYTES, "agent metadata / session id for the engine"),
+            Field("tp_rank", c.U32, "attention-TP rank"),
+            Field("attn_tp_size", c.U32),
+            Field("dcp_rank", c.U32),
+            Field("dcp_size", c.U32),
+            Field("kv_layout", c.EnumU8(KVLayout)),
+            Field("total_kv_heads", c.U32, "KV heads of the whole model"),
+            Field("head_dim", c.U32),
+            Field("dtype", c.UTF8, "element type, e.g. bfloat16"),
+            Field("page_size", c.U32, "tokens per page"),
+            Field("kv_layer_ids", c.U32_LIST),
+            Field("kv_ptrs", c.POINTERS, "KV buffer base addresses (MHA: K then V per layer)"),
+            Field("kv_item_lens", c.PackedInts("Q"), "bytes per page of each KV buffer"),
+            Field("aux_ptrs", c.POINTERS),
+            Field("aux_item_lens", c.PackedInts("Q")),
+            Field("state_ptrs", c.POINTER_LISTS),
+            Field("state_item_lens", c.NestedIntLists("Q")),
+            Field("state_dim_per_tensor", c.U32_LISTS),
+            Field("state_layer_ids", c.U32_LISTS),
+            Field("staging_base_ptr", c.U64_ADDRESS, "0 with size 0: no staging ring"),
+            Field("staging_total_size", c.U64),
+            Field("memory_kind", c.EnumU8(MemoryKind)),
+            Field("device_id", c.U32),
+            Field("capabilities", c.STRING_SET),
+        ),
+    ),
+    (
+        2,
+        TransferRequest,
+        "Decode → prefill, per room and target prefill rank.",
+        (
+            Field("room", c.U64),
+            Field("peer_id", c.UTF8, "the registration's peer_id"),
+            Field("is_dummy", c.BOOL, "this rank sends nothing, only reports completion"),
+            Field("dst_kv_indices", c.INT32_ARRAY),
+            _optional("dst_aux_index", c.U64, "absent for a dummy"),
+            Field("dst_state_indices", c.I32_LISTS),
+            Field("required_dst_info_num", c.U32),
+            _optional("decode_prefix_len", c.U64),
+        ),
+    ),
+    (
+        3,
+        TransferStatus,
+        "Prefill → decode: a room's state from one prefill rank.",
+        (
+            Field("room", c.U64),
+            Field("status", c.EnumU8(KVPoll)),
+            Field("prefill_rank", c.U32),
+            Field("reason", c.UTF8, "why the room failed; empty otherwise"),
+        ),
+    ),
+    (
+        4,
+        Abort,
+        "Decode → prefill: decode gave up on a room.",
+        (
+            Field("room", c.U64),
+            Field("decode_ip", c.UTF8),
+            Field("decode_port", c.U16),
+            Field("reason", c.UTF8),
+        ),
+    ),
+    (
+        5,
+        AbortAck,
+        "Prefill → decode: no write of the room is in flight from this rank.",
+        (Field("room", c.U64), Field("prefill_rank", c.U32)),
+    ),
+    (
+        6,
+        StagingRequest,
+        "Prefill → decode: ask for ring space for a chunk.",
+        (
+            Field("room", c.U64),
+            Field("chunk_idx", c.U32),
+            Field("chunk_num_pages", c.U32),
+            Field("session_id", c.UTF8),
+        ),
+    ),
+    (
+        7,
+        StagingResponse,
+        "Decode → prefill: ring space granted, or -2: never fits.",
+        (
+            Field("room", c.U64),
+            Field("chunk_idx", c.U32),
+            Field("offset", c.I64),
+            Field("round", c.U64),
+            Field("end", c.U64),
+            Field("session_id", c.UTF8),
+        ),
+    ),
+    (
+        8,
+        Watermark,
+        "Decode → prefill: ring space up to tail is free again.",
+        (Field("round", c.U64), Field("tail", c.U64), Field("session_id", c.UTF8)),
+    ),
+    (
+        9,
+        ChunkReady,
+        "Prefill → decode: a staged chunk landed in the ring.",
+        (
+            Field("room", c.U64),
+            Field("chunk_idx", c.U32),
+            Field("page_start", c.U64),
+            Field("num_pages", c.U32),
+            Field("session_id", c.UTF8),
+            Field("prefill_rank", c.U32),
+        ),
+    ),
+    (
+        10,
+        Heartbeat,
+        "Either way: the sender is alive for lease_ms more.",
+        (Field("sender_id", c.UTF8), Field("sequence", c.U64), Field("lease_ms", c.U32)),
+    ),
+)
+
+LAYOUTS_BY_CODE: dict[int, Layout[Any]] = {
+    code: Layout(PROFILE, message_type.__name__, message_type, fields, doc, first_frame=1)
+    for code, message_type, doc, fields in _LAYOUT_ROWS
+}
+CODES_BY_TYPE: dict[type[Message], int] = {
+    layout.message_type: code for code, layout in LAYOUTS_BY_CODE.items()
+}
+
+
+def _auth_tag(secret: bytes, frames: Sequence[bytes]) -> bytes:
+    mac = hmac.new(secret, digestmod=hashlib.sha256)
+    for frame in frames:
+        mac.update(struct.pack("<I", len(frame)))
+        mac.update(frame)
+    return mac.digest()
+
+
+def parse_header(frame: bytes) -> Header:
+    """The header of frame 0; `WireError` naming the header field that is wrong."""
+
+    def error(field_name: str, reason: str) -> WireError:
+        return WireError(reason, profile=PROFILE, frame_index=0, field=f"header.{field_name}")
+
+    if len(frame) != HEADER.size:
+        raise error("size", f"expected exactly {HEADER.size} bytes, got {len(frame)}")
+    magic, major, minor, type_code, flags = HEADER.unpack(frame)
+    if magic != MAGIC:
+        raise error("magic", f"expected {MAGIC!r}, got {describe_bytes(magic)}")
+    if major != MAJOR:
+        raise error(
+            "major",
+            f"peer speaks kvbridge/{major}.{minor}, this library speaks kvbridge/{MAJOR}.{MINOR}: "
+            "major versions differ",
+        )
+    if minor <= MINOR and flags & ~KNOWN_FLAGS:
+        raise error("flags", f"unknown flag bits {flags & ~KNOWN_FLAGS:#x}")
+    if type_code not in LAYOUTS_BY_CODE:
+        known = f"{min(LAYOUTS_BY_CODE)}-{max(LAYOUTS_BY_CODE)}"
+        raise error(
+            "type",
+            f"unknown message type {type_code} (kvbridge/{MAJOR}.{MINOR} knows {known}; the "
+            f"peer speaks kvbridge/{major}.{minor})",
+        )
+    return Header(major, minor, type_code, flags)
+
+
+class NativeProfile(Profile):
+    name = PROFILE
+    doc = __doc__ or ""
+    layouts = tuple(LAYOUTS_BY_CODE.values())
+
+    def classify(self, frames: Sequence[bytes]) -> Layout[Any]:
+        require_frames(frames, self.name)
+        return LAYOUTS_BY_CODE[parse_header(bytes(frames[0])).type_code]
+
+    def encode(self, message: Message, *, secret: bytes | None = None) -> list[bytes]:
+        code = CODES_BY_TYPE.get(type(message))
+        if code is None:
+            raise WireError(
+                f"{type(message).__name__} has no layout in this profile", profile=PROFILE
+            )
+        flags = FLAG_TAG if secret else 0
+        frames = [Header(MAJOR, MINOR, code, flags).pack(), *LAYOUTS_BY_CODE[code].encode(message)]
+        if secret:
+            frames.append(_auth_tag(secret, frames))
+        return frames
+
+    def _split(
+        self, frames: Sequence[bytes], secret: bytes | None
+    ) -> tuple[Header, list[bytes], bytes | None]:
+        """Header, field frames and the auth tag (if any), after checking the tag."""
+        require_frames(frames, self.name)
+        header = parse_header(bytes(frames[0]))
+        body = [bytes(frame) for frame in frames[1:]]
+        tag = None
+        if header.flags & FLAG_TAG:
+            if not body:
+                raise WireError(
+                    "the header announces an auth tag but there is no frame for it",
+                    profile=PROFILE,
+                    frame_index=1,
+                    field="auth_tag",
+                )
+            tag = body.pop()
+            if secret is not None and not hmac.compare_digest(
+                tag, _auth_tag(secret, [bytes(frames[0]), *body])
+            ):
+                raise WireError(
+                    "HMAC tag does not match: wrong secret or altered message",
+                    profile=PROFILE,
+                    frame_index=len(frames) - 1,
+                    field="auth_tag",
+                )
+        elif secret is not None:
+            raise WireError(
+                "message is not authenticated but a shared secret is configured",
+                profile=PROFILE,
+                frame_index=0,
+                field="header.flags",
+            )
+        return header, body, tag
+
+    def decode(
+        self,
+        frames: Sequence[bytes],
+        type_name: str | None = None,
+        *,
+        secret: bytes | None = None,
+    ) -> Message:
+        header, body, _ = self._split(frames, secret)
+        layout = LAYOUTS_BY_CODE[header.type_code]
+        if type_name and type_name != layout.type_name:
+            raise WireError(
+                f"expected a {type_name}, got a {layout.type_name}",
+                profile=PROFILE,
+                frame_index=0,
+                field="header.type",
+            )
+        return layout.decode(body, allow_extra=header.minor > MINOR)
+
+    def inspect(
+        self,
+        frames: Sequence[bytes],
+        type_name: str | None = None,
+        *,
+        secret: bytes | None = None,
+    ) -> Inspection:
+        try:
+            header, body, tag = self._split(frames, secret)
+        except WireError as exc:
+            raw = bytes(frames[0]) if len(frames) and isinstance(frames[0], bytes) else b""
+            row = FrameRow(0, "header", "header", len(raw), describe_bytes(raw), str(exc))
+            return Inspection(self.name, None, [row], [str(exc)])
+        layout = LAYOUTS_BY_CODE[header.type_code]
+        flags = " +auth tag" if tag is not None else ""
+        header_row = FrameRow(
+            0,
+            "header",
+            "header",
+            HEADER.size,
+            f"kvbridge/{header.major}.{header.minor} {layout.type_name} "
+            f"(type {header.type_code}){flags}",
+        )
+        newer = header.minor > MINOR
+        rows, errors = layout.inspect(body, allow_extra=newer)
+        notes = []
+        if newer and len(body) > len(layout.fields):
+            extra = len(body) - len(layout.fields)
+            notes.append(f"{extra} frame(s) appended by minor version {header.minor} ignored")
+        if tag is not None:
+            verified = "verified" if secret is not None else "not verified (no secret given)"
+            rows.append(FrameRow(len(frames) - 1, "auth_tag", "hmac-sha256", len(tag), verified))
+        message = None if errors else layout.decode(body, allow_extra=header.minor > MINOR)
+        return Inspection(self.name, layout.type_name, [header_row, *rows], errors, message, notes)
+
+
+NATIVE = NativeProfile()

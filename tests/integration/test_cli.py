@@ -1,0 +1,106 @@
+"""The `kvbridge` command, run as a real process."""
+
+from __future__ import annotations
+
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvbridge import samples
+from kvbridge.wire.framefile import dump_binary, load_frames
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def kvbridge(*args: str, stdin: bytes = b"") -> subprocess.CompletedProcess[str]:
+    result = subprocess.run(
+        [sys.executable, "-m", "kvbridge", *args],
+        input=stdin,
+        capture_output=True,
+        timeout=60,
+        env={"COLUMNS": "200", "PATH": "/usr/bin:/bin"},
+        cwd=ROOT,
+    )
+    return subprocess.CompletedProcess(
+        result.args, result.returncode, result.stdout.decode(), result.stderr.decode()
+    )
+
+
+@pytest.mark.parametrize("name", samples.sample_names())
+def test_inspect_every_sample(name: str) -> None:
+    result = kvbridge("inspect", "--sample", name)
+    assert result.returncode == 0, result.stderr
+    assert "valid" in result.stdout
+
+
+def test_inspect_table_shows_layout_and_values() -> None:
+    result = kvbridge("inspect", "--sample", "sglang-mooncake-registration")
+    assert result.returncode == 0
+    out = result.stdout
+    assert "sglang-mooncake · KVArgsRegisterInfo" in out
+    for text in ("staging_base_ptr", "0x3000", "staging_total_size", "4096", "dst_dcp_rank"):
+        assert text in out
+
+
+def test_inspect_hex_arguments_detects_the_message() -> None:
+    result = kvbridge("inspect", b"12".hex(), b"4".hex(), b"1".hex())
+    assert result.returncode == 0, result.stderr
+    assert "TransferStatus" in result.stdout
+    assert "Success (4)" in result.stdout
+
+
+def test_inspect_names_the_bad_frame_and_exits_1(tmp_path: Path) -> None:
+    frames, _ = load_frames(samples.sample_bytes("sglang-mooncake-registration"))
+    frames[2] = b"12a4"
+    frames[14] = struct.pack("<Q", 0x3000)[:5]
+    path = tmp_path / "bad.frames"
+    path.write_bytes(dump_binary(frames))
+    result = kvbridge("inspect", "--file", str(path))
+    assert result.returncode == 1
+    assert "frame 2 (dst_port)" in result.stdout
+    assert "b'12a4'" in result.stdout
+    assert "frame 14 (staging_base_ptr)" in result.stdout
+
+
+def test_inspect_reads_stdin_and_honours_profile_and_type() -> None:
+    frames, _ = load_frames(samples.sample_bytes("sglang-nixl-registration"))
+    result = kvbridge(
+        "inspect", "--file", "-", "--profile", "sglang-nixl", "--type", "KVArgsRegisterInfo",
+        stdin=dump_binary(frames),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "guard frame" in result.stdout
+    assert "0xffff81ab54e01000" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        (("inspect",), "give the frames one way"),
+        (("inspect", "zz"), "frame 0: not hex"),
+        (("inspect", "--sample", "nope"), "no sample 'nope'"),
+        (("inspect", "00", "--profile", "nope"), "unknown profile 'nope'"),
+        (("inspect", "--file", "/nonexistent/frames"), "No such file"),
+    ],
+)
+def test_unusable_input_exits_2_with_a_reason(args: tuple[str, ...], match: str) -> None:
+    result = kvbridge(*args)
+    assert result.returncode == 2
+    assert match in result.stderr
+
+
+def test_protocol_doc_check() -> None:
+    assert kvbridge("protocol-doc", "--check", "docs/PROTOCOL.md").returncode == 0
+    generated = kvbridge("protocol-doc")
+    assert generated.stdout == (ROOT / "docs" / "PROTOCOL.md").read_text()
+
+
+def test_protocol_doc_check_fails_on_a_stale_file(tmp_path: Path) -> None:
+    stale = tmp_path / "PROTOCOL.md"
+    stale.write_text("# old\n")
+    result = kvbridge("protocol-doc", "--check", str(stale))
+    assert result.returncode == 1
+    assert "stale" in result.stderr
