@@ -5,9 +5,8 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
 
-import typer
+import click
 from rich.console import Console
 from rich.table import Table
 
@@ -20,38 +19,23 @@ from kvbridge.wire.protocol_doc import render_protocol
 
 SECRET_ENV = "KVBRIDGE_SECRET"
 
-app = typer.Typer(
-    help="kvbridge: the KV-cache transfer plane between prefill and decode workers.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-)
 console = Console()
 error_console = Console(stderr=True)
 
 
-def _version(value: bool) -> None:
-    if value:
-        console.print(f"kvbridge {kvbridge.__version__}")
-        raise typer.Exit()
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(kvbridge.__version__, prog_name="kvbridge")
+def app() -> None:
+    """kvbridge: the KV-cache transfer plane between prefill and decode workers."""
 
 
-@app.callback()
-def main(
-    version: Annotated[
-        bool, typer.Option("--version", callback=_version, is_eager=True, help="Show version.")
-    ] = False,
-) -> None:
-    """kvbridge command line."""
-
-
-def _fail(message: str) -> typer.Exit:
+def _fail(message: str) -> click.exceptions.Exit:
     error_console.print(f"[red]error:[/red] {message}", highlight=False)
-    return typer.Exit(2)
+    return click.exceptions.Exit(2)
 
 
 def _read_frames(
-    hex_frames: list[str], file: Path | None, sample: str | None
+    hex_frames: tuple[str, ...], file: str | None, sample: str | None
 ) -> tuple[list[bytes], dict[str, object]]:
     sources = sum([bool(hex_frames), file is not None, sample is not None])
     if sources != 1:
@@ -64,7 +48,7 @@ def _read_frames(
                 known = ", ".join(samples.sample_names())
                 raise _fail(f"no sample {sample!r}; bundled samples: {known}") from None
         if file is not None:
-            data = sys.stdin.buffer.read() if str(file) == "-" else file.read_bytes()
+            data = sys.stdin.buffer.read() if file == "-" else Path(file).read_bytes()
             return load_frames(data)
         return [parse_hex_frame(text, i) for i, text in enumerate(hex_frames)], {}
     except (FrameFileError, OSError) as exc:
@@ -94,33 +78,25 @@ def _render(result: Inspection, description: str | None) -> None:
 
 
 @app.command("inspect")
+@click.argument("hex_frames", nargs=-1)
+@click.option("--file", "-f", help="A frames file (JSON hex list or binary); - = stdin.")
+@click.option("--sample", "-s", help="A bundled sample (see `kvbridge samples`).")
+@click.option("--profile", "-p", type=click.Choice(list(PROFILES)), help="Default: detect.")
+@click.option("--type", "-t", "message_type", help="Message type; default: detect.")
 def inspect_command(
-    hex_frames: Annotated[
-        Optional[list[str]],  # noqa: UP045 - typer needs Optional on Python 3.10
-        typer.Argument(help='Frames as hex strings, one argument each ("" = empty frame).'),
-    ] = None,
-    file: Annotated[
-        Optional[Path],  # noqa: UP045
-        typer.Option("--file", "-f", help="A frames file (JSON hex list or binary); - = stdin."),
-    ] = None,
-    sample: Annotated[
-        Optional[str],  # noqa: UP045
-        typer.Option("--sample", "-s", help="A bundled sample (see `kvbridge samples`)."),
-    ] = None,
-    profile: Annotated[
-        Optional[str],  # noqa: UP045
-        typer.Option("--profile", "-p", help=f"Profile: {', '.join(PROFILES)}; default: detect."),
-    ] = None,
-    message_type: Annotated[
-        Optional[str],  # noqa: UP045
-        typer.Option("--type", "-t", help="Message type; default: detect from the frames."),
-    ] = None,
+    hex_frames: tuple[str, ...],
+    file: str | None,
+    sample: str | None,
+    profile: str | None,
+    message_type: str | None,
 ) -> None:
     """Show a message frame by frame: index, field, codec, raw length, decoded value.
 
+    HEX_FRAMES are the frames as hex strings, one argument each ("" = an empty frame).
     Exits 0 when the message is valid, 1 when it is malformed, 2 on unusable input.
+    Native messages with an auth tag are verified when $KVBRIDGE_SECRET is set.
     """
-    frames, metadata = _read_frames(hex_frames or [], file, sample)
+    frames, metadata = _read_frames(hex_frames, file, sample)
     if not frames:
         raise _fail("no frames given")
     chosen_profile = profile or metadata.get("profile")
@@ -138,7 +114,7 @@ def inspect_command(
     description = metadata.get("description")
     _render(result, str(description) if description else None)
     if not result.ok:
-        raise typer.Exit(1)
+        raise click.exceptions.Exit(1)
 
 
 @app.command("samples")
@@ -150,22 +126,19 @@ def samples_command() -> None:
 
 
 @app.command("protocol-doc")
-def protocol_doc_command(
-    output: Annotated[
-        Optional[Path],  # noqa: UP045
-        typer.Option("--output", "-o", help="Write the document here (default: stdout)."),
-    ] = None,
-    check: Annotated[
-        Optional[Path],  # noqa: UP045
-        typer.Option("--check", help="Exit 1 if this file differs from the generated document."),
-    ] = None,
-) -> None:
+@click.option("--output", "-o", type=click.Path(path_type=Path), help="Write it here.")
+@click.option(
+    "--check",
+    type=click.Path(path_type=Path),
+    help="Exit 1 if this file differs from the generated document.",
+)
+def protocol_doc_command(output: Path | None, check: Path | None) -> None:
     """Generate the protocol document (docs/PROTOCOL.md) from the layouts."""
     document = render_protocol()
     if check is not None:
         if not check.exists() or check.read_text() != document:
             error_console.print(f"{check} is stale: run `make docs`", highlight=False)
-            raise typer.Exit(1)
+            raise click.exceptions.Exit(1)
         console.print(f"{check} is up to date", highlight=False)
         return
     if output is None:
