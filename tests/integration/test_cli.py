@@ -82,7 +82,7 @@ def test_inspect_reads_stdin_and_honours_profile_and_type() -> None:
         (("inspect",), "give the frames one way"),
         (("inspect", "zz"), "frame 0: not hex"),
         (("inspect", "--sample", "nope"), "no sample 'nope'"),
-        (("inspect", "00", "--profile", "nope"), "unknown profile 'nope'"),
+        (("inspect", "00", "--profile", "nope"), "Invalid value for '--profile'"),
         (("inspect", "--file", "/nonexistent/frames"), "No such file"),
     ],
 )
