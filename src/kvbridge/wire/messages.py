@@ -58,6 +58,17 @@ def check_staging(staging_base_ptr: int, staging_total_size: int) -> None:
         )
 
 
+class StagingRing:
+    """Mixin for registrations that carry a decode staging ring."""
+
+    staging_base_ptr: int
+    staging_total_size: int
+
+    @property
+    def staging_registered(self) -> bool:
+        return staging_registered(self.staging_base_ptr, self.staging_total_size)
+
+
 def check_dcp(dcp_size: int, dcp_rank: int, size_field: str, rank_field: str) -> None:
     if dcp_size < 1:
         raise FieldValueError(size_field, f"must be at least 1, got {dcp_size}")

@@ -37,12 +37,12 @@ from kvbridge.wire.messages import (
     MemoryKind,
     StagingRequest,
     StagingResponse,
+    StagingRing,
     TransferStatus,
     Watermark,
     check_dcp,
     check_port,
     check_staging,
-    staging_registered,
 )
 from kvbridge.wire.profile import Inspection, Profile, require_frames
 
@@ -80,7 +80,7 @@ class Header:
 
 
 @dataclass(eq=False)
-class Registration(Message):
+class Registration(Message, StagingRing):
     """Decode → prefill, once per peer: everything a prefill rank needs to plan transfers."""
 
     peer_id: str
@@ -111,10 +111,6 @@ class Registration(Message):
     memory_kind: MemoryKind = MemoryKind.DRAM
     device_id: int = 0
     capabilities: frozenset[str] = frozenset()
-
-    @property
-    def staging_registered(self) -> bool:
-        return staging_registered(self.staging_base_ptr, self.staging_total_size)
 
     def check(self) -> None:
         check_port(self.control_port, "control_port")

@@ -24,22 +24,22 @@ from kvbridge.wire.messages import (
     KVPoll,
     StagingRequest,
     StagingResponse,
+    StagingRing,
     TransferStatus,
     Watermark,
     check_dcp,
     check_port,
     check_staging,
-    staging_registered,
 )
 from kvbridge.wire.profile import Profile, require_frames
-from kvbridge.wire.sglang import ZmqMessage
+from kvbridge.wire.sglang import STAGING_FIELDS, ZmqMessage
 
 PROFILE = "sglang-mooncake"
 REGISTRATION_ROOM = "None"
 
 
 @dataclass(eq=False)
-class KVArgsRegisterInfo(ZmqMessage):
+class KVArgsRegisterInfo(ZmqMessage, StagingRing):
     """Decode → prefill, once per peer: where the decode rank's buffers are."""
 
     room: str
@@ -60,10 +60,6 @@ class KVArgsRegisterInfo(ZmqMessage):
     staging_total_size: int = 0
     dst_dcp_size: int = 1
     dst_dcp_rank: int = 0
-
-    @property
-    def staging_registered(self) -> bool:
-        return staging_registered(self.staging_base_ptr, self.staging_total_size)
 
     def check(self) -> None:
         check_port(self.dst_port, "dst_port")
@@ -95,20 +91,7 @@ KVArgsRegisterInfo.LAYOUT = REGISTER_INFO = Layout(
             default_factory=list,
         ),
         Field("dst_state_layer_ids", c.U32_LISTS, default_factory=list),
-        Field(
-            "staging_base_ptr",
-            c.POINTER,
-            "decode staging ring address; empty placeholder when there is no ring",
-            default=0,
-            send_default_empty=True,
-        ),
-        Field(
-            "staging_total_size",
-            c.ASCII_UINT,
-            "decode staging ring bytes; empty placeholder when there is no ring",
-            default=0,
-            send_default_empty=True,
-        ),
+        *STAGING_FIELDS,
         Field("dst_dcp_size", c.ASCII_UINT, "decode context-parallel size", default=1),
         Field("dst_dcp_rank", c.ASCII_UINT, "decode context-parallel rank", default=0),
     ),

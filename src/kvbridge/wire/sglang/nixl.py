@@ -18,9 +18,9 @@ import numpy.typing as npt
 from kvbridge.wire import codecs as c
 from kvbridge.wire.errors import WireError, describe_bytes
 from kvbridge.wire.layout import Field, FieldValueError, Layout, Message
-from kvbridge.wire.messages import check_port, check_staging, staging_registered
+from kvbridge.wire.messages import StagingRing, check_port, check_staging
 from kvbridge.wire.profile import Inspection, Profile, require_frames
-from kvbridge.wire.sglang import ZmqMessage
+from kvbridge.wire.sglang import STAGING_FIELDS, ZmqMessage
 
 PROFILE = "sglang-nixl"
 GUARD = b"NixlMsgGuard"
@@ -45,7 +45,7 @@ def strip_guard(frames: Sequence[bytes]) -> list[bytes]:
 
 
 @dataclass(eq=False)
-class KVArgsRegisterInfo(ZmqMessage):
+class KVArgsRegisterInfo(ZmqMessage, StagingRing):
     """Decode → prefill, once per peer: the decode agent and where its buffers are."""
 
     room: str
@@ -64,10 +64,6 @@ class KVArgsRegisterInfo(ZmqMessage):
     dst_state_dim_per_tensor: list[list[int]] = field(default_factory=list)
     staging_base_ptr: int = 0
     staging_total_size: int = 0
-
-    @property
-    def staging_registered(self) -> bool:
-        return staging_registered(self.staging_base_ptr, self.staging_total_size)
 
     def check(self) -> None:
         check_port(self.dst_port, "dst_port")
@@ -93,20 +89,7 @@ KVArgsRegisterInfo.LAYOUT = REGISTER_INFO = Layout(
         Field("dst_kv_item_len", c.ASCII_UINT),
         Field("dst_state_item_lens", c.U32_LISTS, default_factory=list),
         Field("dst_state_dim_per_tensor", c.U32_LISTS, default_factory=list),
-        Field(
-            "staging_base_ptr",
-            c.POINTER,
-            "decode staging ring address; empty placeholder when there is no ring",
-            default=0,
-            send_default_empty=True,
-        ),
-        Field(
-            "staging_total_size",
-            c.ASCII_UINT,
-            "decode staging ring bytes; empty placeholder when there is no ring",
-            default=0,
-            send_default_empty=True,
-        ),
+        *STAGING_FIELDS,
     ),
     doc="Registration (decode → prefill, once per peer), after the guard frame.",
 )
