@@ -178,19 +178,19 @@ class Layout(Generic[M]):
                 message_type=self.type_name,
             )
         carried = {item.name for item in self.fields}
-        for item in dataclasses.fields(message):  # type: ignore[arg-type]
-            if item.name in carried:
+        for attribute in dataclasses.fields(message):  # type: ignore[arg-type]
+            if attribute.name in carried:
                 continue
             default = (
-                item.default_factory()  # type: ignore[misc]
-                if item.default_factory is not dataclasses.MISSING
-                else item.default
+                attribute.default_factory()
+                if attribute.default_factory is not dataclasses.MISSING
+                else attribute.default
             )
-            if getattr(message, item.name) != default:
+            if getattr(message, attribute.name) != default:
                 raise self._error(
-                    f"this profile has no frame for {item.name}; it must stay {default!r}",
+                    f"this profile has no frame for {attribute.name}; it must stay {default!r}",
                     None,
-                    item.name,
+                    attribute.name,
                 )
         frames = []
         omitted = 0  # trailing frames left out because they carry their default

@@ -420,7 +420,8 @@ class NativeProfile(Profile):
                 frame_index=0,
                 field="header.type",
             )
-        return layout.decode(body, allow_extra=header.minor > MINOR)
+        message: Message = layout.decode(body, allow_extra=header.minor > MINOR)
+        return message
 
     def inspect(
         self,
@@ -436,6 +437,10 @@ class NativeProfile(Profile):
             row = FrameRow(0, "header", "header", len(raw), describe_bytes(raw), str(exc))
             return Inspection(self.name, None, [row], [str(exc)])
         layout = LAYOUTS_BY_CODE[header.type_code]
+        if type_name and type_name != layout.type_name:
+            error = f"expected a {type_name}, the header says {layout.type_name}"
+            row = FrameRow(0, "header", "header", HEADER.size, layout.type_name, error)
+            return Inspection(self.name, layout.type_name, [row], [error])
         flags = " +auth tag" if tag is not None else ""
         header_row = FrameRow(
             0,

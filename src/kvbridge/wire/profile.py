@@ -56,7 +56,8 @@ class Profile(ABC):
 
     def decode(self, frames: Sequence[bytes], type_name: str | None = None) -> Message:
         layout = self.layout_named(type_name) if type_name else self.classify(frames)
-        return layout.decode(frames)
+        message: Message = layout.decode(frames)
+        return message
 
     def inspect(self, frames: Sequence[bytes], type_name: str | None = None) -> Inspection:
         try:

@@ -176,7 +176,7 @@ def _tag(tag: bytes) -> Field:
     return Field("tag", c.Constant(tag), f"always {tag.decode()}")
 
 
-CONTROL_TAGS = {
+CONTROL_TAGS: dict[bytes, Layout[Any]] = {
     b"ABORT": Layout(
         PROFILE,
         "ABORT",
