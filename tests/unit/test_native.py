@@ -7,9 +7,12 @@ import pytest
 
 from kvbridge.wire import (
     NATIVE,
+    Abort,
+    Field,
     Heartbeat,
     KVLayout,
     KVPoll,
+    Layout,
     Registration,
     TransferRequest,
     TransferStatus,
@@ -17,6 +20,7 @@ from kvbridge.wire import (
     decode_frames,
     encode_frames,
 )
+from kvbridge.wire import codecs as c
 from kvbridge.wire.native import HEADER, MAGIC, MAJOR, MINOR, Header
 
 
@@ -160,3 +164,10 @@ def test_secret_refused_for_profiles_without_a_tag_frame() -> None:
 def test_failure_reason_survives_the_trip() -> None:
     status = TransferStatus(room=5, status=KVPoll.Failed, prefill_rank=2, reason="décodé: timeout")
     assert NATIVE.decode(NATIVE.encode(status)) == status
+
+
+def test_a_layout_must_carry_every_required_field() -> None:
+    with pytest.raises(TypeError, match="required decode_port has no frame"):
+        Layout("test", "Abort", Abort, (Field("room", c.U64), Field("decode_ip", c.UTF8)))
+    with pytest.raises(TypeError, match="nope is not a field"):
+        Layout("test", "Abort", Abort, (Field("nope", c.U64),))

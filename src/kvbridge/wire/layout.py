@@ -129,10 +129,19 @@ class Layout(Generic[M]):
     first_frame: int = 0
 
     def __post_init__(self) -> None:
-        attributes = {f.name for f in dataclasses.fields(self.message_type)}  # type: ignore[arg-type]
-        for item in self.fields:
-            if not item.is_constant and item.name not in attributes:
-                raise TypeError(f"{self.type_name}: {item.name} is not a field of the message")
+        attributes = dataclasses.fields(self.message_type)  # type: ignore[arg-type]
+        names = {attribute.name for attribute in attributes}
+        carried = {item.name for item in self.fields if not item.is_constant}
+        for name in carried - names:
+            raise TypeError(f"{self.type_name}: {name} is not a field of the message")
+        for attribute in attributes:
+            # Decoding must be able to build the message from the frames alone.
+            no_default = (
+                attribute.default is dataclasses.MISSING
+                and attribute.default_factory is dataclasses.MISSING
+            )
+            if no_default and attribute.name not in carried:
+                raise TypeError(f"{self.type_name}: required {attribute.name} has no frame")
 
     @property
     def min_frames(self) -> int:
