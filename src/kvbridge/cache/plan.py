@@ -1,0 +1,186 @@
+"""Transfer planning: which bytes go where, as three flat numpy arrays.
+
+A plan is (src_addr, dst_addr, length) arrays, one entry per contiguous block, built with
+vectorized numpy: a request costs array arithmetic proportional to its page runs, never a
+Python loop over pages or descriptors. Runs of pages that are contiguous on both sides are
+merged into one block per buffer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from kvbridge.cache.spec import BufferSpec, KVArgs
+from kvbridge.wire.messages import KVLayout
+
+U64 = np.uint64
+Addresses = npt.NDArray[np.uint64]
+
+
+class PlanError(ValueError):
+    """The two sides' geometry or the page indices make the requested transfer impossible."""
+
+
+@dataclass(frozen=True, eq=False)
+class TransferPlan:
+    """Blocks to write: ``length[i]`` bytes from local ``src[i]`` to remote ``dst[i]``."""
+
+    src: Addresses
+    dst: Addresses
+    length: Addresses
+
+    def __post_init__(self) -> None:
+        if not self.src.shape == self.dst.shape == self.length.shape or self.src.ndim != 1:
+            raise PlanError("a plan's src, dst and length arrays must be 1-D and equally long")
+
+    def __len__(self) -> int:
+        return int(self.src.shape[0])
+
+    @property
+    def total_bytes(self) -> int:
+        return int(self.length.sum(dtype=U64))
+
+    @staticmethod
+    def empty() -> TransferPlan:
+        return TransferPlan(np.empty(0, U64), np.empty(0, U64), np.empty(0, U64))
+
+    @staticmethod
+    def concat(*plans: TransferPlan) -> TransferPlan:
+        if not plans:
+            return TransferPlan.empty()
+        return TransferPlan(
+            np.concatenate([plan.src for plan in plans]),
+            np.concatenate([plan.dst for plan in plans]),
+            np.concatenate([plan.length for plan in plans]),
+        )
+
+    def split(self, max_blocks: int) -> list[TransferPlan]:
+        """Batches of at most `max_blocks` blocks (engines limit blocks in flight)."""
+        return [
+            TransferPlan(
+                self.src[start : start + max_blocks],
+                self.dst[start : start + max_blocks],
+                self.length[start : start + max_blocks],
+            )
+            for start in range(0, len(self), max_blocks)
+        ]
+
+
+def as_pages(pages: npt.ArrayLike, num_pages: int, side: str) -> npt.NDArray[np.int64]:
+    """Page indices as int64, refused unless 1-D and inside ``[0, num_pages)``."""
+    array = np.asarray(pages)
+    if array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
+        raise PlanError(f"{side} page indices must be a 1-D integer array, got {array.dtype}")
+    array = array.astype(np.int64, copy=False)
+    if array.size and (array.min() < 0 or array.max() >= num_pages):
+        raise PlanError(
+            f"{side} page indices must lie in [0, {num_pages}), got [{array.min()}, {array.max()}]"
+        )
+    return array
+
+
+def page_runs(
+    src_pages: npt.NDArray[np.int64], dst_pages: npt.NDArray[np.int64]
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    """Maximal runs where both sides' pages advance by one: (src starts, dst starts, lengths)."""
+    if src_pages.size == 0:
+        empty = np.empty(0, np.int64)
+        return empty, empty, empty
+    breaks = (np.diff(src_pages) != 1) | (np.diff(dst_pages) != 1)
+    starts = np.concatenate(([0], np.flatnonzero(breaks) + 1))
+    lengths = np.diff(np.concatenate((starts, [src_pages.size])))
+    return src_pages[starts], dst_pages[starts], lengths
+
+
+def _buffer_pairs(src: KVArgs, dst: KVArgs) -> tuple[Addresses, Addresses]:
+    """Base addresses of the KV buffers to pair, src and dst, matched by layer id."""
+    dst_position = {layer: position for position, layer in enumerate(dst.layer_ids)}
+    missing = [layer for layer in src.layer_ids if layer not in dst_position]
+    if missing:
+        raise PlanError(f"the destination has no KV buffers for layers {missing}")
+    src_layers = len(src.layer_ids)
+    dst_layers = len(dst.layer_ids)
+    src_index = np.arange(src.buffers_per_layer * src_layers)
+    dst_layer_index = np.array([dst_position[layer] for layer in src.layer_ids], dtype=np.int64)
+    # MHA: K of every layer, then V of every layer (the same order on both sides).
+    dst_index = np.concatenate(
+        [dst_layer_index + part * dst_layers for part in range(src.buffers_per_layer)]
+    )
+    src_ptrs = np.array([src.kv_buffers[i].ptr for i in src_index], dtype=U64)
+    dst_ptrs = np.array([dst.kv_buffers[int(i)].ptr for i in dst_index], dtype=U64)
+    return src_ptrs, dst_ptrs
+
+
+def check_compatible(src: KVArgs, dst: KVArgs) -> None:
+    """Refuse geometry pairs this planner cannot serve, with the reason."""
+    if src.kv_layout != dst.kv_layout:
+        raise PlanError(f"KV layouts differ: {src.kv_layout.name} → {dst.kv_layout.name}")
+    for name in ("dtype", "head_dim", "page_size", "total_kv_heads"):
+        if getattr(src, name) != getattr(dst, name):
+            raise PlanError(
+                f"{name} differs: {getattr(src, name)!r} → {getattr(dst, name)!r}; both sides "
+                "must run the same model and page size"
+            )
+    if src.kv_layout == KVLayout.MHA and src.kv_heads != dst.kv_heads:
+        raise PlanError(
+            f"KV heads per rank differ ({src.kv_heads} → {dst.kv_heads}: attention TP "
+            f"{src.attn_tp_size} → {dst.attn_tp_size}); head-sliced transfers are not planned "
+            "by plan_kv"
+        )
+
+
+def plan_kv(
+    src: KVArgs, dst: KVArgs, src_pages: npt.ArrayLike, dst_pages: npt.ArrayLike
+) -> TransferPlan:
+    """Blocks that copy ``src_pages`` of every local KV buffer to ``dst_pages`` of the peer's
+    buffer of the same layer (same page geometry on both sides)."""
+    check_compatible(src, dst)
+    src_array = as_pages(src_pages, src.num_pages, "source")
+    dst_array = as_pages(dst_pages, dst.num_pages, "destination")
+    if src_array.size != dst_array.size:
+        raise PlanError(
+            f"{src_array.size} source pages but {dst_array.size} destination pages: one each"
+        )
+    src_starts, dst_starts, run_pages = page_runs(src_array, dst_array)
+    src_ptrs, dst_ptrs = _buffer_pairs(src, dst)
+    page_bytes = U64(src.page_bytes)
+    # (buffers, runs) grids flattened buffer-major: each buffer's runs stay in page order.
+    src_addr = src_ptrs[:, None] + src_starts.astype(U64)[None, :] * page_bytes
+    dst_addr = dst_ptrs[:, None] + dst_starts.astype(U64)[None, :] * page_bytes
+    length = np.broadcast_to(run_pages.astype(U64) * page_bytes, src_addr.shape)
+    return TransferPlan(src_addr.ravel(), dst_addr.ravel(), length.ravel().copy())
+
+
+def plan_slots(
+    src_buffers: tuple[BufferSpec, ...],
+    dst_buffers: tuple[BufferSpec, ...],
+    src_slot: int,
+    dst_slot: int,
+    kind: str,
+) -> TransferPlan:
+    """Copy one slot of every buffer (aux metadata, per-request state) to the peer's slot."""
+    if len(src_buffers) != len(dst_buffers):
+        raise PlanError(
+            f"{len(src_buffers)} local {kind} buffers but the peer registered {len(dst_buffers)}"
+        )
+    if not src_buffers:
+        return TransferPlan.empty()
+    for index, (local, remote) in enumerate(zip(src_buffers, dst_buffers, strict=True)):
+        if local.item_len != remote.item_len:
+            raise PlanError(
+                f"{kind} buffer {index}: slot sizes differ ({local.item_len} B → "
+                f"{remote.item_len} B)"
+            )
+        if not 0 <= src_slot < local.num_items:
+            raise PlanError(f"{kind} buffer {index}: source slot {src_slot} out of range")
+        if not 0 <= dst_slot < remote.num_items:
+            raise PlanError(f"{kind} buffer {index}: destination slot {dst_slot} out of range")
+    item_lens = np.array([buffer.item_len for buffer in src_buffers], dtype=U64)
+    src_addr = np.array([buffer.ptr for buffer in src_buffers], dtype=U64)
+    dst_addr = np.array([buffer.ptr for buffer in dst_buffers], dtype=U64)
+    return TransferPlan(
+        src_addr + U64(src_slot) * item_lens, dst_addr + U64(dst_slot) * item_lens, item_lens
+    )

@@ -1,0 +1,277 @@
+"""KV-cache geometry of one rank: which buffers hold what, and how big a page is.
+
+Pure: pointers are plain integers. `KVArgs.from_numpy` and `KVArgs.from_torch` build one from
+arrays the way a serving engine integrates; nothing here touches memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvbridge.wire.messages import KVLayout, MemoryKind
+
+# Bytes per element of the dtypes KV caches use, by the names torch and numpy give them.
+DTYPE_SIZES = {
+    "float32": 4,
+    "bfloat16": 2,
+    "float16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int8": 1,
+    "uint8": 1,
+}
+
+
+class GeometryError(ValueError):
+    """A KV-cache description that cannot be right: the message says which part and why."""
+
+
+@dataclass(frozen=True)
+class BufferSpec:
+    """One registered buffer: its address, its size, and the bytes of one item in it (a page
+    of one layer's K or V, an aux slot, a state slot)."""
+
+    ptr: int
+    length: int
+    item_len: int
+
+    @property
+    def num_items(self) -> int:
+        return self.length // self.item_len
+
+    @property
+    def end(self) -> int:
+        return self.ptr + self.length
+
+
+def kv_heads_on_rank(total_kv_heads: int, attn_tp_size: int) -> int:
+    """KV heads one attention-TP rank holds; heads replicate when TP exceeds them."""
+    return max(1, total_kv_heads // attn_tp_size)
+
+
+def _rank_heads(kv_layout: KVLayout, total_kv_heads: int, attn_tp_size: int) -> int:
+    # MLA's latent is identical on every rank: no head split.
+    if kv_layout == KVLayout.MLA:
+        return total_kv_heads
+    return kv_heads_on_rank(total_kv_heads, attn_tp_size)
+
+
+def _check_array_heads(
+    heads: int, kv_layout: KVLayout, total_kv_heads: int, attn_tp_size: int
+) -> None:
+    expected = _rank_heads(kv_layout, total_kv_heads, attn_tp_size)
+    if heads != expected:
+        raise GeometryError(
+            f"KV arrays hold {heads} heads, but {total_kv_heads} heads over attention TP "
+            f"{attn_tp_size} gives {expected} per rank"
+        )
+
+
+@dataclass(frozen=True)
+class KVArgs:
+    """One rank's KV cache, aux (metadata) and state buffers, and their geometry.
+
+    ``kv_buffers`` follows SGLang's order: MHA has the K buffer of every layer (in
+    ``layer_ids`` order), then the V buffer of every layer; MLA one latent buffer per layer.
+    A KV buffer is ``[page][token][head][dim]``; its ``item_len`` is one page.
+    """
+
+    kv_layout: KVLayout
+    layer_ids: tuple[int, ...]
+    total_kv_heads: int
+    head_dim: int
+    dtype: str
+    page_size: int
+    kv_buffers: tuple[BufferSpec, ...]
+    attn_tp_rank: int = 0
+    attn_tp_size: int = 1
+    aux_buffers: tuple[BufferSpec, ...] = ()
+    state_buffers: tuple[BufferSpec, ...] = ()
+    memory_kind: MemoryKind = MemoryKind.DRAM
+    device_id: int = 0
+    extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def kv_heads(self) -> int:
+        """KV heads held by this rank."""
+        return _rank_heads(self.kv_layout, self.total_kv_heads, self.attn_tp_size)
+
+    @property
+    def dtype_size(self) -> int:
+        return DTYPE_SIZES[self.dtype]
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes of one token in one KV buffer."""
+        return self.kv_heads * self.head_dim * self.dtype_size
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page in one KV buffer: every KV buffer's item_len."""
+        return self.page_size * self.token_bytes
+
+    @property
+    def buffers_per_layer(self) -> int:
+        return 2 if self.kv_layout == KVLayout.MHA else 1
+
+    @property
+    def num_pages(self) -> int:
+        """Pages every KV buffer can hold."""
+        return min(buffer.num_items for buffer in self.kv_buffers)
+
+    def validate(self) -> None:
+        if self.dtype not in DTYPE_SIZES:
+            raise GeometryError(f"dtype {self.dtype!r} is not one of {', '.join(DTYPE_SIZES)}")
+        for name in ("total_kv_heads", "head_dim", "page_size", "attn_tp_size"):
+            if getattr(self, name) < 1:
+                raise GeometryError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if not 0 <= self.attn_tp_rank < self.attn_tp_size:
+            raise GeometryError(
+                f"attn_tp_rank {self.attn_tp_rank} is outside attn_tp_size {self.attn_tp_size}"
+            )
+        if self.kv_layout == KVLayout.MLA and self.total_kv_heads != 1:
+            raise GeometryError(f"MLA has one latent head, got {self.total_kv_heads} heads")
+        if len(set(self.layer_ids)) != len(self.layer_ids):
+            raise GeometryError(f"layer_ids repeat: {list(self.layer_ids)}")
+        expected = self.buffers_per_layer * len(self.layer_ids)
+        if len(self.kv_buffers) != expected:
+            raise GeometryError(
+                f"{self.kv_layout.name} with {len(self.layer_ids)} layers needs {expected} KV "
+                f"buffers ({self.buffers_per_layer} per layer), got {len(self.kv_buffers)}"
+            )
+        for index, buffer in enumerate(self.kv_buffers):
+            if buffer.item_len != self.page_bytes:
+                raise GeometryError(
+                    f"KV buffer {index}: item_len {buffer.item_len} is not one page "
+                    f"({self.page_size} tokens × {self.kv_heads} heads × {self.head_dim} × "
+                    f"{self.dtype_size} B = {self.page_bytes})"
+                )
+        for kind, buffers in (
+            ("KV", self.kv_buffers),
+            ("aux", self.aux_buffers),
+            ("state", self.state_buffers),
+        ):
+            for index, buffer in enumerate(buffers):
+                if buffer.ptr <= 0 or buffer.item_len <= 0 or buffer.length < buffer.item_len:
+                    raise GeometryError(
+                        f"{kind} buffer {index}: needs a non-zero address and room for at least "
+                        f"one item of {buffer.item_len} B, got ptr {buffer.ptr:#x}, length "
+                        f"{buffer.length}"
+                    )
+
+    @staticmethod
+    def from_numpy(
+        kv: Sequence[np.ndarray],
+        *,
+        kv_layout: KVLayout,
+        layer_ids: Sequence[int] | None = None,
+        total_kv_heads: int,
+        attn_tp_rank: int = 0,
+        attn_tp_size: int = 1,
+        aux: Sequence[np.ndarray] = (),
+        state: Sequence[np.ndarray] = (),
+    ) -> KVArgs:
+        """From contiguous arrays shaped ``[pages, page_size, heads, head_dim]`` (KV) and
+        ``[slots, ...]`` (aux, state), in `KVArgs`' buffer order."""
+        if not kv:
+            raise GeometryError("no KV arrays given")
+        first = kv[0]
+        if first.ndim != 4:
+            raise GeometryError(
+                f"KV arrays are [pages, page_size, heads, head_dim], got shape {first.shape}"
+            )
+        per_layer = 2 if kv_layout == KVLayout.MHA else 1
+        layers = tuple(layer_ids) if layer_ids is not None else tuple(range(len(kv) // per_layer))
+        _, page_size, heads, head_dim = first.shape
+        _check_array_heads(int(heads), kv_layout, total_kv_heads, attn_tp_size)
+        return KVArgs(
+            kv_layout=kv_layout,
+            layer_ids=layers,
+            total_kv_heads=total_kv_heads,
+            head_dim=head_dim,
+            dtype=_numpy_dtype_name(first),
+            page_size=page_size,
+            kv_buffers=tuple(_numpy_buffer(array, "KV") for array in kv),
+            attn_tp_rank=attn_tp_rank,
+            attn_tp_size=attn_tp_size,
+            aux_buffers=tuple(_numpy_buffer(array, "aux") for array in aux),
+            state_buffers=tuple(_numpy_buffer(array, "state") for array in state),
+        )
+
+    @staticmethod
+    def from_torch(
+        kv: Sequence[Any],
+        *,
+        kv_layout: KVLayout,
+        layer_ids: Sequence[int] | None = None,
+        total_kv_heads: int,
+        attn_tp_rank: int = 0,
+        attn_tp_size: int = 1,
+        aux: Sequence[Any] = (),
+        state: Sequence[Any] = (),
+    ) -> KVArgs:
+        """From torch tensors (CPU or CUDA), shaped as for `from_numpy`."""
+        if not kv:
+            raise GeometryError("no KV tensors given")
+        first = kv[0]
+        if first.dim() != 4:
+            raise GeometryError(
+                "KV tensors are [pages, page_size, heads, head_dim], got shape "
+                f"{tuple(first.shape)}"
+            )
+        per_layer = 2 if kv_layout == KVLayout.MHA else 1
+        layers = tuple(layer_ids) if layer_ids is not None else tuple(range(len(kv) // per_layer))
+        _, page_size, heads, head_dim = first.shape
+        _check_array_heads(int(heads), kv_layout, total_kv_heads, attn_tp_size)
+        on_gpu = first.device.type == "cuda"
+        return KVArgs(
+            kv_layout=kv_layout,
+            layer_ids=layers,
+            total_kv_heads=total_kv_heads,
+            head_dim=int(head_dim),
+            dtype=str(first.dtype).removeprefix("torch."),
+            page_size=int(page_size),
+            kv_buffers=tuple(_torch_buffer(tensor, "KV") for tensor in kv),
+            attn_tp_rank=attn_tp_rank,
+            attn_tp_size=attn_tp_size,
+            aux_buffers=tuple(_torch_buffer(tensor, "aux") for tensor in aux),
+            state_buffers=tuple(_torch_buffer(tensor, "state") for tensor in state),
+            memory_kind=MemoryKind.VRAM if on_gpu else MemoryKind.DRAM,
+            device_id=int(first.device.index or 0) if on_gpu else 0,
+        )
+
+
+def _numpy_dtype_name(array: np.ndarray) -> str:
+    # numpy has no bfloat16: callers keep bf16 caches as uint16/int16 (same bytes).
+    if array.dtype in (np.uint16, np.int16):
+        return "bfloat16"
+    name = str(array.dtype)
+    if name not in DTYPE_SIZES:
+        raise GeometryError(f"unsupported KV dtype {name}")
+    return name
+
+
+def _numpy_buffer(array: np.ndarray, kind: str) -> BufferSpec:
+    if not array.flags.c_contiguous:
+        raise GeometryError(f"{kind} array of shape {array.shape} is not C-contiguous")
+    if array.shape[0] == 0:
+        raise GeometryError(f"{kind} array of shape {array.shape} has no items")
+    return BufferSpec(
+        ptr=int(array.ctypes.data), length=array.nbytes, item_len=array.nbytes // array.shape[0]
+    )
+
+
+def _torch_buffer(tensor: Any, kind: str) -> BufferSpec:
+    if not tensor.is_contiguous():
+        raise GeometryError(f"{kind} tensor of shape {tuple(tensor.shape)} is not contiguous")
+    if tensor.shape[0] == 0:
+        raise GeometryError(f"{kind} tensor of shape {tuple(tensor.shape)} has no items")
+    length = tensor.numel() * tensor.element_size()
+    return BufferSpec(ptr=int(tensor.data_ptr()), length=length, item_len=length // tensor.shape[0])

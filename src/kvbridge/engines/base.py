@@ -1,0 +1,150 @@
+"""The transfer-engine interface kvbridge drives, and what every engine shares.
+
+An engine registers memory, describes its endpoint for the peer (agent metadata, session
+id), connects to a peer's endpoint, and writes a `TransferPlan` to a peer asynchronously,
+returning a handle that is polled or waited on with a deadline. Every failure is an
+`EngineError` carrying the engine's own message.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+from kvbridge.cache.plan import TransferPlan
+from kvbridge.engines.regions import MemoryRegion, RegionMap
+
+
+class EngineError(RuntimeError):
+    """A transfer engine refused or failed an operation; the message is the engine's own."""
+
+    def __init__(self, engine: str, operation: str, detail: str) -> None:
+        super().__init__(f"{engine}: {operation} failed: {detail}")
+        self.engine = engine
+        self.operation = operation
+        self.detail = detail
+
+
+class EngineTimeout(EngineError):
+    """A write did not complete before its deadline."""
+
+
+class TransferState(enum.Enum):
+    PENDING = "pending"
+    DONE = "done"
+    FAILED = "failed"
+
+
+class TransferHandle(ABC):
+    """One asynchronous write; poll it, or wait for it with a deadline."""
+
+    engine: str
+    error: str | None = None
+
+    @abstractmethod
+    def poll(self) -> TransferState:
+        """Advance and report the write's state without blocking."""
+
+    def release(self) -> None:  # noqa: B027 - engines without per-write resources
+        """Give the engine's resources for this write back (idempotent)."""
+
+    def wait(self, timeout_s: float, poll_interval_s: float = 0.0) -> None:
+        """Block until the write is done; `EngineError` if it failed, `EngineTimeout` if the
+        deadline passed first."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            state = self.poll()
+            if state is TransferState.DONE:
+                return
+            if state is TransferState.FAILED:
+                raise EngineError(self.engine, "write", self.error or "unknown engine error")
+            if time.monotonic() >= deadline:
+                raise EngineTimeout(self.engine, "write", f"not complete after {timeout_s:g} s")
+            if poll_interval_s:
+                time.sleep(poll_interval_s)
+
+
+class TransferEngine(ABC):
+    """One endpoint of a transfer engine in this process."""
+
+    name: str
+
+    def __init__(self) -> None:
+        self.local_memory = RegionMap()
+        self.peer_memory: dict[str, RegionMap] = {}
+
+    @property
+    @abstractmethod
+    def transport(self) -> str:
+        """The transport actually in use (e.g. 'ucx:cma', 'tcp'), not the one asked for."""
+
+    @abstractmethod
+    def endpoint(self) -> bytes:
+        """What a peer needs to connect to this endpoint."""
+
+    def register(self, regions: Sequence[MemoryRegion]) -> None:
+        self._register(regions)
+        self.local_memory.add(regions)
+
+    def deregister(self, regions: Sequence[MemoryRegion]) -> None:
+        self._deregister(regions)
+        self.local_memory.remove(regions)
+
+    def connect(self, peer_endpoint: bytes, peer_memory: Sequence[MemoryRegion]) -> str:
+        """Connect to a peer; returns the peer's id for `write`. `peer_memory` is what the
+        peer registered (from its registration message): writes outside it are refused."""
+        peer = self._connect(peer_endpoint)
+        self.peer_memory[peer] = RegionMap(peer_memory)
+        return peer
+
+    def disconnect(self, peer: str) -> None:
+        self.peer_memory.pop(peer, None)
+        self._disconnect(peer)
+
+    def write(self, peer: str, plan: TransferPlan, notify: bytes = b"") -> TransferHandle:
+        """Start writing the plan's blocks to the peer. Every block must lie inside registered
+        memory on both sides: anything else is refused before the engine sees it."""
+        if peer not in self.peer_memory:
+            raise EngineError(self.name, "write", f"not connected to peer {peer!r}")
+        self.check_bounds(peer, plan)
+        return self._write(peer, plan, notify)
+
+    def check_bounds(self, peer: str, plan: TransferPlan) -> None:
+        for side, regions, addresses in (
+            ("local source", self.local_memory, plan.src),
+            ("peer destination", self.peer_memory[peer], plan.dst),
+        ):
+            outside = regions.outside(addresses, plan.length)
+            if outside.size:
+                first = int(outside[0])
+                raise EngineError(
+                    self.name,
+                    "write",
+                    f"{outside.size} block(s) outside {side} registered memory, first "
+                    f"{int(addresses[first]):#x}+{int(plan.length[first])}",
+                )
+
+    def notifications(self) -> list[tuple[str, bytes]]:
+        """Notifications delivered by peers' writes since the last call (engines that have
+        them); drives the engine's progress where it needs the target to poll."""
+        return []
+
+    @abstractmethod
+    def _register(self, regions: Sequence[MemoryRegion]) -> None: ...
+
+    @abstractmethod
+    def _deregister(self, regions: Sequence[MemoryRegion]) -> None: ...
+
+    @abstractmethod
+    def _connect(self, peer_endpoint: bytes) -> str: ...
+
+    def _disconnect(self, peer: str) -> None:  # noqa: B027 - optional for engines
+        pass
+
+    @abstractmethod
+    def _write(self, peer: str, plan: TransferPlan, notify: bytes) -> TransferHandle: ...
+
+    def close(self) -> None:  # noqa: B027 - optional for engines
+        """Release the engine's resources (idempotent)."""

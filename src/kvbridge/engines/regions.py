@@ -1,0 +1,74 @@
+"""Registered memory and the bounds rule: every block of a write lies inside memory that its
+side registered, checked for a whole plan at once before an engine is called."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from kvbridge.wire.messages import MemoryKind
+
+
+@dataclass(frozen=True)
+class MemoryRegion:
+    ptr: int
+    length: int
+    memory_kind: MemoryKind = MemoryKind.DRAM
+    device_id: int = 0
+
+    @property
+    def end(self) -> int:
+        return self.ptr + self.length
+
+
+class RegionMap:
+    """Sorted, merged registered ranges for vectorized containment checks."""
+
+    def __init__(self, regions: Iterable[MemoryRegion] = ()) -> None:
+        self._regions: list[MemoryRegion] = []
+        self._starts = np.empty(0, np.uint64)
+        self._ends = np.empty(0, np.uint64)
+        self.add(regions)
+
+    @property
+    def regions(self) -> tuple[MemoryRegion, ...]:
+        return tuple(self._regions)
+
+    def add(self, regions: Iterable[MemoryRegion]) -> None:
+        self._regions.extend(regions)
+        self._rebuild()
+
+    def remove(self, regions: Iterable[MemoryRegion]) -> None:
+        gone = set(regions)
+        self._regions = [region for region in self._regions if region not in gone]
+        self._rebuild()
+
+    def _rebuild(self) -> None:
+        spans = sorted((region.ptr, region.end) for region in self._regions)
+        merged: list[list[int]] = []
+        for start, end in spans:
+            if merged and start <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], end)
+            else:
+                merged.append([start, end])
+        self._starts = np.array([span[0] for span in merged], dtype=np.uint64)
+        self._ends = np.array([span[1] for span in merged], dtype=np.uint64)
+
+    def outside(
+        self, addresses: npt.NDArray[np.uint64], lengths: npt.NDArray[np.uint64]
+    ) -> npt.NDArray[np.intp]:
+        """Indices of blocks not wholly inside one registered range."""
+        if addresses.size == 0:
+            return np.empty(0, np.intp)
+        if self._starts.size == 0:
+            return np.arange(addresses.size)
+        slot = np.searchsorted(self._starts, addresses, side="right").astype(np.intp) - 1
+        inside = slot >= 0
+        ends = self._ends[np.maximum(slot, 0)]
+        # ends - addresses only where it cannot wrap; no addition that could overflow 2**64.
+        inside &= addresses < ends
+        inside &= lengths <= np.where(inside, ends - addresses, 0)
+        return np.flatnonzero(~inside)

@@ -1,0 +1,70 @@
+"""Numpy-backed KV caches for tests: real memory, real addresses, known contents."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvbridge.cache import KVArgs
+from kvbridge.engines.regions import MemoryRegion
+from kvbridge.wire import KVLayout
+
+
+@dataclass
+class RankCache:
+    """One rank's KV, aux and state arrays and the `KVArgs` describing them."""
+
+    kv: list[np.ndarray]
+    aux: list[np.ndarray]
+    state: list[np.ndarray]
+    args: KVArgs
+
+    def regions(self) -> list[MemoryRegion]:
+        return [
+            MemoryRegion(buffer.ptr, buffer.length)
+            for buffer in (*self.args.kv_buffers, *self.args.aux_buffers, *self.args.state_buffers)
+        ]
+
+
+def rank_cache(
+    *,
+    kv_layout: KVLayout = KVLayout.MHA,
+    layer_ids: tuple[int, ...] = (0, 1),
+    num_pages: int = 16,
+    page_size: int = 4,
+    total_kv_heads: int = 2,
+    head_dim: int = 8,
+    attn_tp_size: int = 1,
+    aux_slots: int = 0,
+    aux_item_bytes: tuple[int, ...] = (),
+    state_slots: int = 0,
+    state_item_bytes: tuple[int, ...] = (),
+    seed: int | None = 0,
+) -> RankCache:
+    """Random contents when `seed` is given, zeros otherwise (a destination)."""
+    rng = np.random.default_rng(seed)
+    heads = total_kv_heads if kv_layout == KVLayout.MLA else max(1, total_kv_heads // attn_tp_size)
+    per_layer = 2 if kv_layout == KVLayout.MHA else 1
+
+    def array(shape: tuple[int, ...], dtype: type) -> np.ndarray:
+        if seed is None:
+            return np.zeros(shape, dtype=dtype)
+        return rng.integers(0, 2**16 if dtype is np.uint16 else 256, size=shape, dtype=dtype)
+
+    kv = [
+        array((num_pages, page_size, heads, head_dim), np.uint16)
+        for _ in range(per_layer * len(layer_ids))
+    ]
+    aux = [array((aux_slots, size), np.uint8) for size in aux_item_bytes]
+    state = [array((state_slots, size), np.uint8) for size in state_item_bytes]
+    args = KVArgs.from_numpy(
+        kv,
+        kv_layout=kv_layout,
+        layer_ids=layer_ids,
+        total_kv_heads=total_kv_heads,
+        attn_tp_size=attn_tp_size,
+        aux=aux,
+        state=state,
+    )
+    return RankCache(kv, aux, state, args)

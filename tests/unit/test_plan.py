@@ -1,0 +1,188 @@
+"""The planner against a brute-force oracle: plans are executed byte for byte (loopback
+memcpy between real numpy buffers) and compared with numpy fancy-indexed copies."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from kv_cache import RankCache, rank_cache
+
+from kvbridge.cache import PlanError, TransferPlan, page_runs, plan_kv, plan_slots
+from kvbridge.engines.base import EngineError
+from kvbridge.engines.loopback import LoopbackEngine
+from kvbridge.wire import KVLayout
+
+
+def execute(plan: TransferPlan, src: RankCache, dst: RankCache) -> None:
+    """Run a plan with the loopback engine, bounds-checked against both caches."""
+    sender, receiver = LoopbackEngine(), LoopbackEngine()
+    try:
+        sender.register(src.regions())
+        peer = sender.connect(receiver.endpoint(), dst.regions())
+        sender.write(peer, plan).wait(1.0)
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def expected_after(
+    src: RankCache, dst: RankCache, src_pages: np.ndarray, dst_pages: np.ndarray
+) -> list[np.ndarray]:
+    """The oracle: every destination buffer after the copy, by numpy fancy indexing."""
+    dst_position = {layer: i for i, layer in enumerate(dst.args.layer_ids)}
+    layers_src, layers_dst = len(src.args.layer_ids), len(dst.args.layer_ids)
+    result = [array.copy() for array in dst.kv]
+    for part in range(src.args.buffers_per_layer):
+        for position, layer in enumerate(src.args.layer_ids):
+            source = src.kv[part * layers_src + position]
+            target = result[part * layers_dst + dst_position[layer]]
+            target[dst_pages] = source[src_pages]
+    return result
+
+
+def pages_with_runs(rng: np.random.Generator, num_pages: int, count: int) -> np.ndarray:
+    """`count` distinct pages in a random order that keeps some contiguous runs."""
+    chosen = np.sort(rng.choice(num_pages, size=count, replace=False))
+    blocks = np.array_split(chosen, max(1, count // 3)) if count else [chosen]
+    rng.shuffle(blocks)
+    return np.concatenate(blocks) if count else chosen
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    kv_layout=st.sampled_from(list(KVLayout)),
+    layers=st.integers(1, 4),
+    page_size=st.sampled_from([1, 2, 16]),
+    heads=st.integers(1, 4),
+    head_dim=st.sampled_from([1, 8, 64]),
+    num_pages=st.integers(1, 40),
+    data=st.data(),
+)
+def test_plan_matches_oracle(
+    kv_layout: KVLayout,
+    layers: int,
+    page_size: int,
+    heads: int,
+    head_dim: int,
+    num_pages: int,
+    data: st.DataObject,
+) -> None:
+    heads = 1 if kv_layout == KVLayout.MLA else heads
+    geometry = dict(
+        kv_layout=kv_layout,
+        layer_ids=tuple(range(layers)),
+        page_size=page_size,
+        total_kv_heads=heads,
+        head_dim=head_dim,
+    )
+    src = rank_cache(num_pages=num_pages, seed=data.draw(st.integers(0, 2**32)), **geometry)
+    dst_pages_total = data.draw(st.integers(num_pages, num_pages + 20))
+    dst = rank_cache(num_pages=dst_pages_total, seed=None, **geometry)
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32)))
+    count = data.draw(st.integers(0, num_pages))
+    src_pages = pages_with_runs(rng, num_pages, count)
+    dst_pages = pages_with_runs(rng, dst_pages_total, count)
+    expected = expected_after(src, dst, src_pages, dst_pages)
+
+    plan = plan_kv(src.args, dst.args, src_pages, dst_pages)
+    runs = len(page_runs(src_pages, dst_pages)[0])
+    assert len(plan) == runs * len(src.kv)  # one block per buffer per merged run
+    assert plan.total_bytes == count * src.args.page_bytes * len(src.kv)
+    execute(plan, src, dst)
+    for got, want in zip(dst.kv, expected, strict=True):
+        assert np.array_equal(got, want)
+
+
+@settings(max_examples=40, deadline=None)
+@given(chunks=st.integers(1, 6), seed=st.integers(0, 2**32))
+def test_chunked_sends_equal_one_send(chunks: int, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    src = rank_cache(num_pages=30, seed=seed)
+    dst = rank_cache(num_pages=50, seed=None)
+    src_pages = pages_with_runs(rng, 30, 24)
+    dst_pages = pages_with_runs(rng, 50, 24)
+    expected = expected_after(src, dst, src_pages, dst_pages)
+    bounds = np.sort(rng.choice(np.arange(1, 24), size=chunks - 1, replace=False))
+    for src_chunk, dst_chunk in zip(
+        np.split(src_pages, bounds), np.split(dst_pages, bounds), strict=True
+    ):
+        execute(plan_kv(src.args, dst.args, src_chunk, dst_chunk), src, dst)
+    for got, want in zip(dst.kv, expected, strict=True):
+        assert np.array_equal(got, want)
+
+
+def test_contiguous_pages_merge_into_one_block_per_buffer() -> None:
+    src = rank_cache(num_pages=64)
+    dst = rank_cache(num_pages=64, seed=None)
+    plan = plan_kv(src.args, dst.args, np.arange(8, 40), np.arange(20, 52))
+    assert len(plan) == len(src.kv)
+    assert set(plan.length.tolist()) == {32 * src.args.page_bytes}
+
+
+def test_layers_pair_by_id_not_by_position() -> None:
+    # A pipeline stage holding layers 4-5 writes into a decode rank holding layers 0-7.
+    src = rank_cache(layer_ids=(4, 5), num_pages=8, seed=3)
+    dst = rank_cache(layer_ids=tuple(range(8)), num_pages=8, seed=None)
+    pages = np.arange(8)
+    execute(plan_kv(src.args, dst.args, pages, pages), src, dst)
+    assert np.array_equal(dst.kv[4], src.kv[0])  # K of layer 4
+    assert np.array_equal(dst.kv[8 + 5], src.kv[3])  # V of layer 5
+    assert not dst.kv[0].any()
+    with pytest.raises(PlanError, match=r"no KV buffers for layers \[4, 5\]"):
+        plan_kv(src.args, rank_cache(layer_ids=(0, 1), seed=None).args, pages, pages)
+
+
+def test_aux_and_state_slots() -> None:
+    slots = dict(aux_slots=4, aux_item_bytes=(64, 8), state_slots=3, state_item_bytes=(4096,))
+    src = rank_cache(seed=5, **slots)
+    dst = rank_cache(seed=None, **slots)
+    execute(plan_slots(src.args.aux_buffers, dst.args.aux_buffers, 1, 3, "aux"), src, dst)
+    execute(plan_slots(src.args.state_buffers, dst.args.state_buffers, 2, 0, "state"), src, dst)
+    assert np.array_equal(dst.aux[0][3], src.aux[0][1])
+    assert np.array_equal(dst.aux[1][3], src.aux[1][1])
+    assert not dst.aux[0][:3].any()
+    assert np.array_equal(dst.state[0][0], src.state[0][2])
+    with pytest.raises(PlanError, match="destination slot 4 out of range"):
+        plan_slots(src.args.aux_buffers, dst.args.aux_buffers, 0, 4, "aux")
+    with pytest.raises(PlanError, match="2 local aux buffers but the peer registered 0"):
+        plan_slots(src.args.aux_buffers, (), 0, 0, "aux")
+
+
+@pytest.mark.parametrize(
+    ("src_pages", "dst_pages", "match"),
+    [
+        ([0, 16], [0, 1], r"source page indices must lie in \[0, 16\)"),
+        ([0, 1], [-1, 1], "destination page indices"),
+        ([0, 1, 2], [0, 1], "3 source pages but 2 destination pages"),
+        ([[0]], [[0]], "1-D integer array"),
+    ],
+)
+def test_bad_pages_are_refused(src_pages: list[int], dst_pages: list[int], match: str) -> None:
+    src, dst = rank_cache(), rank_cache(seed=None)
+    with pytest.raises(PlanError, match=match):
+        plan_kv(src.args, dst.args, np.array(src_pages), np.array(dst_pages))
+
+
+def test_incompatible_geometry_is_refused() -> None:
+    with pytest.raises(PlanError, match="page_size differs"):
+        plan_kv(rank_cache().args, rank_cache(page_size=8).args, [0], [0])
+    with pytest.raises(PlanError, match="KV heads per rank differ"):
+        plan_kv(rank_cache().args, rank_cache(attn_tp_size=2).args, [0], [0])
+    mla = rank_cache(kv_layout=KVLayout.MLA, total_kv_heads=1)
+    with pytest.raises(PlanError, match="KV layouts differ"):
+        plan_kv(rank_cache(total_kv_heads=1).args, mla.args, [0], [0])
+
+
+def test_writes_outside_registered_memory_are_refused() -> None:
+    src, dst = rank_cache(), rank_cache(seed=None)
+    plan = plan_kv(src.args, dst.args, [0], [0])
+    stray = TransferPlan(
+        plan.src, plan.dst + np.uint64(dst.args.kv_buffers[-1].length * 64), plan.length
+    )
+    with pytest.raises(EngineError, match="outside peer destination registered memory"):
+        execute(stray, src, dst)
+    overrun = TransferPlan(plan.src, plan.dst, plan.length * np.uint64(10**6))
+    with pytest.raises(EngineError, match="outside local source registered memory"):
+        execute(overrun, src, dst)

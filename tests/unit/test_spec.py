@@ -1,0 +1,61 @@
+"""KVArgs: geometry derived from arrays, and clear errors for descriptions that cannot be right."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+from kv_cache import rank_cache
+
+from kvbridge.cache import BufferSpec, GeometryError, KVArgs, kv_heads_on_rank
+from kvbridge.wire import KVLayout
+
+
+def test_from_numpy_llama_like_rank() -> None:
+    cache = rank_cache(layer_ids=tuple(range(4)), num_pages=10, page_size=16, total_kv_heads=8,
+                       head_dim=128, attn_tp_size=2, aux_slots=5, aux_item_bytes=(64,))  # fmt: skip
+    args = cache.args
+    assert args.kv_heads == 4
+    assert args.dtype == "bfloat16"
+    assert args.page_bytes == 16 * 4 * 128 * 2
+    assert args.num_pages == 10
+    assert len(args.kv_buffers) == 8
+    assert args.kv_buffers[0].ptr == cache.kv[0].ctypes.data
+    assert args.aux_buffers[0].item_len == 64
+    assert args.aux_buffers[0].num_items == 5
+
+
+def test_heads_replicate_when_tp_exceeds_them() -> None:
+    assert kv_heads_on_rank(8, 16) == 1
+    assert kv_heads_on_rank(8, 2) == 4
+
+
+def test_validation_errors_name_the_problem() -> None:
+    args = rank_cache().args
+    with pytest.raises(GeometryError, match="needs 4 KV buffers"):
+        dataclasses.replace(args, kv_buffers=args.kv_buffers[:3])
+    short = BufferSpec(args.kv_buffers[0].ptr, args.kv_buffers[0].length, 7)
+    with pytest.raises(GeometryError, match="item_len 7 is not one page"):
+        dataclasses.replace(args, kv_buffers=(short, *args.kv_buffers[1:]))
+    with pytest.raises(GeometryError, match="dtype 'bf16'"):
+        dataclasses.replace(args, dtype="bf16")
+    with pytest.raises(GeometryError, match="attn_tp_rank 2 is outside attn_tp_size 2"):
+        dataclasses.replace(args, attn_tp_rank=2, attn_tp_size=2)
+    with pytest.raises(GeometryError, match="layer_ids repeat"):
+        dataclasses.replace(args, layer_ids=(1, 1))
+    with pytest.raises(GeometryError, match="MLA has one latent head"):
+        dataclasses.replace(args, kv_layout=KVLayout.MLA)
+    zero = BufferSpec(0, 64, 64)
+    with pytest.raises(GeometryError, match="room for at least one item"):
+        dataclasses.replace(args, aux_buffers=(zero,))
+
+
+def test_from_numpy_refuses_wrong_shapes() -> None:
+    kv = [np.zeros((4, 2, 3, 8), np.uint16) for _ in range(2)]
+    with pytest.raises(GeometryError, match="hold 3 heads, but 8 heads over attention TP 2"):
+        KVArgs.from_numpy(kv, kv_layout=KVLayout.MHA, total_kv_heads=8, attn_tp_size=2)
+    with pytest.raises(GeometryError, match="not C-contiguous"):
+        KVArgs.from_numpy([a[:, ::2] for a in kv], kv_layout=KVLayout.MHA, total_kv_heads=3)
+    with pytest.raises(GeometryError, match=r"\[pages, page_size, heads, head_dim\]"):
+        KVArgs.from_numpy([np.zeros((4, 8), np.uint16)], kv_layout=KVLayout.MLA, total_kv_heads=1)
