@@ -6,20 +6,26 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvbridge-installed
 
-.PHONY: demo test lint format docs check-docs bench clean
+.PHONY: demo test lint format docs bench mooncake clean
 
-$(STAMP): requirements/dev.txt pyproject.toml
+$(STAMP): requirements/dev.txt requirements/engines.txt pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "kvbridge needs Python >= 3.10, $(PYTHON) is " + sys.version.split()[0])'
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -r requirements/dev.txt
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps -r requirements/engines.txt
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
 	@touch $@
+
+# The Mooncake engine: installs its system library as root, else stops with the command.
+mooncake: $(STAMP)
+	scripts/install-mooncake.sh $(BIN)/python
 
 demo: $(STAMP)
 	$(BIN)/kvbridge inspect --sample sglang-mooncake-registration
 	$(BIN)/kvbridge inspect --sample native-transfer-request
 
 test: $(STAMP)
+	scripts/install-mooncake.sh $(BIN)/python --optional
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/ruff format --check src tests benchmarks
 	$(BIN)/mypy --strict src

@@ -12,9 +12,16 @@ import enum
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from pathlib import Path
 
 from kvbridge.cache.plan import TransferPlan
 from kvbridge.engines.regions import MemoryRegion, RegionMap
+
+
+def rdma_device_present() -> bool:
+    """Whether this host has an RDMA device (engines fall back to TCP without one)."""
+    folder = Path("/sys/class/infiniband")
+    return folder.is_dir() and any(folder.iterdir())
 
 
 class EngineError(RuntimeError):

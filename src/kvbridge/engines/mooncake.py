@@ -1,0 +1,140 @@
+"""Mooncake Transfer Engine in P2P-handshake mode (no metadata server).
+
+Mooncake accepts at most 1024 slices in flight per peer, so a plan is written as batches of
+at most `MAX_BLOCKS_IN_FLIGHT` blocks, one after the other. Its batch status call blocks until
+the batch ends, so the batches run on one worker thread per engine; a handle's `poll` only
+reads the state that thread leaves, and never blocks.
+
+Mooncake always binds wildcard listeners (no setting restricts them). It needs the system
+library libibverbs even for TCP.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvbridge.cache.plan import TransferPlan
+from kvbridge.engines.base import (
+    EngineError,
+    TransferEngine,
+    TransferHandle,
+    TransferState,
+    rdma_device_present,
+)
+from kvbridge.engines.regions import MemoryRegion
+
+NAME = "mooncake"
+MAX_BLOCKS_IN_FLIGHT = 1024
+INSTALL_HINT = (
+    "Mooncake needs libibverbs even for TCP: apt-get install -y libibverbs1 libnl-3-200 "
+    "libnl-route-3-200, then pip install mooncake-transfer-engine-non-cuda (CPU-only hosts) or "
+    "mooncake-transfer-engine"
+)
+
+
+def _import_mooncake() -> Any:
+    try:
+        from mooncake import engine  # type: ignore[import-not-found,import-untyped,unused-ignore]
+    except ImportError as exc:
+        raise EngineError(NAME, "import", f"{exc}. {INSTALL_HINT}") from None
+    return engine
+
+
+@dataclass(eq=False)
+class _MooncakeHandle(TransferHandle):
+    plan: TransferPlan
+    session: str
+    engine: str = NAME
+    state: TransferState = TransferState.PENDING
+    error: str | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+    def poll(self) -> TransferState:
+        return self.state
+
+
+class MooncakeEngine(TransferEngine):
+    name = NAME
+
+    def __init__(self, host: str = "127.0.0.1", protocol: str = "tcp", device: str = "") -> None:
+        super().__init__()
+        module = _import_mooncake()
+        self._engine = module.TransferEngine()
+        rc = self._engine.initialize(host, "P2PHANDSHAKE", protocol, device)
+        if rc != 0:
+            raise EngineError(NAME, "initialize", f"rc {rc} for {host} over {protocol}")
+        self.session_id = f"{host}:{self._engine.get_rpc_port()}"
+        # Asking for RDMA without an RDMA card returns 0 and silently uses TCP.
+        self._transport = protocol if protocol == "tcp" or rdma_device_present() else "tcp"
+        self._work: queue.Queue[_MooncakeHandle | None] = queue.Queue()
+        self._worker = threading.Thread(target=self._run, name="kvbridge-mooncake", daemon=True)
+        self._worker.start()
+        self._closed = False
+
+    @property
+    def transport(self) -> str:
+        return self._transport
+
+    def endpoint(self) -> bytes:
+        return self.session_id.encode()
+
+    def _register(self, regions: Sequence[MemoryRegion]) -> None:
+        for region in regions:
+            rc = self._engine.register_memory(region.ptr, region.length)
+            if rc != 0:
+                raise EngineError(NAME, "register memory", f"rc {rc} for {region}")
+
+    def _deregister(self, regions: Sequence[MemoryRegion]) -> None:
+        for region in regions:
+            rc = self._engine.unregister_memory(region.ptr)
+            if rc != 0:
+                raise EngineError(NAME, "deregister memory", f"rc {rc} for {region}")
+
+    def _connect(self, peer_endpoint: bytes) -> str:
+        # P2P handshake happens on the first write; the session id is the peer's address.
+        return peer_endpoint.decode()
+
+    def _write(self, peer: str, plan: TransferPlan, notify: bytes) -> TransferHandle:
+        if self._closed:
+            raise EngineError(NAME, "write", "engine is closed")
+        handle = _MooncakeHandle(plan, peer)
+        self._work.put(handle)
+        return handle
+
+    def _run(self) -> None:
+        while True:
+            handle = self._work.get()
+            if handle is None:
+                return
+            try:
+                for batch in handle.plan.split(MAX_BLOCKS_IN_FLIGHT):
+                    batch_id = self._engine.batch_transfer_async_write(
+                        handle.session,
+                        batch.src.tolist(),
+                        batch.dst.tolist(),
+                        batch.length.tolist(),
+                    )
+                    if batch_id < 0:
+                        raise EngineError(NAME, "write", f"submit rc {batch_id}")
+                    rc = self._engine.get_batch_transfer_status([batch_id])
+                    if rc != 0:
+                        raise EngineError(NAME, "write", f"batch status rc {rc}")
+                handle.state = TransferState.DONE
+            except Exception as exc:  # anything Mooncake raises ends this write, not the worker
+                handle.error = str(exc)
+                handle.state = TransferState.FAILED
+            finally:
+                handle.done.set()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._work.put(None)
+        self._worker.join(timeout=5.0)
+        for region in self.local_memory.regions:
+            self._engine.unregister_memory(region.ptr)
