@@ -53,8 +53,10 @@ def main() -> None:
         kv_layer_ids=list(range(LAYERS)),
         kv_ptrs=[0x7F0000000000 + i * 2**30 for i in range(2 * LAYERS)],
         kv_item_lens=[2048] * (2 * LAYERS),
+        kv_lengths=[2048 * 4096] * (2 * LAYERS),
         aux_ptrs=[0x7E0000000000],
         aux_item_lens=[64],
+        aux_lengths=[64 * 4096],
     )
     cases: list[tuple[str, Message, Layout[Any] | None]] = [
         ("kvbridge/1 TransferRequest", TransferRequest(7, "d0", False, indices, 3, [], 1), None),

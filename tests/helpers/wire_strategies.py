@@ -81,7 +81,11 @@ def _repair_registration(message: Registration) -> None:
     message.kv_ptrs = message.kv_ptrs[: layers * per_layer]
     message.kv_layer_ids = list(range(layers))
     message.kv_item_lens = [4096] * len(message.kv_ptrs)
+    message.kv_lengths = [4096 * 8] * len(message.kv_ptrs)
     message.aux_item_lens = [64] * len(message.aux_ptrs)
+    message.aux_lengths = [64 * 16] * len(message.aux_ptrs)
+    message.state_item_lens = [[8] * len(group) for group in message.state_ptrs]
+    message.state_lengths = [[8 * 4] * len(group) for group in message.state_ptrs]
 
 
 def _repair_sglang_registration(message: Any) -> None:

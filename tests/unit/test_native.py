@@ -30,7 +30,7 @@ def registration(**changes: object) -> Registration:
         engine_descriptor=b"md", tp_rank=0, attn_tp_size=1, dcp_rank=0, dcp_size=1,
         kv_layout=KVLayout.MHA, total_kv_heads=8, head_dim=128, dtype="bfloat16", page_size=16,
         kv_layer_ids=[0, 1], kv_ptrs=[0x1000, 0x2000, 0x3000, 0x4000], kv_item_lens=[4096] * 4,
-        aux_ptrs=[0x5000], aux_item_lens=[64],
+        kv_lengths=[4096 * 4] * 4, aux_ptrs=[0x5000], aux_item_lens=[64], aux_lengths=[256],
     )  # fmt: skip
     fields.update(changes)
     return Registration(**fields)  # type: ignore[arg-type]
@@ -103,18 +103,22 @@ def test_newer_minor_may_append_frames_older_minor_may_not() -> None:
     frames[0] = Header(MAJOR, MINOR + 1, 1, 0).pack()
     assert NATIVE.decode([*frames, b"a new field"]) == registration()
     frames[0] = Header(MAJOR, MINOR, 1, 0).pack()
-    with pytest.raises(WireError, match="expected at most 28 frames, got 29"):
+    with pytest.raises(WireError, match="expected at most 31 frames, got 32"):
         NATIVE.decode([*frames, b"a new field"])
 
 
 def test_registration_rules() -> None:
-    with pytest.raises(WireError, match=r"frame 25 \(staging_total_size\)"):
+    with pytest.raises(WireError, match=r"frame 28 \(staging_total_size\)"):
         NATIVE.encode(registration(staging_base_ptr=0x7000, staging_total_size=0))
     assert registration(staging_total_size=4096).staging_registered
     assert not registration().staging_registered
     with pytest.raises(WireError, match=r"frame 16 \(kv_ptrs\).*MHA has 2 buffer"):
-        NATIVE.encode(registration(kv_ptrs=[0x1000, 0x2000], kv_item_lens=[1, 1]))
-    mla = registration(kv_layout=KVLayout.MLA, kv_ptrs=[1, 2], kv_item_lens=[576, 576])
+        NATIVE.encode(
+            registration(kv_ptrs=[0x1000, 0x2000], kv_item_lens=[1, 1], kv_lengths=[1, 1])
+        )
+    mla = registration(
+        kv_layout=KVLayout.MLA, kv_ptrs=[1, 2], kv_item_lens=[576, 576], kv_lengths=[576, 576]
+    )
     assert NATIVE.decode(NATIVE.encode(mla)) == mla
     with pytest.raises(WireError, match=r"frame 8 \(dcp_rank\)"):
         NATIVE.encode(registration(dcp_rank=2, dcp_size=2))
@@ -122,6 +126,8 @@ def test_registration_rules() -> None:
         NATIVE.encode(registration(tp_rank=1, attn_tp_size=1))
     with pytest.raises(WireError, match=r"frame 17 \(kv_item_lens\)"):
         NATIVE.encode(registration(kv_item_lens=[1]))
+    with pytest.raises(WireError, match=r"frame 18 \(kv_lengths\).*cannot hold one item"):
+        NATIVE.encode(registration(kv_lengths=[4096, 4096, 4096, 100]))
 
 
 def test_encode_refuses_out_of_range_values_naming_the_field() -> None:

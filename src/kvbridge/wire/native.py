@@ -100,10 +100,13 @@ class Registration(Message, StagingRing):
     kv_layer_ids: list[int]
     kv_ptrs: list[int]
     kv_item_lens: list[int]
+    kv_lengths: list[int]
     aux_ptrs: list[int]
     aux_item_lens: list[int]
+    aux_lengths: list[int]
     state_ptrs: list[list[int]] = field(default_factory=list)
     state_item_lens: list[list[int]] = field(default_factory=list)
+    state_lengths: list[list[int]] = field(default_factory=list)
     state_dim_per_tensor: list[list[int]] = field(default_factory=list)
     state_layer_ids: list[list[int]] = field(default_factory=list)
     staging_base_ptr: int = 0
@@ -123,17 +126,19 @@ class Registration(Message, StagingRing):
             raise FieldValueError(
                 "tp_rank", f"must be below attn_tp_size {self.attn_tp_size}, got {self.tp_rank}"
             )
-        if len(self.kv_item_lens) != len(self.kv_ptrs):
+        _check_buffers("kv", self.kv_ptrs, self.kv_item_lens, self.kv_lengths)
+        _check_buffers("aux", self.aux_ptrs, self.aux_item_lens, self.aux_lengths)
+        if not len(self.state_ptrs) == len(self.state_item_lens) == len(self.state_lengths):
             raise FieldValueError(
-                "kv_item_lens",
-                f"one per KV buffer: {len(self.kv_ptrs)} buffers, {len(self.kv_item_lens)} lengths",
+                "state_item_lens",
+                f"one list per state group: {len(self.state_ptrs)} pointer lists, "
+                f"{len(self.state_item_lens)} item-length lists, {len(self.state_lengths)} "
+                "length lists",
             )
-        if len(self.aux_item_lens) != len(self.aux_ptrs):
-            raise FieldValueError(
-                "aux_item_lens",
-                f"one per aux buffer: {len(self.aux_ptrs)} buffers, "
-                f"{len(self.aux_item_lens)} lengths",
-            )
+        for ptrs, item_lens, lengths in zip(
+            self.state_ptrs, self.state_item_lens, self.state_lengths, strict=True
+        ):
+            _check_buffers("state", ptrs, item_lens, lengths)
         buffers_per_layer = 2 if self.kv_layout == KVLayout.MHA else 1
         if len(self.kv_ptrs) != buffers_per_layer * len(self.kv_layer_ids):
             raise FieldValueError(
@@ -141,6 +146,21 @@ class Registration(Message, StagingRing):
                 f"{self.kv_layout.name} has {buffers_per_layer} buffer(s) per layer: "
                 f"{len(self.kv_layer_ids)} layers need {buffers_per_layer * len(self.kv_layer_ids)}"
                 f" pointers, got {len(self.kv_ptrs)}",
+            )
+
+
+def _check_buffers(kind: str, ptrs: list[int], item_lens: list[int], lengths: list[int]) -> None:
+    """Each buffer has an item length and a total length, and holds at least one item."""
+    for name, values in ((f"{kind}_item_lens", item_lens), (f"{kind}_lengths", lengths)):
+        if len(values) != len(ptrs):
+            raise FieldValueError(
+                name, f"one per {kind} buffer: {len(ptrs)} buffers, {len(values)} values"
+            )
+    for index, (item_len, length) in enumerate(zip(item_lens, lengths, strict=True)):
+        if item_len == 0 or length < item_len:
+            raise FieldValueError(
+                f"{kind}_lengths",
+                f"{kind} buffer {index}: {length} bytes cannot hold one item of {item_len} bytes",
             )
 
 
@@ -193,12 +213,17 @@ _LAYOUT_ROWS: tuple[tuple[int, type[Message], str, tuple[Field, ...]], ...] = (
             Field("dtype", c.UTF8, "element type, e.g. bfloat16"),
             Field("page_size", c.U32, "tokens per page"),
             Field("kv_layer_ids", c.U32_LIST),
-            Field("kv_ptrs", c.POINTERS, "KV buffer base addresses (MHA: K then V per layer)"),
+            Field(
+                "kv_ptrs", c.POINTERS, "KV buffers (MHA: K of every layer, then V of every layer)"
+            ),
             Field("kv_item_lens", c.PackedInts("Q"), "bytes per page of each KV buffer"),
+            Field("kv_lengths", c.PackedInts("Q"), "bytes of each KV buffer"),
             Field("aux_ptrs", c.POINTERS),
-            Field("aux_item_lens", c.PackedInts("Q")),
-            Field("state_ptrs", c.POINTER_LISTS),
-            Field("state_item_lens", c.NestedIntLists("Q")),
+            Field("aux_item_lens", c.PackedInts("Q"), "bytes per slot of each aux buffer"),
+            Field("aux_lengths", c.PackedInts("Q")),
+            Field("state_ptrs", c.POINTER_LISTS, "state buffers, grouped"),
+            Field("state_item_lens", c.NestedIntLists("Q"), "bytes per slot, per group"),
+            Field("state_lengths", c.NestedIntLists("Q")),
             Field("state_dim_per_tensor", c.U32_LISTS),
             Field("state_layer_ids", c.U32_LISTS),
             Field("staging_base_ptr", c.U64_ADDRESS, "0 with size 0: no staging ring"),
