@@ -21,8 +21,7 @@ mooncake: $(STAMP)
 	scripts/install-mooncake.sh $(BIN)/python
 
 demo: $(STAMP)
-	$(BIN)/kvbridge inspect --sample sglang-mooncake-registration
-	$(BIN)/kvbridge inspect --sample native-transfer-request
+	$(BIN)/kvbridge demo
 
 test: $(STAMP)
 	scripts/install-mooncake.sh $(BIN)/python --optional

@@ -110,8 +110,6 @@ def _repair_transfer_request(message: TransferRequest) -> None:
     if message.is_dummy:
         message.dst_kv_indices = np.array([], dtype=np.int32)
         message.dst_aux_index = None
-    elif message.dst_aux_index is None:
-        message.dst_aux_index = 0
 
 
 def _repair_abort(message: Abort) -> None:

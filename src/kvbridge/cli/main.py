@@ -8,10 +8,14 @@ from pathlib import Path
 
 import click
 from rich.console import Console
+from rich.progress import Progress
 from rich.table import Table
 
 import kvbridge
 from kvbridge import samples
+from kvbridge.control.bootstrap import BootstrapServer
+from kvbridge.demo import MODELS, DemoConfig, run_demo
+from kvbridge.engines import unavailable_reason
 from kvbridge.wire import PROFILES, WireError, inspect_frames
 from kvbridge.wire.framefile import FrameFileError, load_frames, parse_hex_frame
 from kvbridge.wire.profile import Inspection
@@ -146,3 +150,74 @@ def protocol_doc_command(output: Path | None, check: Path | None) -> None:
     else:
         output.write_text(document)
         console.print(f"wrote {output}", highlight=False)
+
+
+@app.command("demo")
+@click.option("--model", type=click.Choice(sorted(MODELS)), default="llama3-8b", show_default=True)
+@click.option("--requests", "-n", type=click.IntRange(1), default=16, show_default=True)
+@click.option("--tokens", "-l", type=click.IntRange(1), default=1024, show_default=True,
+              help="Tokens per request.")  # fmt: skip
+@click.option("--page-size", type=click.IntRange(1), default=16, show_default=True)
+@click.option("--tp", type=click.IntRange(1), default=1, show_default=True,
+              help="Attention-TP size of both the prefill and the decode group.")  # fmt: skip
+@click.option("--engine", type=click.Choice(["nixl", "mooncake"]), default="nixl",
+              show_default=True)  # fmt: skip
+@click.option("--chunks", type=click.IntRange(1), default=2, show_default=True,
+              help="Chunks each request is sent in (chunked prefill).")  # fmt: skip
+def demo_command(
+    model: str, requests: int, tokens: int, page_size: int, tp: int, engine: str, chunks: int
+) -> None:
+    """Move the KV cache of N requests from a prefill group to a decode group (separate
+    processes, a real engine) and verify every byte. Exits 1 on any failure or mismatch."""
+    config = DemoConfig(model, requests, tokens, page_size, tp, engine, chunks)
+    reason = unavailable_reason(engine)
+    if reason is not None:
+        raise _fail(f"engine {engine} cannot be used here: {reason}")
+    footprint = config.kv_bytes_per_rank() / 2**30
+    console.print(
+        f"{config.shape.name}: {requests} requests × {tokens} tokens, page {page_size}, "
+        f"TP {tp}→{tp}, engine {engine}; {footprint:.2f} GiB of KV per rank and side",
+        highlight=False,
+    )
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("rooms verified", total=requests * tp)
+        result = run_demo(config, lambda done: progress.update(task, completed=done))
+    table = Table(title="kvbridge demo", title_justify="left")
+    for column in ("requests", "bytes", "GB/s", "p50 ms", "p99 ms", "engine", "verified"):
+        table.add_column(column, justify="right" if column != "engine" else "left")
+    transports = sorted({r.transport for r in result.reports if r.transport})
+    table.add_row(
+        str(sum(r.rooms for r in result.decode_reports)),
+        f"{result.total_bytes / 2**30:.2f} GiB",
+        f"{result.gbps:.2f}",
+        f"{result.latency_ms(0.5):.1f}",
+        f"{result.latency_ms(0.99):.1f}",
+        f"{engine}: {', '.join(transports)}",
+        "[green]all bytes[/green]" if result.ok else "[red]NO[/red]",
+    )
+    console.print(table)
+    for report in result.reports:
+        for room, why in sorted(report.failed_rooms.items()):
+            console.print(f"[red]{report.role} {report.rank} room {room} failed:[/red] {why}")
+        if report.mismatched_rooms:
+            console.print(f"[red]decode {report.rank}: wrong bytes in rooms "
+                          f"{report.mismatched_rooms}[/red]")  # fmt: skip
+        if report.error:
+            console.print(f"[red]{report.role} {report.rank}: {report.error}[/red]")
+    if not result.ok:
+        raise click.exceptions.Exit(1)
+
+
+@app.command("bootstrap")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
+@click.option("--port", type=click.IntRange(0, 65535), default=8998, show_default=True)
+def bootstrap_command(host: str, port: int) -> None:
+    """Run the bootstrap (rendezvous) service standalone until interrupted."""
+    server = BootstrapServer(host, port)
+    console.print(f"kvbridge bootstrap on {server.url}", highlight=False)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.close()

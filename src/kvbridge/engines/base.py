@@ -133,6 +133,12 @@ class TransferEngine(ABC):
                     f"{int(addresses[first]):#x}+{int(plan.length[first])}",
                 )
 
+    delivers_notifications: bool = False
+
+    def notify(self, peer: str, message: bytes) -> None:
+        """Send a notification to a peer without data (engines that deliver notifications)."""
+        raise EngineError(self.name, "notify", "this engine has no notifications")
+
     def notifications(self) -> list[tuple[str, bytes]]:
         """Notifications delivered by peers' writes since the last call (engines that have
         them); drives the engine's progress where it needs the target to poll."""

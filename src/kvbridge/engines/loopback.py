@@ -56,8 +56,13 @@ class LoopbackEngine(TransferEngine):
         for src, dst, length in blocks:
             ctypes.memmove(dst, src, length)
         if notify:
-            self._endpoints[peer.encode()]._notifications.append((self._endpoint.decode(), notify))
+            self.notify(peer, notify)
         return _DoneHandle()
+
+    delivers_notifications = True
+
+    def notify(self, peer: str, message: bytes) -> None:
+        self._endpoints[peer.encode()]._notifications.append((self._endpoint.decode(), message))
 
     def notifications(self) -> list[tuple[str, bytes]]:
         delivered, self._notifications = self._notifications, []

@@ -11,6 +11,7 @@ library libibverbs even for TCP.
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 from collections.abc import Sequence
@@ -37,6 +38,8 @@ INSTALL_HINT = (
 
 
 def _import_mooncake() -> Any:
+    # Mooncake logs through glog at INFO to stderr; keep warnings and errors only.
+    os.environ.setdefault("GLOG_minloglevel", "1")
     try:
         from mooncake import engine  # type: ignore[import-not-found,import-untyped,unused-ignore]
     except ImportError as exc:

@@ -184,6 +184,14 @@ class NixlEngine(TransferEngine):
             raise EngineError(NAME, "write", "NIXL refused to post the transfer (state ERR)")
         return _NixlHandle(self._agent, handle)
 
+    delivers_notifications = True
+
+    def notify(self, peer: str, message: bytes) -> None:
+        try:
+            self._agent.send_notif(peer, message)
+        except Exception as exc:
+            raise EngineError(NAME, "notify", str(exc)) from None
+
     def notifications(self) -> list[tuple[str, bytes]]:
         try:
             delivered = self._agent.get_new_notifs()

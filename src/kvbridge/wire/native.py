@@ -182,8 +182,6 @@ class TransferRequest(Message):
             raise FieldValueError(
                 "is_dummy", "a dummy request carries no page indices and no aux index"
             )
-        if not self.is_dummy and self.dst_aux_index is None:
-            raise FieldValueError("dst_aux_index", "absent, but the request is not a dummy")
 
 
 def _optional(name: str, codec: c.Codec[Any], doc: str = "") -> Field:

@@ -1,0 +1,109 @@
+"""A rank's geometry as the native registration carries it, and back: one place for the
+mapping between `KVArgs` and `Registration`."""
+
+from __future__ import annotations
+
+from kvbridge.cache.spec import BufferSpec, GeometryError, KVArgs
+from kvbridge.engines.regions import MemoryRegion
+from kvbridge.wire.native import Registration
+
+
+def registration_for(
+    args: KVArgs,
+    *,
+    peer_id: str,
+    host: str,
+    control_port: int,
+    engine: str,
+    engine_descriptor: bytes,
+    capabilities: frozenset[str] = frozenset(),
+) -> Registration:
+    """The registration a decode rank sends to each prefill peer."""
+    return Registration(
+        peer_id=peer_id,
+        host=host,
+        control_port=control_port,
+        engine=engine,
+        engine_descriptor=engine_descriptor,
+        tp_rank=args.attn_tp_rank,
+        attn_tp_size=args.attn_tp_size,
+        dcp_rank=0,
+        dcp_size=1,
+        kv_layout=args.kv_layout,
+        total_kv_heads=args.total_kv_heads,
+        head_dim=args.head_dim,
+        dtype=args.dtype,
+        page_size=args.page_size,
+        kv_layer_ids=list(args.layer_ids),
+        kv_ptrs=[buffer.ptr for buffer in args.kv_buffers],
+        kv_item_lens=[buffer.item_len for buffer in args.kv_buffers],
+        kv_lengths=[buffer.length for buffer in args.kv_buffers],
+        aux_ptrs=[buffer.ptr for buffer in args.aux_buffers],
+        aux_item_lens=[buffer.item_len for buffer in args.aux_buffers],
+        aux_lengths=[buffer.length for buffer in args.aux_buffers],
+        state_ptrs=[[buffer.ptr for buffer in args.state_buffers]] if args.state_buffers else [],
+        state_item_lens=(
+            [[buffer.item_len for buffer in args.state_buffers]] if args.state_buffers else []
+        ),
+        state_lengths=(
+            [[buffer.length for buffer in args.state_buffers]] if args.state_buffers else []
+        ),
+        memory_kind=args.memory_kind,
+        device_id=args.device_id,
+        capabilities=capabilities,
+    )
+
+
+def kv_args_of(registration: Registration) -> KVArgs:
+    """The peer's geometry from its registration; `GeometryError` if it cannot be right."""
+
+    def buffers(
+        ptrs: list[int], item_lens: list[int], lengths: list[int]
+    ) -> tuple[BufferSpec, ...]:
+        return tuple(
+            BufferSpec(ptr, length, item_len)
+            for ptr, item_len, length in zip(ptrs, item_lens, lengths, strict=True)
+        )
+
+    state = tuple(
+        buffer
+        for ptrs, item_lens, lengths in zip(
+            registration.state_ptrs,
+            registration.state_item_lens,
+            registration.state_lengths,
+            strict=True,
+        )
+        for buffer in buffers(ptrs, item_lens, lengths)
+    )
+    if registration.dcp_size != 1:
+        raise GeometryError(
+            f"decode context parallelism (size {registration.dcp_size}) is not supported by "
+            "this version"
+        )
+    return KVArgs(
+        kv_layout=registration.kv_layout,
+        layer_ids=tuple(registration.kv_layer_ids),
+        total_kv_heads=registration.total_kv_heads,
+        head_dim=registration.head_dim,
+        dtype=registration.dtype,
+        page_size=registration.page_size,
+        kv_buffers=buffers(
+            registration.kv_ptrs, registration.kv_item_lens, registration.kv_lengths
+        ),
+        attn_tp_rank=registration.tp_rank,
+        attn_tp_size=registration.attn_tp_size,
+        aux_buffers=buffers(
+            registration.aux_ptrs, registration.aux_item_lens, registration.aux_lengths
+        ),
+        state_buffers=state,
+        memory_kind=registration.memory_kind,
+        device_id=registration.device_id,
+    )
+
+
+def memory_regions(args: KVArgs) -> list[MemoryRegion]:
+    """Every buffer of a rank as a region to register (or to bound a peer's writes)."""
+    return [
+        MemoryRegion(buffer.ptr, buffer.length, args.memory_kind, args.device_id)
+        for buffer in (*args.kv_buffers, *args.aux_buffers, *args.state_buffers)
+    ]

@@ -1,0 +1,32 @@
+"""Configuration of the prefill and decode managers: every option, with its default."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvbridge.engines import DEFAULT_ENGINE
+
+
+@dataclass(frozen=True)
+class ManagerConfig:
+    """What a manager needs beyond its KV geometry.
+
+    engine: transfer engine name (nixl, mooncake; loopback for tests in one process).
+    host: address this rank's control socket binds and advertises.
+    bootstrap_url: the prefill group's bootstrap service (prefill registers there; decode
+        receivers use it unless given another).
+    run_bootstrap: prefill rank 0 starts the bootstrap service itself, on `bootstrap_port`
+        (0: any free port; the URL is then `PrefillManager.bootstrap_url`).
+    bootstrap_timeout_s: how long to wait for the prefill group to be complete.
+    transfer_timeout_s: how long decode waits for a room after sending its request.
+    write_timeout_s: how long prefill waits for one engine write.
+    """
+
+    engine: str = DEFAULT_ENGINE
+    host: str = "127.0.0.1"
+    bootstrap_url: str | None = None
+    run_bootstrap: bool = False
+    bootstrap_port: int = 0
+    bootstrap_timeout_s: float = 30.0
+    transfer_timeout_s: float = 300.0
+    write_timeout_s: float = 60.0

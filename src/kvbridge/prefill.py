@@ -1,0 +1,345 @@
+"""Prefill side: `PrefillManager` (one per prefill rank) and `KVSender` (one per room).
+
+Decode ranks register their memory once (a native `Registration`), then send one
+`TransferRequest` per room. The scheduler calls `KVSender.send()` with each chunk of pages it
+has computed (chunked prefill; the last chunk carries the aux slot and state slots). A worker
+thread plans each chunk and writes it through the engine; when the last chunk has landed, the
+room's outcome goes to every destination as a `TransferStatus`, with the reason on failure.
+
+Threads: the control channel's thread owns the sockets and handles incoming messages; one
+worker thread owns every engine call. They meet in the room objects (under one lock) and the
+worker's queue.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import uuid
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from kvbridge.cache import GeometryError, KVArgs, PlanError, TransferPlan, plan_kv, plan_slots
+from kvbridge.cache.peer import kv_args_of, memory_regions
+from kvbridge.cache.plan import check_compatible
+from kvbridge.config import ManagerConfig
+from kvbridge.control.bootstrap import BootstrapServer, PrefillRank, register_prefill
+from kvbridge.control.channel import ControlChannel
+from kvbridge.engines import EngineError, create_engine
+from kvbridge.room import Chunk, ChunkJob, PrefillRoom, notification_for
+from kvbridge.wire import Abort, KVPoll, Message, Registration, TransferRequest, TransferStatus
+
+log = logging.getLogger("kvbridge.prefill")
+# Rooms that ended are remembered this long (by count) so late messages never re-create them.
+FINISHED_ROOMS_KEPT = 65536
+
+
+@dataclass(frozen=True)
+class _Connect:
+    peer_id: str
+
+
+@dataclass(frozen=True)
+class _WriteChunk:
+    room: int
+    jobs: list[ChunkJob]
+
+
+@dataclass
+class _DecodePeer:
+    registration: Registration
+    endpoint: str
+    kv_args: KVArgs | None = None
+    engine_peer: str | None = None
+    error: str | None = None
+
+
+class PrefillManager:
+    def __init__(self, kv_args: KVArgs, config: ManagerConfig) -> None:
+        self.kv_args = kv_args
+        self.config = config
+        self.rank = kv_args.attn_tp_rank
+        self.engine = create_engine(config.engine, f"prefill-{self.rank}-{uuid.uuid4().hex[:8]}")
+        self.engine.register(memory_regions(kv_args))
+        self._lock = threading.Lock()
+        self._rooms: dict[int, PrefillRoom] = {}
+        self._finished: deque[int] = deque(maxlen=FINISHED_ROOMS_KEPT)
+        self._finished_set: set[int] = set()
+        self._peers: dict[str, _DecodePeer] = {}
+        self._jobs: queue.SimpleQueue[_Connect | _WriteChunk | None] = queue.SimpleQueue()
+        self._worker = threading.Thread(target=self._run_worker, name="kvbridge-prefill-worker")
+        self._worker.daemon = True
+        self.channel = ControlChannel(config.host, self._on_message, name="kvbridge-prefill")
+        self.bootstrap: BootstrapServer | None = None
+        url = config.bootstrap_url
+        if config.run_bootstrap:
+            self.bootstrap = BootstrapServer(config.host, config.bootstrap_port).start()
+            url = self.bootstrap.url
+        if url is None:
+            raise ValueError("a prefill manager needs bootstrap_url or run_bootstrap")
+        self.bootstrap_url = url
+        self._worker.start()
+        self.channel.start()
+        register_prefill(
+            url,
+            PrefillRank(
+                self.rank, kv_args.attn_tp_size, config.host, self.channel.port, config.engine
+            ),
+            timeout_s=config.bootstrap_timeout_s,
+        )
+
+    # --- scheduler side ------------------------------------------------------------------
+
+    def sender(self, room: int) -> KVSender:
+        return KVSender(self, room)
+
+    def _room(self, room: int, create: bool) -> PrefillRoom | None:
+        """The room's state; created on first use unless it already ended here."""
+        state = self._rooms.get(room)
+        if state is None and create and room not in self._finished_set:
+            state = self._rooms[room] = PrefillRoom(room)
+        return state
+
+    def _clear(self, room: int) -> None:
+        """The one cleanup path of a room (idempotent)."""
+        with self._lock:
+            if self._rooms.pop(room, None) is not None:
+                if len(self._finished) == self._finished.maxlen:
+                    self._finished_set.discard(self._finished[0])
+                self._finished.append(room)
+                self._finished_set.add(room)
+
+    # --- control thread --------------------------------------------------------------------
+
+    def _on_message(self, message: Message) -> None:
+        if isinstance(message, Registration):
+            self._on_registration(message)
+        elif isinstance(message, TransferRequest):
+            with self._lock:
+                state = self._room(message.room, create=True)
+                peer = self._peers.get(message.peer_id)
+                if state is None:
+                    log.info("room %d: request after the room ended", message.room)
+                    if peer is not None:
+                        reason = f"room {message.room} already ended on prefill rank {self.rank}"
+                        failed = TransferStatus(message.room, KVPoll.Failed, self.rank, reason)
+                        self.channel.send(peer.endpoint, failed)
+                    return
+                if peer is None or peer.error:
+                    why = peer.error if peer else f"decode {message.peer_id} never registered"
+                    self._fail_locked(state, f"room {message.room}: {why}", message.peer_id)
+                    return
+                state.on_request(message)
+                self._schedule_locked(state)
+        elif isinstance(message, Abort):
+            with self._lock:
+                state = self._room(message.room, create=False)
+                if state is not None:
+                    state.status.fail(f"aborted by decode: {message.reason or 'no reason given'}")
+        else:
+            log.warning("unexpected %s on a prefill rank, ignored", type(message).__name__)
+
+    def _on_registration(self, registration: Registration) -> None:
+        endpoint = f"tcp://{registration.host}:{registration.control_port}"
+        peer = _DecodePeer(registration, endpoint)
+        try:
+            peer.kv_args = kv_args_of(registration)
+            check_compatible(self.kv_args, peer.kv_args)
+        except (GeometryError, PlanError) as exc:
+            peer.error = f"decode {registration.peer_id} cannot be served: {exc}"
+            log.error("%s", peer.error)
+        if registration.engine != self.config.engine:
+            peer.error = (
+                f"decode {registration.peer_id} uses engine {registration.engine}, this prefill "
+                f"rank {self.config.engine}"
+            )
+        with self._lock:
+            self._peers[registration.peer_id] = peer
+        if peer.error is None:
+            self._jobs.put(_Connect(registration.peer_id))
+
+    def _schedule_locked(self, state: PrefillRoom) -> None:
+        try:
+            jobs = state.next_jobs()
+        except ValueError as exc:
+            self._fail_locked(state, str(exc))
+            return
+        if jobs:
+            self._jobs.put(_WriteChunk(state.room, jobs))
+        elif state.status.poll == KVPoll.Success:
+            self._report_locked(state)
+
+    def _report_locked(self, state: PrefillRoom, also_peer: str | None = None) -> None:
+        """Tell every destination of the room (and `also_peer`) how it ended."""
+        peers = set(state.requests) | ({also_peer} if also_peer else set())
+        for peer_id in sorted(peers):
+            peer = self._peers.get(peer_id)
+            if peer is None:
+                continue
+            status = TransferStatus(
+                room=state.room,
+                status=state.status.poll,
+                prefill_rank=self.rank,
+                reason=state.status.failure_reason or "",
+            )
+            self.channel.send(peer.endpoint, status)
+
+    def _fail_locked(self, state: PrefillRoom, reason: str, peer_id: str | None = None) -> None:
+        if state.status.fail(reason):
+            log.warning("room %d failed: %s", state.room, reason)
+        self._report_locked(state, also_peer=peer_id)
+
+    # --- worker thread: every engine call --------------------------------------------------
+
+    def _run_worker(self) -> None:
+        while True:
+            item = self._jobs.get()
+            if item is None:
+                return
+            if isinstance(item, _Connect):
+                self._connect(item.peer_id)
+            else:
+                self._write_chunk(item.room, item.jobs)
+
+    def _connect(self, peer_id: str) -> None:
+        with self._lock:
+            peer = self._peers[peer_id]
+        assert peer.kv_args is not None
+        try:
+            peer.engine_peer = self.engine.connect(
+                peer.registration.engine_descriptor, memory_regions(peer.kv_args)
+            )
+        except EngineError as exc:
+            peer.error = f"cannot connect to decode {peer_id}: {exc}"
+            log.error("%s", peer.error)
+
+    def _plan(self, job: ChunkJob, peer_args: KVArgs) -> TransferPlan:
+        plans = [plan_kv(self.kv_args, peer_args, job.src_pages, job.dst_pages)]
+        if job.last and job.src_aux_index is not None and job.dst_aux_index is not None:
+            plans.append(
+                plan_slots(
+                    self.kv_args.aux_buffers,
+                    peer_args.aux_buffers,
+                    job.src_aux_index,
+                    job.dst_aux_index,
+                    "aux",
+                )
+            )
+        if job.last and job.src_state_indices:
+            if len(job.src_state_indices) != len(job.dst_state_indices):
+                raise PlanError(
+                    f"{len(job.src_state_indices)} local state slots but decode gave "
+                    f"{len(job.dst_state_indices)}"
+                )
+            for src_slot, dst_slot in zip(
+                job.src_state_indices, job.dst_state_indices, strict=True
+            ):
+                plans.append(
+                    plan_slots(
+                        self.kv_args.state_buffers,
+                        peer_args.state_buffers,
+                        src_slot,
+                        dst_slot,
+                        "state",
+                    )
+                )
+        return TransferPlan.concat(*plans)
+
+    def _write_chunk(self, room: int, jobs: list[ChunkJob]) -> None:
+        try:
+            for job in jobs:
+                with self._lock:
+                    peer = self._peers[job.peer_id]
+                    state = self._rooms.get(room)
+                if state is None or state.status.finished:
+                    return  # aborted or cleared meanwhile: write nothing more
+                if peer.engine_peer is None or peer.kv_args is None:
+                    raise EngineError(self.engine.name, "write", peer.error or "not connected")
+                plan = self._plan(job, peer.kv_args)
+                notify = notification_for(room, self.rank) if job.last else b""
+                if len(plan):
+                    handle = self.engine.write(peer.engine_peer, plan, notify)
+                    handle.wait(self.config.write_timeout_s)
+                elif notify and self.engine.delivers_notifications:
+                    self.engine.notify(peer.engine_peer, notify)
+        except (EngineError, PlanError, ValueError) as exc:
+            with self._lock:
+                state = self._rooms.get(room)
+                if state is not None:
+                    self._fail_locked(state, f"room {room}: {exc}")
+            return
+        with self._lock:
+            state = self._rooms.get(room)
+            if state is None:
+                return
+            state.chunk_written(jobs[0].last)
+            self._schedule_locked(state)
+
+    # --- lifecycle -------------------------------------------------------------------------
+
+    @property
+    def healthy(self) -> bool:
+        return self.channel.alive and self._worker.is_alive()
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        self._worker.join(timeout=10.0)
+        self.channel.close()
+        self.engine.close()
+        if self.bootstrap is not None:
+            self.bootstrap.close()
+
+
+class KVSender:
+    """One room on the prefill side: hand it pages as they are computed, poll its state."""
+
+    def __init__(self, manager: PrefillManager, room: int) -> None:
+        self.manager = manager
+        self.room = room
+        with manager._lock:
+            state = manager._room(room, create=True)
+        if state is None:
+            raise ValueError(f"room {room} already ended on this prefill rank")
+
+    def send(
+        self,
+        kv_pages: npt.ArrayLike,
+        *,
+        last: bool = False,
+        aux_index: int | None = None,
+        state_indices: Sequence[int] = (),
+    ) -> None:
+        """Queue the next chunk of this room's pages (in order); `last` ends the room and
+        carries the aux slot and the state slots."""
+        pages = np.asarray(kv_pages, dtype=np.int64).ravel()
+        with self.manager._lock:
+            state = self.manager._rooms.get(self.room)
+            if state is None or state.status.finished:
+                return
+            state.add_chunk(Chunk(pages, last, aux_index, tuple(state_indices)))
+            self.manager._schedule_locked(state)
+
+    def poll(self) -> KVPoll:
+        with self.manager._lock:
+            state = self.manager._rooms.get(self.room)
+            return state.status.poll if state is not None else KVPoll.Failed
+
+    @property
+    def failure_reason(self) -> str | None:
+        with self.manager._lock:
+            state = self.manager._rooms.get(self.room)
+            return state.status.failure_reason if state is not None else "room cleared"
+
+    def abort(self, reason: str) -> None:
+        with self.manager._lock:
+            state = self.manager._rooms.get(self.room)
+            if state is not None:
+                self.manager._fail_locked(state, f"aborted by prefill: {reason}")
+
+    def clear(self) -> None:
+        self.manager._clear(self.room)

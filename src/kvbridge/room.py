@@ -1,0 +1,215 @@
+"""Per-room state, pure: no sockets, no threads, no engine.
+
+Each side keeps one object per room. Its `KVPoll` state only moves forward (Bootstrapping →
+WaitingForInput → Transferring → Success), Failed is sticky and carries a reason, and the
+object says what the manager should do next; the managers own the locks and the I/O.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+from kvbridge.wire.messages import KVPoll
+from kvbridge.wire.native import TransferRequest
+
+_ORDER = {
+    KVPoll.Bootstrapping: 1,
+    KVPoll.WaitingForInput: 2,
+    KVPoll.Transferring: 3,
+    KVPoll.Success: 4,
+}
+
+
+@dataclass
+class RoomStatus:
+    """A room's KVPoll state: monotone, with Failed sticky and Success final."""
+
+    poll: KVPoll = KVPoll.Bootstrapping
+    failure_reason: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.poll in (KVPoll.Success, KVPoll.Failed)
+
+    def advance(self, to: KVPoll) -> bool:
+        """Move forward to `to`; a step backwards or out of a finished state is ignored."""
+        if to == KVPoll.Failed:
+            raise ValueError("use fail() to fail a room: a failure needs a reason")
+        if self.finished or _ORDER[to] <= _ORDER[self.poll]:
+            return False
+        self.poll = to
+        return True
+
+    def fail(self, reason: str) -> bool:
+        """Fail the room with a reason; a finished room stays as it is."""
+        if self.finished:
+            return False
+        self.poll = KVPoll.Failed
+        self.failure_reason = reason
+        return True
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A piece of a room's KV cache that prefill has computed and wants sent."""
+
+    src_pages: npt.NDArray[np.int64]
+    last: bool
+    aux_index: int | None = None
+    state_indices: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class ChunkJob:
+    """What to write for one chunk: local pages → the decode pages at the same offset."""
+
+    room: int
+    peer_id: str
+    src_pages: npt.NDArray[np.int64]
+    dst_pages: npt.NDArray[np.int64]
+    last: bool
+    src_aux_index: int | None
+    dst_aux_index: int | None
+    src_state_indices: tuple[int, ...]
+    dst_state_indices: tuple[int, ...]
+
+
+@dataclass
+class PrefillRoom:
+    """Prefill's view of a room: the decode request(s), the chunks to send, the progress."""
+
+    room: int
+    status: RoomStatus = field(default_factory=RoomStatus)
+    requests: dict[str, TransferRequest] = field(default_factory=dict)
+    required_requests: int | None = None
+    pending: deque[Chunk] = field(default_factory=deque)
+    pages_sent: int = 0
+    last_queued: bool = False
+    in_flight: bool = False
+
+    def on_request(self, request: TransferRequest) -> None:
+        if self.status.finished:
+            return
+        self.requests[request.peer_id] = request
+        self.required_requests = request.required_dst_info_num
+        if self.ready:
+            self.status.advance(KVPoll.WaitingForInput)
+
+    @property
+    def ready(self) -> bool:
+        """Every decode rank this room writes to has sent its request."""
+        return self.required_requests is not None and len(self.requests) >= self.required_requests
+
+    def add_chunk(self, chunk: Chunk) -> None:
+        if self.last_queued:
+            raise ValueError(f"room {self.room}: send() after the last chunk")
+        self.pending.append(chunk)
+        self.last_queued = chunk.last
+
+    def next_jobs(self) -> list[ChunkJob]:
+        """The next chunk as one write job per destination, once the requests are in and no
+        write of this room is in flight (chunks go in order); [] if nothing can start."""
+        if self.status.finished or self.in_flight or not self.pending or not self.ready:
+            return []
+        chunk = self.pending.popleft()
+        jobs = []
+        for peer_id, request in self.requests.items():
+            if request.is_dummy:
+                continue
+            start, stop = self.pages_sent, self.pages_sent + chunk.src_pages.size
+            dst_pages = np.asarray(request.dst_kv_indices[start:stop], dtype=np.int64)
+            if dst_pages.size != chunk.src_pages.size:
+                raise ValueError(
+                    f"room {self.room}: prefill sends {stop} pages but decode {peer_id} gave "
+                    f"only {request.dst_kv_indices.size} destination pages"
+                )
+            jobs.append(
+                ChunkJob(
+                    room=self.room,
+                    peer_id=peer_id,
+                    src_pages=chunk.src_pages,
+                    dst_pages=dst_pages,
+                    last=chunk.last,
+                    src_aux_index=chunk.aux_index if chunk.last else None,
+                    dst_aux_index=request.dst_aux_index if chunk.last else None,
+                    src_state_indices=chunk.state_indices if chunk.last else (),
+                    dst_state_indices=(
+                        tuple(index for group in request.dst_state_indices for index in group)
+                        if chunk.last
+                        else ()
+                    ),
+                )
+            )
+        self.pages_sent += chunk.src_pages.size
+        self.in_flight = True
+        self.status.advance(KVPoll.Transferring)
+        if not jobs:  # every destination is a dummy: nothing to write
+            self.chunk_written(chunk.last)
+        return jobs
+
+    def chunk_written(self, last: bool) -> None:
+        self.in_flight = False
+        if last:
+            self.status.advance(KVPoll.Success)
+
+
+@dataclass
+class DecodeRoom:
+    """Decode's view of a room: which prefill ranks must report, and who has."""
+
+    room: int
+    expected_ranks: frozenset[int]
+    needs_notification: bool
+    deadline: float
+    status: RoomStatus = field(default_factory=RoomStatus)
+    reported: set[int] = field(default_factory=set)
+    notified: set[int] = field(default_factory=set)
+
+    def on_status(self, prefill_rank: int, poll: KVPoll, reason: str) -> None:
+        if prefill_rank not in self.expected_ranks:
+            return
+        if poll == KVPoll.Failed:
+            self.status.fail(f"prefill rank {prefill_rank}: {reason or 'no reason given'}")
+        elif poll == KVPoll.Success:
+            self.reported.add(prefill_rank)
+            self._maybe_done()
+
+    def on_notification(self, prefill_rank: int) -> None:
+        if prefill_rank in self.expected_ranks:
+            self.notified.add(prefill_rank)
+            self._maybe_done()
+
+    def _maybe_done(self) -> None:
+        # With an engine that notifies, the notification proves the data is in place; the
+        # status message says the rank wrote everything. Success needs both.
+        if self.reported >= self.expected_ranks and (
+            not self.needs_notification or self.notified >= self.expected_ranks
+        ):
+            self.status.advance(KVPoll.Success)
+
+    def check_deadline(self, now: float) -> None:
+        if not self.status.finished and now > self.deadline:
+            missing = sorted(self.expected_ranks - self.reported)
+            self.status.fail(
+                f"room {self.room}: transfer not complete before its deadline; no success from "
+                f"prefill ranks {missing}"
+            )
+
+
+def notification_for(room: int, prefill_rank: int) -> bytes:
+    """The notification a prefill rank attaches to a room's last write."""
+    return f"kvbridge:{room}:{prefill_rank}".encode()
+
+
+def parse_notification(message: bytes) -> tuple[int, int] | None:
+    """(room, prefill rank) of a kvbridge notification, None for anything else."""
+    parts = message.split(b":")
+    if len(parts) != 3 or parts[0] != b"kvbridge" or not parts[1].isdigit():
+        return None
+    if not parts[2].isdigit():
+        return None
+    return int(parts[1]), int(parts[2])

@@ -1,0 +1,107 @@
+"""The bootstrap service over real HTTP: 503 until the group is complete, 409 on conflicts."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import asdict
+
+import pytest
+
+from kvbridge.control.bootstrap import (
+    BootstrapError,
+    BootstrapServer,
+    PrefillRank,
+    lookup_prefill_group,
+    register_prefill,
+)
+
+
+@pytest.fixture
+def server() -> Iterator[BootstrapServer]:
+    service = BootstrapServer().start()
+    yield service
+    service.close()
+
+
+def call(url: str, method: str = "GET", body: bytes | None = None) -> tuple[int, dict[str, object]]:
+    request = urllib.request.Request(url, data=body, method=method)
+    try:
+        with urllib.request.urlopen(request, timeout=5) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def rank(index: int, size: int = 2, port: int = 17000) -> PrefillRank:
+    return PrefillRank(index, size, "127.0.0.1", port + index, "nixl")
+
+
+def test_lookups_wait_for_the_whole_group(server: BootstrapServer) -> None:
+    assert call(f"{server.url}/health")[0] == 503
+    register_prefill(server.url, rank(1))
+    status, document = call(f"{server.url}/prefill")
+    assert (status, document) == (503, {"registered": 1, "expected": 2})
+    with pytest.raises(BootstrapError, match=r"not complete after 0\.2 s"):
+        lookup_prefill_group(server.url, timeout_s=0.2)
+    register_prefill(server.url, rank(0))
+    assert call(f"{server.url}/health")[0] == 200
+    assert lookup_prefill_group(server.url) == [rank(0), rank(1)]
+
+
+def test_conflicts_are_refused_not_overwritten(server: BootstrapServer) -> None:
+    register_prefill(server.url, rank(0))
+    register_prefill(server.url, rank(0))  # the same registration again is fine
+    with pytest.raises(BootstrapError, match=r"409.*already registered"):
+        register_prefill(server.url, rank(0, port=18000))
+    with pytest.raises(BootstrapError, match=r"409.*attn_tp_size 2, this rank says 4"):
+        register_prefill(server.url, rank(1, size=4))
+    assert call(f"{server.url}/prefill")[1] == {"registered": 1, "expected": 2}
+
+
+@pytest.mark.parametrize(
+    ("body", "match"),
+    [
+        (b"not json", "Expecting value"),
+        (json.dumps({"rank": 0}).encode(), "expected the fields"),
+        (json.dumps({**asdict(rank(0)), "rank": "0"}).encode(), "rank must be a int"),
+        (json.dumps({**asdict(rank(0)), "rank": 5}).encode(), "outside attn_tp_size"),
+        (json.dumps({**asdict(rank(0)), "port": 70000}).encode(), "not a TCP port"),
+    ],
+)
+def test_bad_registrations_get_400(server: BootstrapServer, body: bytes, match: str) -> None:
+    status, document = call(f"{server.url}/prefill", "PUT", body)
+    assert status == 400
+    assert match in str(document["error"])
+    assert call(f"{server.url}/health")[0] == 503  # and the service still serves
+
+
+def test_unknown_route(server: BootstrapServer) -> None:
+    assert call(f"{server.url}/nope")[0] == 404
+
+
+def test_standalone_command() -> None:
+    process = subprocess.Popen(
+        [sys.executable, "-m", "kvbridge", "bootstrap", "--port", "0"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert process.stdout is not None
+        url = process.stdout.readline().split()[-1]
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                assert call(f"{url}/health")[0] == 503
+                break
+            except OSError:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+    finally:
+        process.send_signal(signal.SIGINT)
+        assert process.wait(10) == 0

@@ -1,0 +1,144 @@
+"""Managers with real ZMQ sockets and a real bootstrap service in one process, moving bytes
+with the loopback engine: the state machine, chunking, slots and the failure paths."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import numpy as np
+import pytest
+import zmq
+from kv_cache import RankCache, rank_cache
+
+from kvbridge.config import ManagerConfig
+from kvbridge.decode import DecodeManager, KVReceiver
+from kvbridge.prefill import KVSender, PrefillManager
+from kvbridge.wire import KVPoll
+
+GEOMETRY = dict(
+    layer_ids=(0, 1), page_size=4, total_kv_heads=2, head_dim=8,
+    aux_slots=4, aux_item_bytes=(32,), state_slots=3, state_item_bytes=(128, 16),
+)  # fmt: skip
+
+
+@contextmanager
+def pair(
+    src: RankCache, dst: RankCache, **decode_config: float
+) -> Iterator[tuple[PrefillManager, DecodeManager]]:
+    prefill = PrefillManager(src.args, ManagerConfig(engine="loopback", run_bootstrap=True))
+    config = ManagerConfig(engine="loopback", bootstrap_url=prefill.bootstrap_url, **decode_config)
+    decode = DecodeManager(dst.args, config)
+    try:
+        yield prefill, decode
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def wait_for(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.005)
+
+
+def finished(*rooms: KVSender | KVReceiver) -> Callable[[], bool]:
+    return lambda: all(room.poll() in (KVPoll.Success, KVPoll.Failed) for room in rooms)
+
+
+def test_chunks_aux_and_state_arrive() -> None:
+    src, dst = (
+        rank_cache(num_pages=32, seed=11, **GEOMETRY),
+        rank_cache(num_pages=40, seed=None, **GEOMETRY),
+    )
+    with pair(src, dst) as (prefill, decode):
+        sender, receiver = prefill.sender(3), decode.receiver(3)
+        assert receiver.poll() == KVPoll.WaitingForInput
+        assert sender.poll() == KVPoll.Bootstrapping
+        dst_pages = np.random.default_rng(1).permutation(40)[:12]
+        receiver.init(dst_pages, aux_index=2, state_indices=[0])
+        src_pages = np.r_[4:8, 20:28]
+        sender.send(src_pages[:3])
+        sender.send(src_pages[3:9])
+        sender.send(src_pages[9:], last=True, aux_index=1, state_indices=[2])
+        wait_for(finished(sender, receiver))
+        assert receiver.poll() == KVPoll.Success, receiver.failure_reason
+        assert sender.poll() == KVPoll.Success
+    for got, want in zip(dst.kv, src.kv, strict=True):
+        assert np.array_equal(got[dst_pages], want[src_pages])
+    assert np.array_equal(dst.aux[0][2], src.aux[0][1])
+    assert np.array_equal(dst.state[0][0], src.state[0][2])
+    assert np.array_equal(dst.state[1][0], src.state[1][2])
+
+
+def test_incompatible_geometry_fails_the_room_with_the_reason() -> None:
+    src = rank_cache(num_pages=8, seed=1, **GEOMETRY)
+    dst = rank_cache(num_pages=8, seed=None, **{**GEOMETRY, "page_size": 8})
+    with pair(src, dst) as (prefill, decode):
+        sender, receiver = prefill.sender(1), decode.receiver(1)
+        receiver.init([0, 1])
+        sender.send([0, 1], last=True)
+        wait_for(finished(sender, receiver))
+        assert receiver.poll() == KVPoll.Failed
+        assert "page_size differs" in str(receiver.failure_reason)
+        assert "prefill rank 0" in str(receiver.failure_reason)
+
+
+def test_decode_abort_reaches_prefill() -> None:
+    src, dst = rank_cache(seed=1, **GEOMETRY), rank_cache(seed=None, **GEOMETRY)
+    with pair(src, dst) as (prefill, decode):
+        sender, receiver = prefill.sender(5), decode.receiver(5)
+        receiver.init([0, 1])
+        receiver.abort("request cancelled by the user")
+        wait_for(lambda: sender.poll() == KVPoll.Failed)
+        assert "request cancelled by the user" in str(sender.failure_reason)
+        assert receiver.poll() == KVPoll.Failed
+        sender.send([0, 1], last=True)  # too late: nothing is written, nothing raised
+        assert sender.poll() == KVPoll.Failed
+
+
+def test_decode_deadline_names_the_missing_rank() -> None:
+    src, dst = rank_cache(seed=1, **GEOMETRY), rank_cache(seed=None, **GEOMETRY)
+    with pair(src, dst, transfer_timeout_s=0.3) as (_, decode):
+        receiver = decode.receiver(9)
+        receiver.init([0, 1])  # prefill never sends
+        wait_for(finished(receiver))
+        assert receiver.poll() == KVPoll.Failed
+        assert "deadline" in str(receiver.failure_reason)
+        assert "[0]" in str(receiver.failure_reason)
+
+
+def test_garbage_on_the_control_socket_is_counted_and_survived() -> None:
+    src, dst = rank_cache(seed=1, **GEOMETRY), rank_cache(seed=None, **GEOMETRY)
+    with pair(src, dst) as (prefill, decode):
+        context = zmq.Context()
+        push = context.socket(zmq.PUSH)
+        push.connect(prefill.channel.endpoint)
+        for frames in ([b"garbage"], [b"KVBR\x01\x00\x02\x00", b"short"], [b""]):
+            push.send_multipart(frames)
+        wait_for(lambda: prefill.channel.stats.malformed == 3)
+        push.close(linger=0)
+        context.term()
+        assert prefill.healthy
+        sender, receiver = prefill.sender(2), decode.receiver(2)
+        receiver.init([3])
+        sender.send([5], last=True)
+        wait_for(finished(sender, receiver))
+        assert receiver.poll() == KVPoll.Success
+
+
+def test_late_request_for_a_cleared_room_does_not_recreate_it() -> None:
+    src, dst = rank_cache(seed=1, **GEOMETRY), rank_cache(seed=None, **GEOMETRY)
+    with pair(src, dst) as (prefill, decode):
+        sender = prefill.sender(4)
+        sender.clear()
+        sender.clear()  # idempotent
+        receiver = decode.receiver(4)
+        receiver.init([0])
+        wait_for(finished(receiver))  # told at once, not at its deadline
+        assert "already ended on prefill rank 0" in str(receiver.failure_reason)
+        assert 4 not in prefill._rooms
+        with pytest.raises(ValueError, match="already ended"):
+            prefill.sender(4)

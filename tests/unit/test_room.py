@@ -1,0 +1,92 @@
+"""Per-room state: monotone KVPoll, sticky failure, chunk bookkeeping."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvbridge.room import (
+    Chunk,
+    DecodeRoom,
+    PrefillRoom,
+    RoomStatus,
+    notification_for,
+    parse_notification,
+)
+from kvbridge.wire import KVPoll, TransferRequest
+
+
+def test_status_only_moves_forward_and_failure_sticks() -> None:
+    status = RoomStatus()
+    assert status.advance(KVPoll.Transferring)
+    assert not status.advance(KVPoll.WaitingForInput)
+    assert status.fail("engine error")
+    assert not status.advance(KVPoll.Success)
+    assert not status.fail("second reason")
+    assert (status.poll, status.failure_reason) == (KVPoll.Failed, "engine error")
+    done = RoomStatus()
+    done.advance(KVPoll.Success)
+    assert not done.fail("too late")
+    with pytest.raises(ValueError, match="needs a reason"):
+        done.advance(KVPoll.Failed)
+
+
+def request(peer: str, pages: list[int], aux: int | None = 0) -> TransferRequest:
+    return TransferRequest(1, peer, False, np.array(pages, np.int32), aux, [[4]], 1)
+
+
+def test_prefill_room_slices_destination_pages_per_chunk() -> None:
+    room = PrefillRoom(1)
+    room.add_chunk(Chunk(np.array([7, 8]), last=False))
+    assert room.next_jobs() == []  # no request yet
+    room.on_request(request("d0", [10, 11, 12]))
+    assert room.status.poll == KVPoll.WaitingForInput
+    (first,) = room.next_jobs()
+    assert first.dst_pages.tolist() == [10, 11]
+    assert first.dst_aux_index is None
+    room.add_chunk(Chunk(np.array([9]), last=True, aux_index=5, state_indices=(2,)))
+    assert room.next_jobs() == []  # the first chunk is still in flight
+    room.chunk_written(False)
+    (second,) = room.next_jobs()
+    assert second.dst_pages.tolist() == [12]
+    assert (second.src_aux_index, second.dst_aux_index) == (5, 0)
+    assert (second.src_state_indices, second.dst_state_indices) == ((2,), (4,))
+    room.chunk_written(True)
+    assert room.status.poll == KVPoll.Success
+    with pytest.raises(ValueError, match="after the last chunk"):
+        room.add_chunk(Chunk(np.array([1]), last=True))
+
+
+def test_prefill_room_refuses_more_pages_than_decode_gave() -> None:
+    room = PrefillRoom(1)
+    room.on_request(request("d0", [10]))
+    room.add_chunk(Chunk(np.array([1, 2]), last=True))
+    with pytest.raises(ValueError, match="gave only 1 destination pages"):
+        room.next_jobs()
+
+
+def test_decode_room_needs_every_rank_and_notification() -> None:
+    room = DecodeRoom(1, frozenset({0, 1}), needs_notification=True, deadline=10.0)
+    room.on_status(0, KVPoll.Success, "")
+    room.on_status(1, KVPoll.Success, "")
+    room.on_status(7, KVPoll.Failed, "not ours")  # a rank this room does not wait for
+    assert room.status.poll != KVPoll.Success
+    room.on_notification(0)
+    room.on_notification(1)
+    assert room.status.poll == KVPoll.Success
+
+
+def test_decode_room_failure_and_deadline() -> None:
+    room = DecodeRoom(1, frozenset({0}), needs_notification=False, deadline=10.0)
+    room.on_status(0, KVPoll.Failed, "write timed out")
+    assert room.status.failure_reason == "prefill rank 0: write timed out"
+    late = DecodeRoom(2, frozenset({0, 3}), needs_notification=False, deadline=1.0)
+    late.on_status(0, KVPoll.Success, "")
+    late.check_deadline(2.0)
+    assert "prefill ranks [3]" in str(late.status.failure_reason)
+
+
+def test_notifications_round_trip() -> None:
+    assert parse_notification(notification_for(42, 3)) == (42, 3)
+    assert parse_notification(b"kvbridge:x:1") is None
+    assert parse_notification(b"other") is None
