@@ -38,6 +38,13 @@ format: $(STAMP)
 	$(BIN)/ruff check --fix src tests benchmarks scripts
 	$(BIN)/ruff format src tests benchmarks scripts
 
+# Benchmarks print numbers; nothing here is a timed assertion.
+bench: $(STAMP)
+	scripts/install-mooncake.sh $(BIN)/python --optional
+	$(BIN)/python benchmarks/plan_128k.py
+	$(BIN)/python benchmarks/wire_codec.py
+	$(BIN)/python benchmarks/e2e.py
+
 docs: $(STAMP)
 	$(BIN)/kvbridge protocol-doc --output docs/PROTOCOL.md
 

@@ -20,6 +20,8 @@ class ManagerConfig:
     bootstrap_timeout_s: how long to wait for the prefill group to be complete.
     transfer_timeout_s: how long decode waits for a room after sending its request.
     write_timeout_s: how long prefill waits for one engine write.
+    keep_plans: prefill keeps every (peer, plan) it wrote, for benchmarks that replay the
+        identical blocks through the raw engine.
     """
 
     engine: str = DEFAULT_ENGINE
@@ -30,3 +32,4 @@ class ManagerConfig:
     bootstrap_timeout_s: float = 30.0
     transfer_timeout_s: float = 300.0
     write_timeout_s: float = 60.0
+    keep_plans: bool = False

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvbridge.cache import KVArgs, kv_heads_on_rank
+from kvbridge.cache import KVArgs, TransferPlan, kv_heads_on_rank
 from kvbridge.config import ManagerConfig
 from kvbridge.wire import KVLayout, KVPoll
 
@@ -65,6 +65,10 @@ class DemoConfig:
     engine: str = "nixl"
     chunks: int = 2
     timeout_s: float = 120.0
+    # Decode's page pool as a multiple of what the requests need (pages are drawn scattered).
+    decode_pool_factor: float = 1.25
+    # After the kvbridge run, replay the identical blocks through the raw engine and time it.
+    measure_raw: bool = False
 
     @property
     def shape(self) -> ModelShape:
@@ -84,6 +88,16 @@ class DemoConfig:
 
 
 @dataclass
+class DemoEvents:
+    """Cross-process milestones: prefill filled its pages; decode verified; each side done."""
+
+    filled: list[Event]
+    verified: Event
+    prefill_done: list[Event]
+    decode_done: list[Event]
+
+
+@dataclass
 class RankReport:
     role: str
     rank: int
@@ -93,6 +107,9 @@ class RankReport:
     rooms: int = 0
     bytes: int = 0
     seconds: float = 0.0
+    raw_bytes: int = 0
+    raw_seconds: float = 0.0
+    raw_blocks: int = 0
     latencies_ms: list[float] = field(default_factory=list)
     mismatched_rooms: list[int] = field(default_factory=list)
     failed_rooms: dict[int, str] = field(default_factory=dict)
@@ -142,7 +159,7 @@ def _words(array: np.ndarray) -> np.ndarray:
 
 
 def run_prefill(
-    config: DemoConfig, rank: int, bootstrap_url: str, ready: Event, results: Any
+    config: DemoConfig, rank: int, bootstrap_url: str, events: DemoEvents, results: Any
 ) -> None:
     from kvbridge.prefill import PrefillManager
 
@@ -151,9 +168,10 @@ def run_prefill(
     try:
         pages_per_request = config.pages_per_request
         kv, aux, args = allocate_rank(config, rank, config.requests * pages_per_request)
-        manager = PrefillManager(
-            args, ManagerConfig(engine=config.engine, bootstrap_url=bootstrap_url)
+        manager_config = ManagerConfig(
+            engine=config.engine, bootstrap_url=bootstrap_url, keep_plans=config.measure_raw
         )
+        manager = PrefillManager(args, manager_config)
         report.transport = manager.engine.transport
         senders = []
         for room in range(config.requests):
@@ -162,7 +180,7 @@ def run_prefill(
                 _words(array)[pages] = page_content(room, buffer, pages.size, args.page_bytes)
             aux[room] = np.frombuffer(np.uint64(room).tobytes() * (AUX_BYTES // 8), np.uint8)
             senders.append((room, pages))
-        ready.set()
+        events.filled[rank].set()
         active = []
         for room, pages in senders:
             sender = manager.sender(room)
@@ -181,18 +199,39 @@ def run_prefill(
                 report.failed_rooms[sender.room] = sender.failure_reason or str(sender.poll())
         report.rooms = len(active)
         report.ok = not report.failed_rooms
+        if config.measure_raw and report.ok:
+            _replay_raw(manager, config, events, report)
     except Exception as exc:
         report.error = f"{type(exc).__name__}: {exc}"
     finally:
+        events.prefill_done[rank].set()
         results.put(asdict(report))
         if manager is not None:
-            # Give decode time to read the last statuses before the sockets go.
-            time.sleep(0.2)
+            # Decode reads the last statuses (and its verification ends) before sockets go.
+            events.decode_done[rank].wait(config.timeout_s)
             manager.close()
 
 
+def _replay_raw(manager: Any, config: DemoConfig, events: DemoEvents, report: RankReport) -> None:
+    """The identical blocks kvbridge wrote, through the engine alone, in one write, once
+    decode has verified what kvbridge delivered (the replay rewrites the same bytes)."""
+    events.verified.wait(config.timeout_s)
+    by_peer: dict[str, list[TransferPlan]] = {}
+    for peer, plan in manager.written_plans:
+        by_peer.setdefault(peer, []).append(plan)
+    started = time.perf_counter()
+    handles = [
+        manager.engine.write(peer, TransferPlan.concat(*plans)) for peer, plans in by_peer.items()
+    ]
+    for handle in handles:
+        handle.wait(config.timeout_s)
+    report.raw_seconds = time.perf_counter() - started
+    report.raw_bytes = sum(plan.total_bytes for _, plan in manager.written_plans)
+    report.raw_blocks = sum(len(plan) for _, plan in manager.written_plans)
+
+
 def run_decode(
-    config: DemoConfig, rank: int, bootstrap_url: str, ready: Event, results: Any
+    config: DemoConfig, rank: int, bootstrap_url: str, events: DemoEvents, results: Any
 ) -> None:
     from kvbridge.decode import DecodeManager
 
@@ -200,15 +239,16 @@ def run_decode(
     manager = None
     try:
         pages_per_request = config.pages_per_request
-        pool = config.requests * pages_per_request * 5 // 4 + 1
+        pool = math.ceil(config.requests * pages_per_request * config.decode_pool_factor)
         kv, aux, args = allocate_rank(config, rank, pool)
         manager = DecodeManager(
             args, ManagerConfig(engine=config.engine, bootstrap_url=bootstrap_url)
         )
         report.transport = manager.engine.transport
         scattered = np.random.default_rng(rank).permutation(pool)
-        if not ready.wait(config.timeout_s):
-            raise TimeoutError("the prefill group never filled its pages")
+        for filled in events.filled:
+            if not filled.wait(config.timeout_s):
+                raise TimeoutError("the prefill group never filled its pages")
         receivers = [manager.receiver(room) for room in range(config.requests)]
         started = time.perf_counter()
         sent_at = {}
@@ -247,9 +287,13 @@ def run_decode(
     except Exception as exc:
         report.error = f"{type(exc).__name__}: {exc}"
     finally:
+        events.verified.set()
         results.put(asdict(report))
         if manager is not None:
+            # Stay reachable while prefill replays the blocks (the target drives NIXL too).
+            events.prefill_done[rank].wait(config.timeout_s)
             manager.close()
+        events.decode_done[rank].set()
 
 
 @dataclass
@@ -274,6 +318,12 @@ class DemoResult:
         seconds = max((r.seconds for r in self.decode_reports), default=0.0)
         return self.total_bytes / seconds / 1e9 if seconds else 0.0
 
+    @property
+    def raw_gbps(self) -> float:
+        prefill = [r for r in self.reports if r.role == "prefill"]
+        seconds = max((r.raw_seconds for r in prefill), default=0.0)
+        return sum(r.raw_bytes for r in prefill) / seconds / 1e9 if seconds else 0.0
+
     def latency_ms(self, quantile: float) -> float:
         values = [v for r in self.decode_reports for v in r.latencies_ms]
         return float(np.quantile(values, quantile)) if values else float("nan")
@@ -285,14 +335,22 @@ def run_demo(config: DemoConfig, on_progress: Any = None) -> DemoResult:
 
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
-    ready = context.Event()
+    events = DemoEvents(
+        filled=[context.Event() for _ in range(config.tp)],
+        verified=context.Event(),
+        prefill_done=[context.Event() for _ in range(config.tp)],
+        decode_done=[context.Event() for _ in range(config.tp)],
+    )
     bootstrap = BootstrapServer().start()
     processes = [
-        context.Process(target=target, args=(config, rank, bootstrap.url, ready, results),
-                        name=f"kvbridge-{role}-{rank}")
+        context.Process(
+            target=target,
+            args=(config, rank, bootstrap.url, events, results),
+            name=f"kvbridge-{role}-{rank}",
+        )
         for role, target in (("prefill", run_prefill), ("decode", run_decode))
         for rank in range(config.tp)
-    ]  # fmt: skip
+    ]
     for process in processes:
         process.start()
     reports: list[RankReport] = []
@@ -319,12 +377,10 @@ def run_demo(config: DemoConfig, on_progress: Any = None) -> DemoResult:
                 process.kill()
                 process.join()
         bootstrap.close()
+    reported = {f"kvbridge-{r.role}-{r.rank}" for r in reports}
     for process in processes:
-        if process.exitcode not in (0, None) and not any(
-            r.role in process.name and r.rank == int(process.name.rsplit("-", 1)[1])
-            for r in reports
-        ):
-            reports.append(
-                RankReport(process.name, -1, ok=False, error=f"exit code {process.exitcode}")
-            )
+        if process.name not in reported:  # died before it could report (a crash, a kill)
+            role, rank = process.name.split("-")[1:]
+            error = f"exited with {process.exitcode} before reporting"
+            reports.append(RankReport(role, int(rank), ok=False, error=error))
     return DemoResult(config, reports)

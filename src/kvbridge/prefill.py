@@ -75,6 +75,7 @@ class PrefillManager:
         self._worker = threading.Thread(target=self._run_worker, name="kvbridge-prefill-worker")
         self._worker.daemon = True
         self.channel = ControlChannel(config.host, self._on_message, name="kvbridge-prefill")
+        self.written_plans: list[tuple[str, TransferPlan]] = []
         self.bootstrap: BootstrapServer | None = None
         url = config.bootstrap_url
         if config.run_bootstrap:
@@ -265,6 +266,8 @@ class PrefillManager:
                 if len(plan):
                     handle = self.engine.write(peer.engine_peer, plan, notify)
                     handle.wait(self.config.write_timeout_s)
+                    if self.config.keep_plans:
+                        self.written_plans.append((peer.engine_peer, plan))
                 elif notify and self.engine.delivers_notifications:
                     self.engine.notify(peer.engine_peer, notify)
         except (EngineError, PlanError, ValueError) as exc:
