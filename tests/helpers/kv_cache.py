@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvbridge.cache import KVArgs
+from kvbridge.cache.peer import memory_regions
 from kvbridge.engines.regions import MemoryRegion
 from kvbridge.wire import KVLayout
 
@@ -21,10 +22,7 @@ class RankCache:
     args: KVArgs
 
     def regions(self) -> list[MemoryRegion]:
-        return [
-            MemoryRegion(buffer.ptr, buffer.length)
-            for buffer in (*self.args.kv_buffers, *self.args.aux_buffers, *self.args.state_buffers)
-        ]
+        return memory_regions(self.args)
 
 
 def rank_cache(

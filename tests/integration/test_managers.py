@@ -142,3 +142,31 @@ def test_late_request_for_a_cleared_room_does_not_recreate_it() -> None:
         assert 4 not in prefill._rooms
         with pytest.raises(ValueError, match="already ended"):
             prefill.sender(4)
+
+
+def test_two_prefill_groups_feed_one_decode_rank() -> None:
+    """xPyD: rooms of one decode rank come from different prefill groups (bootstraps)."""
+    sources = [rank_cache(num_pages=16, seed=seed, **GEOMETRY) for seed in (21, 22)]
+    dst = rank_cache(num_pages=32, seed=None, **GEOMETRY)
+    prefills = [
+        PrefillManager(src.args, ManagerConfig(engine="loopback", run_bootstrap=True))
+        for src in sources
+    ]
+    decode = DecodeManager(dst.args, ManagerConfig(engine="loopback"))
+    try:
+        rooms = []
+        for room, prefill in enumerate(prefills):
+            receiver = decode.receiver(room, prefill.bootstrap_url)
+            receiver.init(np.arange(room * 8, room * 8 + 4))
+            sender = prefill.sender(room)
+            sender.send(np.arange(4, 8), last=True)
+            rooms += [sender, receiver]
+        wait_for(finished(*rooms))
+        assert all(room.poll() == KVPoll.Success for room in rooms)
+    finally:
+        decode.close()
+        for prefill in prefills:
+            prefill.close()
+    for room, src in enumerate(sources):
+        for got, want in zip(dst.kv, src.kv, strict=True):
+            assert np.array_equal(got[room * 8 : room * 8 + 4], want[4:8])

@@ -16,7 +16,7 @@ import numpy.typing as npt
 
 from kvbridge.wire import codecs as c
 from kvbridge.wire.errors import WireError
-from kvbridge.wire.layout import Field, FieldValueError, Layout
+from kvbridge.wire.layout import Field, Layout
 from kvbridge.wire.messages import (
     Abort,
     AbortAck,
@@ -32,7 +32,7 @@ from kvbridge.wire.messages import (
     check_staging,
 )
 from kvbridge.wire.profile import Profile, require_frames
-from kvbridge.wire.sglang import STAGING_FIELDS, ZmqMessage
+from kvbridge.wire.sglang import STAGING_FIELDS, ZmqMessage, check_aux_index
 
 PROFILE = "sglang-mooncake"
 REGISTRATION_ROOM = "None"
@@ -120,12 +120,7 @@ class TransferInfo(ZmqMessage):
 
     def check(self) -> None:
         check_port(self.dst_port, "dst_port")
-        if self.dst_aux_index is None and len(self.dst_kv_indices):
-            raise FieldValueError(
-                "dst_aux_index",
-                "empty while dst_kv_indices is not: only a dummy request (both empty) has "
-                "no aux index",
-            )
+        check_aux_index(self.dst_kv_indices, self.dst_aux_index)
 
 
 TransferInfo.LAYOUT = TRANSFER_INFO = Layout(

@@ -17,10 +17,10 @@ import numpy.typing as npt
 
 from kvbridge.wire import codecs as c
 from kvbridge.wire.errors import WireError, describe_bytes
-from kvbridge.wire.layout import Field, FieldValueError, Layout, Message
+from kvbridge.wire.layout import Field, Layout, Message
 from kvbridge.wire.messages import StagingRing, check_port, check_staging
 from kvbridge.wire.profile import Inspection, Profile, require_frames
-from kvbridge.wire.sglang import STAGING_FIELDS, ZmqMessage
+from kvbridge.wire.sglang import STAGING_FIELDS, ZmqMessage, check_aux_index
 
 PROFILE = "sglang-nixl"
 GUARD = b"NixlMsgGuard"
@@ -116,10 +116,7 @@ class TransferInfo(ZmqMessage):
 
     def check(self) -> None:
         check_port(self.dst_port, "dst_port")
-        if self.dst_aux_index is None and len(self.dst_kv_indices):
-            raise FieldValueError(
-                "dst_aux_index", "empty while dst_kv_indices is not: a real request has one"
-            )
+        check_aux_index(self.dst_kv_indices, self.dst_aux_index)
 
 
 TransferInfo.LAYOUT = TRANSFER_INFO = Layout(
