@@ -59,3 +59,59 @@ def test_from_numpy_refuses_wrong_shapes() -> None:
         KVArgs.from_numpy([a[:, ::2] for a in kv], kv_layout=KVLayout.MHA, total_kv_heads=3)
     with pytest.raises(GeometryError, match=r"\[pages, page_size, heads, head_dim\]"):
         KVArgs.from_numpy([np.zeros((4, 8), np.uint16)], kv_layout=KVLayout.MLA, total_kv_heads=1)
+
+
+class FakeTensor:
+    """The part of torch.Tensor's interface that KVArgs.from_torch reads, over a numpy array
+    (torch itself is an optional extra the test environment does not install)."""
+
+    class Device:
+        def __init__(self, kind: str, index: int | None) -> None:
+            self.type, self.index = kind, index
+
+    def __init__(
+        self, array: np.ndarray, dtype: str, device: str = "cpu", index: int | None = None
+    ):
+        self.array = array
+        self.dtype = f"torch.{dtype}"
+        self.device = FakeTensor.Device(device, index)
+        self.shape = array.shape
+
+    def dim(self) -> int:
+        return self.array.ndim
+
+    def is_contiguous(self) -> bool:
+        return bool(self.array.flags.c_contiguous)
+
+    def data_ptr(self) -> int:
+        return int(self.array.ctypes.data)
+
+    def numel(self) -> int:
+        return self.array.size
+
+    def element_size(self) -> int:
+        return 2
+
+
+def test_from_torch_reads_pointers_sizes_and_device() -> None:
+    arrays = [np.zeros((6, 16, 4, 128), np.uint16) for _ in range(4)]
+    tensors = [FakeTensor(a, "bfloat16", "cuda", 1) for a in arrays]
+    args = KVArgs.from_torch(tensors, kv_layout=KVLayout.MHA, total_kv_heads=8, attn_tp_size=2)
+    assert args.dtype == "bfloat16"
+    assert args.memory_kind.name == "VRAM"
+    assert args.device_id == 1
+    assert args.kv_buffers[2].ptr == arrays[2].ctypes.data
+    assert args.kv_buffers[0].length == arrays[0].nbytes
+    assert args.num_pages == 6
+    cpu = KVArgs.from_torch([FakeTensor(a, "bfloat16") for a in arrays],
+                            kv_layout=KVLayout.MHA, total_kv_heads=8, attn_tp_size=2)  # fmt: skip
+    assert cpu.memory_kind.name == "DRAM"
+
+
+def test_from_torch_with_real_tensors() -> None:
+    torch = pytest.importorskip("torch", reason="torch is an optional extra")
+    tensors = [torch.zeros((4, 16, 2, 64), dtype=torch.bfloat16) for _ in range(2)]
+    args = KVArgs.from_torch(tensors, kv_layout=KVLayout.MHA,
+                             total_kv_heads=2)  # fmt: skip
+    assert args.kv_buffers[1].ptr == tensors[1].data_ptr()
+    assert args.page_bytes == 16 * 2 * 64 * 2
