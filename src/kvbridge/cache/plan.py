@@ -14,6 +14,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvbridge.cache.spec import BufferSpec, KVArgs
+from kvbridge.cache.topology import Source
 from kvbridge.wire.messages import KVLayout
 
 U64 = np.uint64
@@ -151,6 +152,84 @@ def plan_kv(
     src_addr = src_ptrs[:, None] + src_starts.astype(U64)[None, :] * page_bytes
     dst_addr = dst_ptrs[:, None] + dst_starts.astype(U64)[None, :] * page_bytes
     length = np.broadcast_to(run_pages.astype(U64) * page_bytes, src_addr.shape)
+    return TransferPlan(src_addr.ravel(), dst_addr.ravel(), length.ravel().copy())
+
+
+def merge_runs(
+    src_offsets: npt.NDArray[np.int64], dst_offsets: npt.NDArray[np.int64], length: int
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    """Equal-length blocks merged wherever both sides continue contiguously: (src starts,
+    dst starts, run lengths in bytes)."""
+    if src_offsets.size == 0:
+        empty = np.empty(0, np.int64)
+        return empty, empty, empty
+    joins = (np.diff(src_offsets) == length) & (np.diff(dst_offsets) == length)
+    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
+    blocks = np.diff(np.concatenate((starts, [src_offsets.size])))
+    return src_offsets[starts], dst_offsets[starts], blocks * length
+
+
+def plan_tokens(
+    src: KVArgs,
+    dst: KVArgs,
+    source: Source,
+    src_pages: npt.ArrayLike,
+    token_start: int,
+    dst_pages: npt.ArrayLike,
+    *,
+    dcp_size: int = 1,
+    dcp_rank: int = 0,
+) -> TransferPlan:
+    """Blocks for a chunk at token granularity: any head slice, page sizes and DCP layout.
+
+    `src_pages` hold the chunk's tokens from global token `token_start` (a page boundary).
+    `dst_pages` are all of the request's pages on this decode rank, in token order; with DCP,
+    global token i lives on DCP rank ``i % dcp_size`` at local token ``i // dcp_size``.
+    Tokens past the destination's pages (the padding of prefill's last page) are not sent.
+    Per buffer, one block per token, merged wherever both sides are contiguous.
+    """
+    if src.kv_layout != dst.kv_layout or src.dtype != dst.dtype or src.head_dim != dst.head_dim:
+        raise PlanError(
+            f"layout, dtype or head_dim differ: {src.kv_layout.name}/{src.dtype}/{src.head_dim}"
+            f" → {dst.kv_layout.name}/{dst.dtype}/{dst.head_dim}"
+        )
+    if token_start % src.page_size:
+        raise PlanError(f"chunk starts at token {token_start}, not a page boundary")
+    count = source.heads.count
+    if (
+        source.src_head_offset + count > src.kv_heads
+        or source.dst_head_offset + count > dst.kv_heads
+    ):
+        raise PlanError(
+            f"heads {source.heads} do not fit: source holds {src.kv_heads}, destination "
+            f"{dst.kv_heads}"
+        )
+    src_array = as_pages(src_pages, src.num_pages, "source")
+    dst_array = as_pages(dst_pages, dst.num_pages, "destination")
+    local = np.arange(src_array.size * src.page_size, dtype=np.int64)
+    tokens = token_start + local
+    if dcp_size > 1:
+        mine = tokens % dcp_size == dcp_rank
+        local, tokens = local[mine], tokens[mine]
+        tokens = tokens // dcp_size
+    keep = tokens < dst_array.size * dst.page_size
+    local, tokens = local[keep], tokens[keep]
+    head_bytes = src.head_dim * src.dtype_size
+    src_offsets = (
+        src_array[local // src.page_size] * src.page_bytes
+        + (local % src.page_size) * src.token_bytes
+        + source.src_head_offset * head_bytes
+    )
+    dst_offsets = (
+        dst_array[tokens // dst.page_size] * dst.page_bytes
+        + (tokens % dst.page_size) * dst.token_bytes
+        + source.dst_head_offset * head_bytes
+    )
+    src_starts, dst_starts, lengths = merge_runs(src_offsets, dst_offsets, count * head_bytes)
+    src_ptrs, dst_ptrs = _buffer_pairs(src, dst)
+    src_addr = src_ptrs[:, None] + src_starts.astype(U64)[None, :]
+    dst_addr = dst_ptrs[:, None] + dst_starts.astype(U64)[None, :]
+    length = np.broadcast_to(lengths.astype(U64), src_addr.shape)
     return TransferPlan(src_addr.ravel(), dst_addr.ravel(), length.ravel().copy())
 
 

@@ -1,0 +1,201 @@
+"""Heterogeneous parallelism against an oracle, over the grid of the issue.
+
+A global KV tensor [K/V, layers, tokens, H, head_dim] is sharded over the prefill ranks
+(heads replicated where TP exceeds them) into randomly placed pages; every decode rank (and
+DCP rank) receives its part through the planned blocks; the decode caches, un-sharded, must
+equal the global tensor byte for byte. All caches live in one numpy arena, and a plan is
+executed with vectorized byte indexing over it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from kvbridge.cache import BufferSpec, KVArgs, TransferPlan, plan_kv
+from kvbridge.cache.plan import plan_tokens
+from kvbridge.cache.topology import TopologyError, rank_heads, topology
+from kvbridge.wire import KVLayout
+
+LAYERS, HEAD_DIM, TOKENS = 2, 4, 37
+
+
+class Arena:
+    """One byte array that every cache of a case is carved from."""
+
+    def __init__(self, size: int) -> None:
+        self.bytes = np.zeros(size, dtype=np.uint8)
+        self.base = int(self.bytes.ctypes.data)
+        self.used = 0
+
+    def array(self, shape: tuple[int, ...]) -> np.ndarray:
+        count = math.prod(shape) * 2
+        view = self.bytes[self.used : self.used + count].view(np.uint16).reshape(shape)
+        self.used += count
+        return view
+
+    def execute(self, plan: TransferPlan) -> None:
+        if not len(plan):
+            return
+        lengths = plan.length.astype(np.int64)
+        within = np.arange(lengths.sum()) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+        src = np.repeat(plan.src.astype(np.int64) - self.base, lengths) + within
+        dst = np.repeat(plan.dst.astype(np.int64) - self.base, lengths) + within
+        self.bytes[dst] = self.bytes[src]
+
+
+@dataclass
+class Rank:
+    kv: list[np.ndarray]  # [pages, page_size, heads, head_dim], K of each layer then V
+    args: KVArgs
+
+
+def make_rank(arena: Arena, layout: KVLayout, heads_here: int, total: int, tp_rank: int,
+              tp: int, pages: int, page_size: int) -> Rank:  # fmt: skip
+    per_layer = 2 if layout == KVLayout.MHA else 1
+    kv = [arena.array((pages, page_size, heads_here, HEAD_DIM)) for _ in range(per_layer * LAYERS)]
+    args = KVArgs(
+        kv_layout=layout, layer_ids=tuple(range(LAYERS)), total_kv_heads=total,
+        head_dim=HEAD_DIM, dtype="bfloat16", page_size=page_size,
+        kv_buffers=tuple(BufferSpec(a.ctypes.data, a.nbytes, a.nbytes // pages) for a in kv),
+        attn_tp_rank=tp_rank, attn_tp_size=tp,
+    )  # fmt: skip
+    return Rank(kv, args)
+
+
+Case = tuple[KVLayout, int, int, int, int, int, bool]
+CASES: list[Case] = [
+    (layout, pt, dt, heads, page_size, dcp, chunked)
+    for layout in (KVLayout.MHA, KVLayout.MLA)
+    for pt, dt in itertools.product((1, 2, 4, 8), repeat=2)
+    for heads in ((1, 2, 8, 32) if layout == KVLayout.MHA else (1,))
+    for page_size in (1, 16)
+    for dcp in (1, 2, 4)
+    for chunked in (False, True)
+]
+
+
+def case_id(case: Case) -> str:
+    layout, pt, dt, heads, page_size, dcp, chunked = case
+    return (
+        f"{layout.name}-P{pt}-D{dt}-H{heads}-ps{page_size}-dcp{dcp}{'-chunked' if chunked else ''}"  # type: ignore[union-attr]
+    )
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case_id(c) for c in CASES])
+def test_grid_against_the_global_tensor(
+    case: tuple[KVLayout, int, int, int, int, int, bool],
+) -> None:
+    layout, pt, dt, heads, page_size, dcp, chunked = case
+    rng = np.random.default_rng(abs(hash(case_id(case))) % 2**32)
+    parts = 2 if layout == KVLayout.MHA else 1
+    truth = rng.integers(0, 2**16, size=(parts, LAYERS, TOKENS, heads, HEAD_DIM), dtype=np.uint16)
+    src_pages_needed = math.ceil(TOKENS / page_size)
+    local_tokens = [len(range(r, TOKENS, dcp)) for r in range(dcp)]
+    arena = Arena(2 * (pt + dt * dcp) * parts * LAYERS * (src_pages_needed + 8) * page_size
+                  * heads * HEAD_DIM + 4096)  # fmt: skip
+
+    def heads_of(rank: int, tp: int) -> tuple[int, int]:
+        if layout == KVLayout.MLA:
+            return 0, heads
+        held = rank_heads(rank, tp, heads)
+        return held.start, held.count
+
+    prefill = []
+    src_pages = []
+    for p in range(pt):
+        start, count = heads_of(p, pt)
+        rank = make_rank(arena, layout, count, heads, p, pt, src_pages_needed + 3, page_size)
+        pages = rng.permutation(src_pages_needed + 3)[:src_pages_needed]
+        token_pages, slots = pages[np.arange(TOKENS) // page_size], np.arange(TOKENS) % page_size
+        for index, buffer in enumerate(rank.kv):
+            part, layer = divmod(index, LAYERS)
+            buffer[token_pages, slots] = truth[part, layer, :, start : start + count]
+        prefill.append(rank)
+        src_pages.append(pages)
+
+    mapping = topology(pt, dt, heads, layout)
+    for prefill_rank in range(pt):  # every prefill rank hears about every room
+        assert mapping.required_requests(prefill_rank) >= 1
+    for d in range(dt):
+        start, count = heads_of(d, dt)
+        route = mapping.route(d)
+        covered = sorted((s.dst_head_offset, s.heads.count) for s in route.sources)
+        if layout == KVLayout.MLA:
+            assert len(route.sources) == 1  # no byte sent twice to one decode rank
+        assert sum(c for _, c in covered) == count  # every head exactly once
+        for r in range(dcp):
+            pages_needed = math.ceil(local_tokens[r] / page_size)
+            rank = make_rank(arena, layout, count, heads, d, dt, pages_needed + 5, page_size)
+            dst_pages = rng.permutation(pages_needed + 5)[:pages_needed]
+            for source in route.sources:
+                pages = src_pages[source.prefill_rank]
+                bounds = [0, 1, pages.size] if chunked and pages.size > 1 else [0, pages.size]
+                for low, high in itertools.pairwise(bounds):
+                    plan = plan_tokens(
+                        prefill[source.prefill_rank].args, rank.args, source, pages[low:high],
+                        low * page_size, dst_pages, dcp_size=dcp, dcp_rank=r,
+                    )  # fmt: skip
+                    arena.execute(plan)
+            tokens = np.arange(r, TOKENS, dcp)
+            local = np.arange(tokens.size)
+            for index, buffer in enumerate(rank.kv):
+                part, layer = divmod(index, LAYERS)
+                got = buffer[dst_pages[local // page_size], local % page_size]
+                expected = truth[part, layer, tokens, start : start + count]
+                assert np.array_equal(got, expected), f"decode {d} dcp {r} buffer {index}"
+
+
+def test_equal_layout_merges_to_the_page_runs_of_plan_kv() -> None:
+    arena = Arena(1 << 20)
+    src = make_rank(arena, KVLayout.MHA, 4, 8, 1, 2, 20, 16)
+    dst = make_rank(arena, KVLayout.MHA, 4, 8, 1, 2, 30, 16)
+    (source,) = topology(2, 2, 8, KVLayout.MHA).route(1).sources
+    src_pages, dst_pages = np.array([3, 4, 5, 9]), np.array([10, 11, 2, 3])
+    by_token = plan_tokens(src.args, dst.args, source, src_pages, 0, dst_pages)
+    by_page = plan_kv(src.args, dst.args, src_pages, dst_pages)
+    for field in ("src", "dst", "length"):
+        assert np.array_equal(getattr(by_token, field), getattr(by_page, field))
+
+
+def test_head_slicing_costs_one_block_per_token_per_buffer() -> None:
+    arena = Arena(1 << 20)
+    src = make_rank(arena, KVLayout.MHA, 4, 8, 0, 2, 8, 16)  # Pt=2: 4 heads a rank
+    dst = make_rank(arena, KVLayout.MHA, 2, 8, 1, 4, 8, 16)  # Dt=4: 2 heads a rank
+    (source,) = topology(2, 4, 8, KVLayout.MHA).route(1).sources
+    assert (source.prefill_rank, source.src_head_offset, source.heads.count) == (0, 2, 2)
+    plan = plan_tokens(src.args, dst.args, source, np.array([0, 1]), 0, np.array([5, 6]))
+    assert len(plan) == 2 * LAYERS * 32  # K and V of each layer, 32 tokens
+
+
+@pytest.mark.parametrize(
+    ("pt", "dt", "heads", "expected"),
+    [
+        (4, 8, 2, [0, 1, 0, 1, 2, 3, 2, 3]),  # decode replicas share out prefill replicas…
+        (8, 2, 8, [0, 4]),  # …and a decode rank gathers several prefill ranks' heads
+    ],
+)
+def test_replicas_map_by_division(pt: int, dt: int, heads: int, expected: list[int]) -> None:
+    mapping = topology(pt, dt, heads, KVLayout.MHA)
+    assert [route.sources[0].prefill_rank for route in mapping.routes] == expected
+
+
+def test_unfed_prefill_ranks_get_dummies() -> None:
+    mapping = topology(4, 1, 1, KVLayout.MLA)
+    (route,) = mapping.routes
+    assert [s.prefill_rank for s in route.sources] == [0]
+    assert route.dummies == (1, 2, 3)
+    assert [mapping.required_requests(p) for p in range(4)] == [1, 1, 1, 1]
+    replicated = topology(8, 2, 2, KVLayout.MHA)  # 4 replicas of each head
+    assert sorted(r for route in replicated.routes for r in route.prefill_ranks) == list(range(8))
+
+
+def test_uneven_heads_are_refused() -> None:
+    with pytest.raises(TopologyError, match="do not divide"):
+        rank_heads(0, 3, 8)
+    with pytest.raises(TopologyError, match="not a multiple"):
+        rank_heads(0, 12, 8)
