@@ -24,6 +24,7 @@ import numpy.typing as npt
 
 from kvbridge.cache import KVArgs
 from kvbridge.cache.peer import memory_regions, registration_for
+from kvbridge.cache.topology import DecodeRoute, TopologyError, topology
 from kvbridge.config import ManagerConfig
 from kvbridge.control.bootstrap import BootstrapError, PrefillRank, lookup_prefill_group
 from kvbridge.control.channel import ControlChannel
@@ -131,25 +132,28 @@ class KVReceiver:
         self.manager = manager
         self.room = room
         self._status = RoomStatus()
-        self._target: PrefillRank | None = None
-        self._endpoint: str | None = None
+        self._route: DecodeRoute | None = None
+        self._required: dict[int, int] = {}
+        self._endpoints: dict[int, str] = {}
         if bootstrap_url is None:
             self._status.fail("no bootstrap URL for this room")
             return
+        args = manager.kv_args
         try:
             group = manager.prefill_group(bootstrap_url)
-        except BootstrapError as exc:
+            mapping = topology(
+                group[0].attn_tp_size, args.attn_tp_size, args.total_kv_heads, args.kv_layout
+            )
+        except (BootstrapError, TopologyError) as exc:
             self._status.fail(str(exc))
             return
-        size = group[0].attn_tp_size
-        if size != manager.kv_args.attn_tp_size:
-            self._status.fail(
-                f"prefill attention TP {size} differs from decode's "
-                f"{manager.kv_args.attn_tp_size}: not supported by this version"
-            )
-            return
-        self._target = group[manager.rank]
-        self._endpoint = manager._ensure_registered(self._target)
+        route = mapping.route(args.attn_tp_rank)
+        # Only DCP rank 0 of a decode rank sends the dummies (the prefill ranks count so).
+        dummies = route.dummies if args.dcp_rank == 0 else ()
+        self._route = DecodeRoute(route.decode_rank, route.sources, dummies)
+        for prefill_rank in self._route.prefill_ranks:
+            self._endpoints[prefill_rank] = manager._ensure_registered(group[prefill_rank])
+            self._required[prefill_rank] = mapping.required_requests(prefill_rank, args.dcp_size)
         self._status.advance(KVPoll.WaitingForInput)
 
     def init(
@@ -159,31 +163,46 @@ class KVReceiver:
         state_indices: Sequence[int] = (),
         decode_prefix_len: int | None = None,
     ) -> None:
-        """Ask the prefill rank to fill these pages (and aux slot, state slots)."""
-        if self._status.finished or self._target is None or self._endpoint is None:
+        """Ask the prefill ranks to fill these pages (and aux slot, state slots): one request
+        to each prefill rank this decode rank reads heads from, a dummy to the ranks it only
+        tells about the room. The first source alone writes the aux and state slots."""
+        if self._status.finished or self._route is None:
             return
         pages = np.asarray(kv_pages, dtype=np.int32).ravel()
-        request = TransferRequest(
-            room=self.room,
-            peer_id=self.manager.peer_id,
-            is_dummy=False,
-            dst_kv_indices=pages,
-            dst_aux_index=aux_index,
-            dst_state_indices=[list(state_indices)] if state_indices else [],
-            required_dst_info_num=1,
-            decode_prefix_len=decode_prefix_len,
+        first_source = self._route.sources[0].prefill_rank if self._route.sources else None
+
+        def request(prefill_rank: int, dummy: bool) -> TransferRequest:
+            first = prefill_rank == first_source
+            return TransferRequest(
+                room=self.room,
+                peer_id=self.manager.peer_id,
+                is_dummy=dummy,
+                dst_kv_indices=np.empty(0, dtype=np.int32) if dummy else pages,
+                dst_aux_index=aux_index if first else None,
+                dst_state_indices=[list(state_indices)] if first and state_indices else [],
+                required_dst_info_num=self._required[prefill_rank],
+                decode_prefix_len=decode_prefix_len,
+            )
+
+        requests = [(s.prefill_rank, request(s.prefill_rank, False)) for s in self._route.sources]
+        requests += [(rank, request(rank, True)) for rank in self._route.dummies]
+        notifying = (
+            frozenset(source.prefill_rank for source in self._route.sources)
+            if self.manager.engine.delivers_notifications
+            else frozenset()
         )
         state = DecodeRoom(
             room=self.room,
-            expected_ranks=frozenset({self._target.rank}),
-            needs_notification=self.manager.engine.delivers_notifications,
+            expected_ranks=frozenset(self._route.prefill_ranks),
+            notifying_ranks=notifying,
             deadline=time.monotonic() + self.manager.config.transfer_timeout_s,
         )
         state.status.advance(KVPoll.Transferring)
         with self.manager._lock:
             self.manager._rooms[self.room] = state
         self._status = state.status
-        self.manager.channel.send(self._endpoint, request)
+        for prefill_rank, message in requests:
+            self.manager.channel.send(self._endpoints[prefill_rank], message)
 
     def poll(self) -> KVPoll:
         with self.manager._lock:
@@ -197,10 +216,11 @@ class KVReceiver:
     def abort(self, reason: str) -> None:
         with self.manager._lock:
             failed = self._status.fail(f"aborted by decode: {reason}")
-        if failed and self._endpoint is not None:
+        if failed:
             decode_ip = self.manager.channel.host
             message = Abort(self.room, decode_ip, self.manager.channel.port, reason)
-            self.manager.channel.send(self._endpoint, message)
+            for endpoint in self._endpoints.values():
+                self.manager.channel.send(endpoint, message)
 
     def clear(self) -> None:
         """The one cleanup path of the room on this side (idempotent)."""

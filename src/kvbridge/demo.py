@@ -21,6 +21,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvbridge.cache import KVArgs, TransferPlan, kv_heads_on_rank
+from kvbridge.cache.topology import HeadRange, rank_heads
 from kvbridge.config import ManagerConfig
 from kvbridge.wire import KVLayout, KVPoll
 
@@ -61,7 +62,8 @@ class DemoConfig:
     requests: int = 16
     tokens: int = 1024
     page_size: int = 16
-    tp: int = 1
+    prefill_tp: int = 1
+    decode_tp: int = 1
     engine: str = "nixl"
     chunks: int = 2
     timeout_s: float = 120.0
@@ -78,23 +80,26 @@ class DemoConfig:
     def pages_per_request(self) -> int:
         return math.ceil(self.tokens / self.page_size)
 
-    def kv_bytes_per_rank(self) -> int:
-        return (
-            self.requests
-            * self.pages_per_request
-            * self.page_size
-            * self.shape.bytes_per_token(self.tp)
-        )
+    def kv_bytes_per_rank(self, tp: int) -> int:
+        """KV bytes the requests occupy on one rank of a group of attention-TP `tp`."""
+        return self.requests * self.tokens * self.shape.bytes_per_token(tp)
 
 
 @dataclass
 class DemoEvents:
-    """Cross-process milestones: prefill filled its pages; decode verified; each side done."""
+    """Cross-process milestones, one event per rank: prefill filled its pages; decode
+    verified what arrived; each rank finished (the other side waits for all of them before
+    closing its sockets)."""
 
     filled: list[Event]
-    verified: Event
+    verified: list[Event]
     prefill_done: list[Event]
     decode_done: list[Event]
+
+
+def wait_all(events: list[Event], timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    return all(event.wait(max(0.0, deadline - time.monotonic())) for event in events)
 
 
 @dataclass
@@ -115,24 +120,32 @@ class RankReport:
     failed_rooms: dict[int, str] = field(default_factory=dict)
 
 
-def page_content(room: int, buffer: int, pages: int, page_bytes: int) -> npt.NDArray[np.uint64]:
-    """The bytes a request's pages hold in one buffer, [pages, page_bytes // 8] words."""
-    words = page_bytes // 8
+def kv_content(
+    room: int, buffer: int, tokens: int, heads: HeadRange, total_heads: int, head_words: int
+) -> npt.NDArray[np.uint64]:
+    """What a request's tokens hold in one buffer for some heads: [tokens, heads, words],
+    each 8-byte word a function of (room, buffer, token, global head, word). Any rank can
+    produce or check its part, whatever the TP sizes."""
     base = np.uint64((room * 1_000_003 + buffer) * 0x100000001B3 % 2**64)
-    index = np.arange(pages * words, dtype=np.uint64).reshape(pages, words)
+    token = np.arange(tokens, dtype=np.uint64)[:, None, None]
+    head = np.arange(heads.start, heads.stop, dtype=np.uint64)[None, :, None]
+    word = np.arange(head_words, dtype=np.uint64)[None, None, :]
+    index = (token * np.uint64(total_heads) + head) * np.uint64(head_words) + word
     content: npt.NDArray[np.uint64] = (index + base) * GOLDEN
     return content
 
 
+def rank_head_range(config: DemoConfig, rank: int, tp: int) -> HeadRange:
+    if config.shape.kv_layout == KVLayout.MLA:
+        return HeadRange(0, config.shape.kv_heads)
+    return rank_heads(rank, tp, config.shape.kv_heads)
+
+
 def allocate_rank(
-    config: DemoConfig, rank: int, pool_pages: int
+    config: DemoConfig, rank: int, tp: int, pool_pages: int
 ) -> tuple[list[np.ndarray], np.ndarray, KVArgs]:
     shape = config.shape
-    heads = (
-        shape.kv_heads
-        if shape.kv_layout == KVLayout.MLA
-        else kv_heads_on_rank(shape.kv_heads, config.tp)
-    )
+    heads = rank_head_range(config, rank, tp).count
     per_layer = 2 if shape.kv_layout == KVLayout.MHA else 1
     kv = [
         np.empty((pool_pages, config.page_size, heads, shape.head_dim), dtype=np.uint16)
@@ -148,14 +161,19 @@ def allocate_rank(
         kv_layout=shape.kv_layout,
         total_kv_heads=shape.kv_heads,
         attn_tp_rank=rank,
-        attn_tp_size=config.tp,
+        attn_tp_size=tp,
         aux=[aux],
     )
     return kv, aux, args
 
 
-def _words(array: np.ndarray) -> np.ndarray:
-    return array.reshape(array.shape[0], -1).view(np.uint64)
+def token_words(array: np.ndarray, pages: np.ndarray, tokens: int) -> np.ndarray:
+    """The request's tokens in a [pages, page_size, heads, head_dim] uint16 buffer, as
+    [tokens, heads, head_dim // 4] uint64 words (a copy when `pages` scatter)."""
+    _, page_size, heads, head_dim = array.shape
+    flat = array[pages].reshape(pages.size * page_size, heads, head_dim)[:tokens]
+    words: np.ndarray = flat.view(np.uint64)
+    return words
 
 
 def run_prefill(
@@ -167,22 +185,28 @@ def run_prefill(
     manager = None
     try:
         pages_per_request = config.pages_per_request
-        kv, aux, args = allocate_rank(config, rank, config.requests * pages_per_request)
+        tp, shape = config.prefill_tp, config.shape
+        kv, aux, args = allocate_rank(config, rank, tp, config.requests * pages_per_request)
+        heads = rank_head_range(config, rank, tp)
         manager_config = ManagerConfig(
             engine=config.engine, bootstrap_url=bootstrap_url, keep_plans=config.measure_raw
         )
         manager = PrefillManager(args, manager_config)
         report.transport = manager.engine.transport
-        senders = []
+        rooms = []
         for room in range(config.requests):
             pages = np.arange(room * pages_per_request, (room + 1) * pages_per_request)
             for buffer, array in enumerate(kv):
-                _words(array)[pages] = page_content(room, buffer, pages.size, args.page_bytes)
+                words = shape.head_dim // 4
+                content = kv_content(room, buffer, config.tokens, heads, shape.kv_heads, words)
+                # The pool's pages for this room are contiguous: a view, written in place.
+                view = array[pages[0] : pages[-1] + 1].reshape(-1, heads.count, shape.head_dim)
+                view[: config.tokens].view(np.uint64)[:] = content
             aux[room] = np.frombuffer(np.uint64(room).tobytes() * (AUX_BYTES // 8), np.uint8)
-            senders.append((room, pages))
+            rooms.append((room, pages))
         events.filled[rank].set()
         active = []
-        for room, pages in senders:
+        for room, pages in rooms:
             sender = manager.sender(room)
             for chunk_index, chunk in enumerate(np.array_split(pages, config.chunks)):
                 last = chunk_index == config.chunks - 1
@@ -208,14 +232,14 @@ def run_prefill(
         results.put(asdict(report))
         if manager is not None:
             # Decode reads the last statuses (and its verification ends) before sockets go.
-            events.decode_done[rank].wait(config.timeout_s)
+            wait_all(events.decode_done, config.timeout_s)
             manager.close()
 
 
 def _replay_raw(manager: Any, config: DemoConfig, events: DemoEvents, report: RankReport) -> None:
-    """The identical blocks kvbridge wrote, through the engine alone, in one write, once
-    decode has verified what kvbridge delivered (the replay rewrites the same bytes)."""
-    events.verified.wait(config.timeout_s)
+    """The identical blocks kvbridge wrote, through the engine alone, in one write per peer,
+    once decode has verified what kvbridge delivered (the replay rewrites the same bytes)."""
+    wait_all(events.verified, config.timeout_s)
     by_peer: dict[str, list[TransferPlan]] = {}
     for peer, plan in manager.written_plans:
         by_peer.setdefault(peer, []).append(plan)
@@ -239,16 +263,16 @@ def run_decode(
     manager = None
     try:
         pages_per_request = config.pages_per_request
+        tp, shape = config.decode_tp, config.shape
         pool = math.ceil(config.requests * pages_per_request * config.decode_pool_factor)
-        kv, aux, args = allocate_rank(config, rank, pool)
-        manager = DecodeManager(
-            args, ManagerConfig(engine=config.engine, bootstrap_url=bootstrap_url)
-        )
+        kv, aux, args = allocate_rank(config, rank, tp, pool)
+        heads = rank_head_range(config, rank, tp)
+        manager_config = ManagerConfig(engine=config.engine, bootstrap_url=bootstrap_url)
+        manager = DecodeManager(args, manager_config)
         report.transport = manager.engine.transport
         scattered = np.random.default_rng(rank).permutation(pool)
-        for filled in events.filled:
-            if not filled.wait(config.timeout_s):
-                raise TimeoutError("the prefill group never filled its pages")
+        if not wait_all(events.filled, config.timeout_s):
+            raise TimeoutError("the prefill group never filled its pages")
         receivers = [manager.receiver(room) for room in range(config.requests)]
         started = time.perf_counter()
         sent_at = {}
@@ -273,25 +297,27 @@ def run_decode(
             pages = scattered[room * pages_per_request : (room + 1) * pages_per_request]
             same = all(
                 np.array_equal(
-                    _words(array)[pages],
-                    page_content(room, buffer, pages.size, args.page_bytes),
+                    token_words(array, pages, config.tokens),
+                    kv_content(
+                        room, buffer, config.tokens, heads, shape.kv_heads, shape.head_dim // 4
+                    ),
                 )
                 for buffer, array in enumerate(kv)
             )
             same &= bool((aux[room].view(np.uint64) == room).all())
             if not same:
                 report.mismatched_rooms.append(room)
-            report.bytes += pages.size * args.page_bytes * len(kv) + AUX_BYTES
+            report.bytes += config.tokens * args.token_bytes * len(kv) + AUX_BYTES
         report.rooms = len(receivers)
         report.ok = not report.failed_rooms and not report.mismatched_rooms
     except Exception as exc:
         report.error = f"{type(exc).__name__}: {exc}"
     finally:
-        events.verified.set()
+        events.verified[rank].set()
         results.put(asdict(report))
         if manager is not None:
             # Stay reachable while prefill replays the blocks (the target drives NIXL too).
-            events.prefill_done[rank].wait(config.timeout_s)
+            wait_all(events.prefill_done, config.timeout_s)
             manager.close()
         events.decode_done[rank].set()
 
@@ -303,7 +329,8 @@ class DemoResult:
 
     @property
     def ok(self) -> bool:
-        return len(self.reports) == 2 * self.config.tp and all(r.ok for r in self.reports)
+        expected = self.config.prefill_tp + self.config.decode_tp
+        return len(self.reports) == expected and all(r.ok for r in self.reports)
 
     @property
     def decode_reports(self) -> list[RankReport]:
@@ -336,10 +363,10 @@ def run_demo(config: DemoConfig, on_progress: Any = None) -> DemoResult:
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
     events = DemoEvents(
-        filled=[context.Event() for _ in range(config.tp)],
-        verified=context.Event(),
-        prefill_done=[context.Event() for _ in range(config.tp)],
-        decode_done=[context.Event() for _ in range(config.tp)],
+        filled=[context.Event() for _ in range(config.prefill_tp)],
+        verified=[context.Event() for _ in range(config.decode_tp)],
+        prefill_done=[context.Event() for _ in range(config.prefill_tp)],
+        decode_done=[context.Event() for _ in range(config.decode_tp)],
     )
     bootstrap = BootstrapServer().start()
     processes = [
@@ -348,8 +375,11 @@ def run_demo(config: DemoConfig, on_progress: Any = None) -> DemoResult:
             args=(config, rank, bootstrap.url, events, results),
             name=f"kvbridge-{role}-{rank}",
         )
-        for role, target in (("prefill", run_prefill), ("decode", run_decode))
-        for rank in range(config.tp)
+        for role, target, tp in (
+            ("prefill", run_prefill, config.prefill_tp),
+            ("decode", run_decode, config.decode_tp),
+        )
+        for rank in range(tp)
     ]
     for process in processes:
         process.start()

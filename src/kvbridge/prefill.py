@@ -24,9 +24,9 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from kvbridge.cache import GeometryError, KVArgs, PlanError, TransferPlan, plan_kv, plan_slots
+from kvbridge.cache import GeometryError, KVArgs, PlanError, TransferPlan, plan_slots
 from kvbridge.cache.peer import kv_args_of, memory_regions
-from kvbridge.cache.plan import check_compatible
+from kvbridge.cache.plan import Pairing, pair
 from kvbridge.config import ManagerConfig
 from kvbridge.control.bootstrap import BootstrapServer, PrefillRank, register_prefill
 from kvbridge.control.channel import ControlChannel
@@ -55,6 +55,7 @@ class _DecodePeer:
     registration: Registration
     endpoint: str
     kv_args: KVArgs | None = None
+    pairing: Pairing | None = None
     engine_peer: str | None = None
     error: str | None = None
 
@@ -150,7 +151,7 @@ class PrefillManager:
         peer = _DecodePeer(registration, endpoint)
         try:
             peer.kv_args = kv_args_of(registration)
-            check_compatible(self.kv_args, peer.kv_args)
+            peer.pairing = pair(self.kv_args, peer.kv_args)
         except (GeometryError, PlanError) as exc:
             peer.error = f"decode {registration.peer_id} cannot be served: {exc}"
             log.error("%s", peer.error)
@@ -219,8 +220,10 @@ class PrefillManager:
             peer.error = f"cannot connect to decode {peer_id}: {exc}"
             log.error("%s", peer.error)
 
-    def _plan(self, job: ChunkJob, peer_args: KVArgs) -> TransferPlan:
-        plans = [plan_kv(self.kv_args, peer_args, job.src_pages, job.dst_pages)]
+    def _plan(self, job: ChunkJob, peer_args: KVArgs, pairing: Pairing) -> TransferPlan:
+        plans = [
+            pairing.plan(self.kv_args, peer_args, job.src_pages, job.page_offset, job.dst_pages)
+        ]
         if job.last and job.src_aux_index is not None and job.dst_aux_index is not None:
             plans.append(
                 plan_slots(
@@ -259,9 +262,9 @@ class PrefillManager:
                     state = self._rooms.get(room)
                 if state is None or state.status.finished:
                     return  # aborted or cleared meanwhile: write nothing more
-                if peer.engine_peer is None or peer.kv_args is None:
+                if peer.engine_peer is None or peer.kv_args is None or peer.pairing is None:
                     raise EngineError(self.engine.name, "write", peer.error or "not connected")
-                plan = self._plan(job, peer.kv_args)
+                plan = self._plan(job, peer.kv_args, peer.pairing)
                 notify = notification_for(room, self.rank) if job.last else b""
                 if len(plan):
                     handle = self.engine.write(peer.engine_peer, plan, notify)

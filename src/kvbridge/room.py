@@ -65,12 +65,15 @@ class Chunk:
 
 @dataclass(frozen=True)
 class ChunkJob:
-    """What to write for one chunk: local pages → the decode pages at the same offset."""
+    """What to write for one chunk to one decode rank: the chunk's local pages, how many of
+    the room's pages were sent before it, and all of the decode rank's pages for the room
+    (the planner maps tokens, which may differ in page size, heads and DCP layout)."""
 
     room: int
     peer_id: str
     src_pages: npt.NDArray[np.int64]
-    dst_pages: npt.NDArray[np.int64]
+    page_offset: int
+    dst_pages: npt.NDArray[np.int32]
     last: bool
     src_aux_index: int | None
     dst_aux_index: int | None
@@ -120,19 +123,13 @@ class PrefillRoom:
         for peer_id, request in self.requests.items():
             if request.is_dummy:
                 continue
-            start, stop = self.pages_sent, self.pages_sent + chunk.src_pages.size
-            dst_pages = np.asarray(request.dst_kv_indices[start:stop], dtype=np.int64)
-            if dst_pages.size != chunk.src_pages.size:
-                raise ValueError(
-                    f"room {self.room}: prefill sends {stop} pages but decode {peer_id} gave "
-                    f"only {request.dst_kv_indices.size} destination pages"
-                )
             jobs.append(
                 ChunkJob(
                     room=self.room,
                     peer_id=peer_id,
                     src_pages=chunk.src_pages,
-                    dst_pages=dst_pages,
+                    page_offset=self.pages_sent,
+                    dst_pages=request.dst_kv_indices,
                     last=chunk.last,
                     src_aux_index=chunk.aux_index if chunk.last else None,
                     dst_aux_index=request.dst_aux_index if chunk.last else None,
@@ -163,7 +160,9 @@ class DecodeRoom:
 
     room: int
     expected_ranks: frozenset[int]
-    needs_notification: bool
+    # Ranks whose last write carries an engine notification (real sources, on engines that
+    # notify): the notification proves the data is in place.
+    notifying_ranks: frozenset[int]
     deadline: float
     status: RoomStatus = field(default_factory=RoomStatus)
     reported: set[int] = field(default_factory=set)
@@ -179,16 +178,14 @@ class DecodeRoom:
             self._maybe_done()
 
     def on_notification(self, prefill_rank: int) -> None:
-        if prefill_rank in self.expected_ranks:
+        if prefill_rank in self.notifying_ranks:
             self.notified.add(prefill_rank)
             self._maybe_done()
 
     def _maybe_done(self) -> None:
-        # With an engine that notifies, the notification proves the data is in place; the
-        # status message says the rank wrote everything. Success needs both.
-        if self.reported >= self.expected_ranks and (
-            not self.needs_notification or self.notified >= self.expected_ranks
-        ):
+        # The status says a rank wrote everything; where the engine notifies, the notification
+        # says it landed. Success needs both from every rank concerned.
+        if self.reported >= self.expected_ranks and self.notified >= self.notifying_ranks:
             self.status.advance(KVPoll.Success)
 
     def check_deadline(self, now: float) -> None:

@@ -75,14 +75,14 @@ def test_chunks_aux_and_state_arrive() -> None:
 
 def test_incompatible_geometry_fails_the_room_with_the_reason() -> None:
     src = rank_cache(num_pages=8, seed=1, **GEOMETRY)
-    dst = rank_cache(num_pages=8, seed=None, **{**GEOMETRY, "page_size": 8})
+    dst = rank_cache(num_pages=8, seed=None, **{**GEOMETRY, "head_dim": 16})
     with pair(src, dst) as (prefill, decode):
         sender, receiver = prefill.sender(1), decode.receiver(1)
         receiver.init([0, 1])
         sender.send([0, 1], last=True)
         wait_for(finished(sender, receiver))
         assert receiver.poll() == KVPoll.Failed
-        assert "page_size differs" in str(receiver.failure_reason)
+        assert "head_dim differs: 8 → 16" in str(receiver.failure_reason)
         assert "prefill rank 0" in str(receiver.failure_reason)
 
 

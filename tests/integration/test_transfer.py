@@ -18,15 +18,19 @@ def require(engine: str) -> None:
         pytest.skip(f"{engine} cannot be used here: {reason}")
 
 
-@pytest.mark.parametrize(("tp", "chunks"), [(1, 1), (1, 4), (2, 3)])
-def test_nixl_requests_arrive_byte_exact(tp: int, chunks: int) -> None:
+@pytest.mark.parametrize(
+    ("prefill_tp", "decode_tp", "chunks"), [(1, 1, 1), (1, 1, 4), (2, 2, 3), (2, 4, 2), (4, 2, 1)]
+)
+def test_nixl_requests_arrive_byte_exact(prefill_tp: int, decode_tp: int, chunks: int) -> None:
     require("nixl")
-    config = DemoConfig(requests=6, tokens=300, page_size=16, tp=tp, engine="nixl", chunks=chunks)
+    config = DemoConfig(
+        requests=6, tokens=300, page_size=16, prefill_tp=prefill_tp, decode_tp=decode_tp,
+        engine="nixl", chunks=chunks,
+    )  # fmt: skip
     result = run_demo(config)
     assert result.ok, [report for report in result.reports if not report.ok]
-    assert sum(report.rooms for report in result.decode_reports) == 6 * tp
-    pages = config.pages_per_request
-    expected = tp * 6 * (pages * 16 * config.shape.bytes_per_token(tp) + 64)
+    assert sum(report.rooms for report in result.decode_reports) == 6 * decode_tp
+    expected = decode_tp * 6 * (300 * config.shape.bytes_per_token(decode_tp) + 64)
     assert result.total_bytes == expected
 
 
@@ -40,7 +44,8 @@ def test_mooncake_requests_arrive_byte_exact(private_netns: list[str]) -> None:
     require("mooncake")
     command = [
         *private_netns, sys.executable, "-m", "kvbridge", "demo", "--engine", "mooncake",
-        "--requests", "6", "--tokens", "300", "--tp", "2", "--chunks", "3",
+        "--requests", "6", "--tokens", "300", "--prefill-tp", "2", "--decode-tp", "4",
+        "--chunks", "3",
     ]  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr

@@ -3,7 +3,7 @@ mapping between `KVArgs` and `Registration`."""
 
 from __future__ import annotations
 
-from kvbridge.cache.spec import BufferSpec, GeometryError, KVArgs
+from kvbridge.cache.spec import BufferSpec, KVArgs
 from kvbridge.engines.regions import MemoryRegion
 from kvbridge.wire.native import Registration
 
@@ -27,8 +27,8 @@ def registration_for(
         engine_descriptor=engine_descriptor,
         tp_rank=args.attn_tp_rank,
         attn_tp_size=args.attn_tp_size,
-        dcp_rank=0,
-        dcp_size=1,
+        dcp_rank=args.dcp_rank,
+        dcp_size=args.dcp_size,
         kv_layout=args.kv_layout,
         total_kv_heads=args.total_kv_heads,
         head_dim=args.head_dim,
@@ -75,11 +75,6 @@ def kv_args_of(registration: Registration) -> KVArgs:
         )
         for buffer in buffers(ptrs, item_lens, lengths)
     )
-    if registration.dcp_size != 1:
-        raise GeometryError(
-            f"decode context parallelism (size {registration.dcp_size}) is not supported by "
-            "this version"
-        )
     return KVArgs(
         kv_layout=registration.kv_layout,
         layer_ids=tuple(registration.kv_layer_ids),
@@ -98,6 +93,8 @@ def kv_args_of(registration: Registration) -> KVArgs:
         state_buffers=state,
         memory_kind=registration.memory_kind,
         device_id=registration.device_id,
+        dcp_rank=registration.dcp_rank,
+        dcp_size=registration.dcp_size,
     )
 
 

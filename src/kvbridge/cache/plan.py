@@ -14,8 +14,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvbridge.cache.spec import BufferSpec, KVArgs
-from kvbridge.cache.topology import Source
-from kvbridge.wire.messages import KVLayout
+from kvbridge.cache.topology import Source, Topology, TopologyError, topology
 
 U64 = np.uint64
 Addresses = npt.NDArray[np.uint64]
@@ -115,21 +114,29 @@ def _buffer_pairs(src: KVArgs, dst: KVArgs) -> tuple[Addresses, Addresses]:
     return src_ptrs, dst_ptrs
 
 
-def check_compatible(src: KVArgs, dst: KVArgs) -> None:
-    """Refuse geometry pairs this planner cannot serve, with the reason."""
+def check_same_model(src: KVArgs, dst: KVArgs) -> None:
+    """Refuse a pair that cannot be running the same model's KV cache."""
     if src.kv_layout != dst.kv_layout:
         raise PlanError(f"KV layouts differ: {src.kv_layout.name} → {dst.kv_layout.name}")
-    for name in ("dtype", "head_dim", "page_size", "total_kv_heads"):
+    for name in ("dtype", "head_dim", "total_kv_heads"):
         if getattr(src, name) != getattr(dst, name):
             raise PlanError(
                 f"{name} differs: {getattr(src, name)!r} → {getattr(dst, name)!r}; both sides "
-                "must run the same model and page size"
+                "must run the same model"
             )
-    if src.kv_layout == KVLayout.MHA and src.kv_heads != dst.kv_heads:
+
+
+def check_compatible(src: KVArgs, dst: KVArgs) -> None:
+    """Refuse pairs that `plan_kv` (whole pages) cannot serve, with the reason."""
+    check_same_model(src, dst)
+    if src.page_size != dst.page_size:
+        raise PlanError(
+            f"page_size differs: {src.page_size} → {dst.page_size}; plan_kv copies whole pages"
+        )
+    if src.kv_heads != dst.kv_heads:
         raise PlanError(
             f"KV heads per rank differ ({src.kv_heads} → {dst.kv_heads}: attention TP "
-            f"{src.attn_tp_size} → {dst.attn_tp_size}); head-sliced transfers are not planned "
-            "by plan_kv"
+            f"{src.attn_tp_size} → {dst.attn_tp_size}); head slices need plan_tokens"
         )
 
 
@@ -188,11 +195,7 @@ def plan_tokens(
     Tokens past the destination's pages (the padding of prefill's last page) are not sent.
     Per buffer, one block per token, merged wherever both sides are contiguous.
     """
-    if src.kv_layout != dst.kv_layout or src.dtype != dst.dtype or src.head_dim != dst.head_dim:
-        raise PlanError(
-            f"layout, dtype or head_dim differ: {src.kv_layout.name}/{src.dtype}/{src.head_dim}"
-            f" → {dst.kv_layout.name}/{dst.dtype}/{dst.head_dim}"
-        )
+    check_same_model(src, dst)
     if token_start % src.page_size:
         raise PlanError(f"chunk starts at token {token_start}, not a page boundary")
     count = source.heads.count
@@ -263,3 +266,65 @@ def plan_slots(
     return TransferPlan(
         src_addr + U64(src_slot) * item_lens, dst_addr + U64(dst_slot) * item_lens, item_lens
     )
+
+
+@dataclass(frozen=True)
+class Pairing:
+    """How this prefill rank writes to one decode rank: decided once, at registration."""
+
+    topology: Topology
+    source: Source | None  # None: this rank only answers the decode rank's dummy requests
+    whole_pages: bool  # same heads and page size: plan by page runs
+
+    def plan(
+        self,
+        src: KVArgs,
+        dst: KVArgs,
+        src_pages: npt.NDArray[np.int64],
+        page_offset: int,
+        dst_pages: npt.ArrayLike,
+    ) -> TransferPlan:
+        """The KV blocks of a chunk that starts `page_offset` pages into the room."""
+        if self.source is None:
+            return TransferPlan.empty()
+        if self.whole_pages:
+            all_pages = np.asarray(dst_pages)
+            chunk = all_pages[page_offset : page_offset + src_pages.size]
+            if chunk.size != src_pages.size:
+                raise PlanError(
+                    f"prefill sends {page_offset + src_pages.size} pages but decode gave "
+                    f"{all_pages.size}"
+                )
+            return plan_kv(src, dst, src_pages, chunk)
+        return plan_tokens(
+            src, dst, self.source, src_pages, page_offset * src.page_size, dst_pages,
+            dcp_size=dst.dcp_size, dcp_rank=dst.dcp_rank,
+        )  # fmt: skip
+
+
+def pair(src: KVArgs, dst: KVArgs) -> Pairing:
+    """The pairing of a prefill rank with a decode rank; `PlanError` naming what makes the
+    pair impossible (different model, heads that do not divide, state at different TP)."""
+    check_same_model(src, dst)
+    try:
+        mapping = topology(src.attn_tp_size, dst.attn_tp_size, src.total_kv_heads, src.kv_layout)
+    except TopologyError as exc:
+        raise PlanError(str(exc)) from None
+    if src.attn_tp_size != dst.attn_tp_size and (src.state_buffers or dst.state_buffers):
+        raise PlanError(
+            f"state buffers cannot move between attention TP {src.attn_tp_size} and "
+            f"{dst.attn_tp_size} (their TP-sharded dimension is not described yet)"
+        )
+    sources = [
+        source
+        for source in mapping.route(dst.attn_tp_rank).sources
+        if source.prefill_rank == src.attn_tp_rank
+    ]
+    source = sources[0] if sources else None
+    whole = (
+        source is not None
+        and src.page_size == dst.page_size
+        and dst.dcp_size == 1
+        and source.heads.count == src.kv_heads == dst.kv_heads
+    )
+    return Pairing(mapping, source, whole)

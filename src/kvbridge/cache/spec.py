@@ -93,6 +93,9 @@ class KVArgs:
     state_buffers: tuple[BufferSpec, ...] = ()
     memory_kind: MemoryKind = MemoryKind.DRAM
     device_id: int = 0
+    # Decode context parallelism: global token i lives on DCP rank i % dcp_size.
+    dcp_rank: int = 0
+    dcp_size: int = 1
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -132,6 +135,8 @@ class KVArgs:
         for name in ("total_kv_heads", "head_dim", "page_size", "attn_tp_size"):
             if getattr(self, name) < 1:
                 raise GeometryError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if not 0 <= self.dcp_rank < self.dcp_size:
+            raise GeometryError(f"dcp_rank {self.dcp_rank} is outside dcp_size {self.dcp_size}")
         if not 0 <= self.attn_tp_rank < self.attn_tp_size:
             raise GeometryError(
                 f"attn_tp_rank {self.attn_tp_rank} is outside attn_tp_size {self.attn_tp_size}"

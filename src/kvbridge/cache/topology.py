@@ -82,9 +82,16 @@ class Topology:
     def route(self, decode_rank: int) -> DecodeRoute:
         return self.routes[decode_rank]
 
-    def required_requests(self, prefill_rank: int) -> int:
-        """Requests (real and dummy) a prefill rank receives per room."""
-        return sum(prefill_rank in route.prefill_ranks for route in self.routes)
+    def required_requests(self, prefill_rank: int, dcp_size: int = 1) -> int:
+        """Requests (real and dummy) a prefill rank receives per room. With decode context
+        parallelism every DCP rank of a decode rank asks for its own tokens; only DCP rank 0
+        sends the dummies."""
+        real = sum(
+            any(source.prefill_rank == prefill_rank for source in route.sources)
+            for route in self.routes
+        )
+        dummy = sum(prefill_rank in route.dummies for route in self.routes)
+        return real * dcp_size + dummy
 
 
 @cache

@@ -159,28 +159,42 @@ def protocol_doc_command(output: Path | None, check: Path | None) -> None:
               help="Tokens per request.")  # fmt: skip
 @click.option("--page-size", type=click.IntRange(1), default=16, show_default=True)
 @click.option("--tp", type=click.IntRange(1), default=1, show_default=True,
-              help="Attention-TP size of both the prefill and the decode group.")  # fmt: skip
+              help="Attention-TP size of both groups.")  # fmt: skip
+@click.option("--prefill-tp", type=click.IntRange(1), help="Prefill attention-TP (default: --tp).")
+@click.option("--decode-tp", type=click.IntRange(1), help="Decode attention-TP (default: --tp).")
 @click.option("--engine", type=click.Choice(["nixl", "mooncake"]), default="nixl",
               show_default=True)  # fmt: skip
 @click.option("--chunks", type=click.IntRange(1), default=2, show_default=True,
               help="Chunks each request is sent in (chunked prefill).")  # fmt: skip
 def demo_command(
-    model: str, requests: int, tokens: int, page_size: int, tp: int, engine: str, chunks: int
+    model: str,
+    requests: int,
+    tokens: int,
+    page_size: int,
+    tp: int,
+    prefill_tp: int | None,
+    decode_tp: int | None,
+    engine: str,
+    chunks: int,
 ) -> None:
     """Move the KV cache of N requests from a prefill group to a decode group (separate
     processes, a real engine) and verify every byte. Exits 1 on any failure or mismatch."""
-    config = DemoConfig(model, requests, tokens, page_size, tp, engine, chunks)
+    config = DemoConfig(
+        model=model, requests=requests, tokens=tokens, page_size=page_size,
+        prefill_tp=prefill_tp or tp, decode_tp=decode_tp or tp, engine=engine, chunks=chunks,
+    )  # fmt: skip
     reason = unavailable_reason(engine)
     if reason is not None:
         raise _fail(f"engine {engine} cannot be used here: {reason}")
-    footprint = config.kv_bytes_per_rank() / 2**30
+    footprint = config.kv_bytes_per_rank(config.prefill_tp) / 2**30
     console.print(
         f"{config.shape.name}: {requests} requests × {tokens} tokens, page {page_size}, "
-        f"TP {tp}→{tp}, engine {engine}; {footprint:.2f} GiB of KV per rank and side",
+        f"TP {config.prefill_tp}→{config.decode_tp}, engine {engine}; {footprint:.2f} GiB of KV "
+        "per prefill rank",
         highlight=False,
     )
     with Progress(console=console, transient=True) as progress:
-        task = progress.add_task("rooms verified", total=requests * tp)
+        task = progress.add_task("rooms verified", total=requests * config.decode_tp)
         result = run_demo(config, lambda done: progress.update(task, completed=done))
     table = Table(title="kvbridge demo", title_justify="left")
     for column in ("requests", "bytes", "GB/s", "p50 ms", "p99 ms", "engine", "verified"):
