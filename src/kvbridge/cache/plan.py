@@ -176,6 +176,35 @@ def merge_runs(
     return src_offsets[starts], dst_offsets[starts], blocks * length
 
 
+def token_rows(
+    src_pages: npt.NDArray[np.int64],
+    src_page_size: int,
+    token_start: int,
+    dst_pages: npt.NDArray[np.int64],
+    dst_page_size: int,
+    dcp_size: int = 1,
+    dcp_rank: int = 0,
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    """Where each token of a chunk that goes to this decode (DCP) rank lives on both sides, as
+    token rows of a buffer (``page * page_size + slot``), in token order.
+
+    The chunk is `src_pages` from global token `token_start`; `dst_pages` are all the
+    request's pages on the decode rank. With DCP, global token i lives on DCP rank
+    ``i % dcp_size`` at local token ``i // dcp_size``. Tokens past the destination's pages
+    (prefill's last-page padding) are left out.
+    """
+    local = np.arange(src_pages.size * src_page_size, dtype=np.int64)
+    tokens = token_start + local
+    if dcp_size > 1:
+        mine = tokens % dcp_size == dcp_rank
+        local, tokens = local[mine], tokens[mine] // dcp_size
+    keep = tokens < dst_pages.size * dst_page_size
+    local, tokens = local[keep], tokens[keep]
+    src_rows = src_pages[local // src_page_size] * src_page_size + local % src_page_size
+    dst_rows = dst_pages[tokens // dst_page_size] * dst_page_size + tokens % dst_page_size
+    return src_rows, dst_rows
+
+
 def plan_tokens(
     src: KVArgs,
     dst: KVArgs,
@@ -209,25 +238,12 @@ def plan_tokens(
         )
     src_array = as_pages(src_pages, src.num_pages, "source")
     dst_array = as_pages(dst_pages, dst.num_pages, "destination")
-    local = np.arange(src_array.size * src.page_size, dtype=np.int64)
-    tokens = token_start + local
-    if dcp_size > 1:
-        mine = tokens % dcp_size == dcp_rank
-        local, tokens = local[mine], tokens[mine]
-        tokens = tokens // dcp_size
-    keep = tokens < dst_array.size * dst.page_size
-    local, tokens = local[keep], tokens[keep]
+    src_rows, dst_rows = token_rows(
+        src_array, src.page_size, token_start, dst_array, dst.page_size, dcp_size, dcp_rank
+    )
     head_bytes = src.head_dim * src.dtype_size
-    src_offsets = (
-        src_array[local // src.page_size] * src.page_bytes
-        + (local % src.page_size) * src.token_bytes
-        + source.src_head_offset * head_bytes
-    )
-    dst_offsets = (
-        dst_array[tokens // dst.page_size] * dst.page_bytes
-        + (tokens % dst.page_size) * dst.token_bytes
-        + source.dst_head_offset * head_bytes
-    )
+    src_offsets = src_rows * src.token_bytes + source.src_head_offset * head_bytes
+    dst_offsets = dst_rows * dst.token_bytes + source.dst_head_offset * head_bytes
     src_starts, dst_starts, lengths = merge_runs(src_offsets, dst_offsets, count * head_bytes)
     src_ptrs, dst_ptrs = _buffer_pairs(src, dst)
     src_addr = src_ptrs[:, None] + src_starts.astype(U64)[None, :]

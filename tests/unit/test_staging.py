@@ -1,0 +1,115 @@
+"""The staging ring (allocation, wrap-around, watermark safety, oversize) and the numpy
+gather/scatter kernels against the per-token planner."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from kv_cache import rank_cache
+
+from kvbridge.cache.plan import plan_tokens, token_rows
+from kvbridge.cache.topology import topology
+from kvbridge.engines.loopback import LoopbackEngine
+from kvbridge.staging import RingError, StagingRing, buffer_rows, gather, scatter
+from kvbridge.wire import KVLayout
+
+
+def test_allocation_wraps_to_the_next_round_and_waits_for_frees() -> None:
+    ring = StagingRing(1024)
+    first, second = ring.allocate(400), ring.allocate(400)
+    assert first is not None
+    assert second is not None
+    assert (first.offset, first.round, second.offset) == (0, 0, 448)
+    assert ring.allocate(400) is None  # 176 bytes left at the end, the start is in use
+    ring.free(first)
+    assert ring.watermark == (0, 448)
+    third = ring.allocate(400)  # does not straddle the end: next round, offset 0
+    assert third is not None
+    assert (third.offset, third.round, third.end) == (0, 1, 400)
+    ring.free(second)
+    ring.free(third)
+    assert ring.watermark == (1, 448)
+    assert ring.in_use == 0
+
+
+def test_frees_out_of_order_hold_the_watermark_at_the_oldest() -> None:
+    ring = StagingRing(4096)
+    regions = [ring.allocate(1000) for _ in range(3)]
+    assert all(region is not None for region in regions)
+    ring.free(regions[1])  # type: ignore[arg-type]
+    assert ring.watermark == (0, 0)
+    ring.free(regions[0])  # type: ignore[arg-type]
+    assert ring.watermark == (0, 2048)  # past both freed regions (1024 each, aligned)
+    with pytest.raises(RingError, match="no live region at 0"):
+        ring.free(regions[0])  # type: ignore[arg-type]
+
+
+def test_oversize_never_fits() -> None:
+    ring = StagingRing(1024)
+    assert not ring.fits_ever(1025)
+    with pytest.raises(RingError, match="can never fit"):
+        ring.allocate(1025)
+    with pytest.raises(RingError, match="multiple"):
+        StagingRing(1000)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    ring_kib=st.integers(1, 16),
+    steps=st.lists(st.tuples(st.booleans(), st.integers(1, 6000), st.integers(0, 99)), max_size=80),
+)
+def test_a_writer_never_overwrites_what_decode_has_not_scattered(
+    ring_kib: int, steps: list[tuple[bool, int, int]]
+) -> None:
+    ring = StagingRing(ring_kib * 1024)
+    live: list[tuple[int, int, object]] = []
+    for allocate, size, pick in steps:
+        if allocate and ring.fits_ever(size):
+            region = ring.allocate(size)
+            if region is None:
+                assert live  # only a full ring refuses
+                continue
+            assert region.offset >= 0
+            assert region.end <= ring.ring_size
+            for offset, end, _ in live:  # no byte shared with a region not yet freed
+                assert region.end <= offset or end <= region.offset
+            live.append((region.offset, region.end, region))
+        elif live:
+            offset, end, region = live.pop(pick % len(live))
+            ring.free(region)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("pt", "dt", "prefill_rank", "decode_rank"), [(2, 4, 0, 1), (4, 2, 3, 1)])
+def test_gather_then_scatter_equals_the_per_token_plan(
+    pt: int, dt: int, prefill_rank: int, decode_rank: int
+) -> None:
+    geometry = dict(layer_ids=(0, 1, 2), page_size=4, total_kv_heads=8, head_dim=16)
+    src = rank_cache(num_pages=12, attn_tp_size=pt, seed=prefill_rank, **geometry)
+    by_staging = rank_cache(num_pages=20, attn_tp_size=dt, seed=None, **geometry)
+    by_tokens = rank_cache(num_pages=20, attn_tp_size=dt, seed=None, **geometry)
+    (source,) = [s for s in topology(pt, dt, 8, KVLayout.MHA).route(decode_rank).sources
+                 if s.prefill_rank == prefill_rank]  # fmt: skip
+    src_pages = np.array([7, 2, 9])
+    dst_pages = np.array([11, 3, 15, 0, 6])
+    token_start = 4  # the chunk is the room's second page onwards
+
+    src_rows, dst_rows = token_rows(src_pages, 4, token_start, dst_pages, 4)
+    head_bytes = 16 * 2
+    width = source.heads.count * head_bytes
+    staging = np.zeros(3 * 2 * src_rows.size * width, dtype=np.uint8)
+    src_views = [buffer_rows(b, src.args.token_bytes) for b in src.args.kv_buffers]
+    dst_views = [buffer_rows(b, by_staging.args.token_bytes) for b in by_staging.args.kv_buffers]
+    size = gather(src_views, src_rows, source.src_head_offset * head_bytes, width, staging)
+    ring = staging.copy()  # the one transfer into decode's ring
+    scatter(ring[:size], dst_views, dst_rows, source.dst_head_offset * head_bytes, width)
+
+    sender, receiver = LoopbackEngine(), LoopbackEngine()
+    sender.register(src.regions())
+    peer = sender.connect(receiver.endpoint(), by_tokens.regions())
+    plan = plan_tokens(src.args, by_tokens.args, source, src_pages, token_start, dst_pages)
+    sender.write(peer, plan).wait(1.0)
+    for staged, planned in zip(by_staging.kv, by_tokens.kv, strict=True):
+        assert planned.any()
+        assert np.array_equal(staged, planned)
