@@ -22,6 +22,11 @@ class ManagerConfig:
     write_timeout_s: how long prefill waits for one engine write.
     keep_plans: prefill keeps every (peer, plan) it wrote, for benchmarks that replay the
         identical blocks through the raw engine.
+    staging: use the staging path when the TP sizes differ (decode registers a ring, prefill
+        gathers each chunk into one write); off: every head slice is a separate block.
+    staging_bytes: decode's ring, and prefill's local staging buffer, in bytes; a chunk that
+        does not fit falls back to the per-token path.
+    staging_timeout_s: how long prefill waits for ring space for one chunk.
     """
 
     engine: str = DEFAULT_ENGINE
@@ -33,3 +38,6 @@ class ManagerConfig:
     transfer_timeout_s: float = 300.0
     write_timeout_s: float = 60.0
     keep_plans: bool = False
+    staging: bool = True
+    staging_bytes: int = 64 << 20
+    staging_timeout_s: float = 30.0

@@ -13,26 +13,51 @@ notifications (NIXL needs the target to drive progress) and checks deadlines.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import queue
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 
-from kvbridge.cache import KVArgs
+from kvbridge.cache import BufferSpec, KVArgs
 from kvbridge.cache.peer import memory_regions, registration_for
+from kvbridge.cache.plan import dst_token_rows
 from kvbridge.cache.topology import DecodeRoute, TopologyError, topology
 from kvbridge.config import ManagerConfig
 from kvbridge.control.bootstrap import BootstrapError, PrefillRank, lookup_prefill_group
 from kvbridge.control.channel import ControlChannel
 from kvbridge.engines import create_engine
 from kvbridge.room import DecodeRoom, RoomStatus, parse_notification
-from kvbridge.wire import Abort, KVPoll, Message, TransferRequest, TransferStatus
+from kvbridge.staging import Allocation, StagingRing, buffer_rows, scatter
+from kvbridge.wire import (
+    STAGING_NEVER_FITS,
+    Abort,
+    ChunkReady,
+    KVPoll,
+    MemoryKind,
+    Message,
+    StagingRequest,
+    StagingResponse,
+    TransferRequest,
+    TransferStatus,
+    Watermark,
+)
 
 log = logging.getLogger("kvbridge.decode")
+
+
+@dataclass
+class DecodeStats:
+    scattered_chunks: int = 0
+    unexpected_chunks: int = 0
+    scatter_s: float = 0.0
 
 
 class DecodeManager:
@@ -41,6 +66,33 @@ class DecodeManager:
         self.config = config
         self.rank = kv_args.attn_tp_rank
         self.engine = create_engine(config.engine, f"decode-{self.rank}-{uuid.uuid4().hex[:8]}")
+        self.stats = DecodeStats()
+        # The staging ring prefill writes staged chunks into (heterogeneous TP, CPU memory).
+        self._ring: StagingRing | None = None
+        self._ring_bytes: npt.NDArray[np.uint8] | None = None
+        if config.staging and kv_args.memory_kind == MemoryKind.DRAM:
+            self._ring_bytes = np.empty(config.staging_bytes, dtype=np.uint8)
+            self._ring_bytes.fill(0)  # touch it: no page faults inside a transfer
+            ring = BufferSpec(int(self._ring_bytes.ctypes.data), config.staging_bytes, 1)
+            kv_args = dataclasses.replace(kv_args, staging_buffer=ring)
+            self.kv_args = kv_args
+            self._ring = StagingRing(config.staging_bytes)
+        self._kv_rows = (
+            [buffer_rows(b, kv_args.token_bytes) for b in kv_args.kv_buffers]
+            if self._ring is not None
+            else []
+        )
+        # Ring bookkeeping, shared by the channel thread (grants) and the scatter thread.
+        self._ring_lock = threading.Lock()
+        self._staged: dict[tuple[int, int, int], Allocation] = {}  # (rank, room, chunk)
+        self._waiting: deque[StagingRequest] = deque()  # no ring space yet
+        self._scatters: queue.SimpleQueue[tuple[ChunkReady, Allocation] | None] = (
+            queue.SimpleQueue()
+        )
+        self._scatter_thread = threading.Thread(
+            target=self._run_scatters, name="kvbridge-decode-scatter", daemon=True
+        )
+        self._scatter_thread.start()
         self.engine.register(memory_regions(kv_args))
         self._lock = threading.Lock()
         self._rooms: dict[int, DecodeRoom] = {}
@@ -86,15 +138,121 @@ class DecodeManager:
     # --- control thread --------------------------------------------------------------------
 
     def _on_message(self, message: Message) -> None:
-        if not isinstance(message, TransferStatus):
+        if isinstance(message, StagingRequest):
+            self._allocate(message)
+        elif isinstance(message, ChunkReady):
+            self._scatter(message)
+        elif isinstance(message, TransferStatus):
+            with self._lock:
+                state = self._rooms.get(message.room)
+                if state is None:
+                    log.info("status for unknown or cleared room %d, ignored", message.room)
+                    return
+                state.on_status(message.prefill_rank, message.status, message.reason)
+        else:
             log.warning("unexpected %s on a decode rank, ignored", type(message).__name__)
+
+    # --- staging ring (channel thread) -------------------------------------------------------
+
+    def _allocate(self, request: StagingRequest) -> None:
+        """Grant ring space for a chunk, queue the request while the ring is full, or answer
+        that it can never fit (prefill then sends that chunk token by token)."""
+        if self._ring is None or not self._ring.fits_ever(request.nbytes):
+            self._answer(request, None)
+            return
+        with self._ring_lock:
+            allocation = self._ring.allocate(request.nbytes)
+            if allocation is None:
+                self._waiting.append(request)
+                return
+            self._staged[(request.prefill_rank, request.room, request.chunk_idx)] = allocation
+        self._answer(request, allocation)
+
+    def _answer(self, request: StagingRequest, allocation: Allocation | None) -> None:
+        response = StagingResponse(
+            room=request.room,
+            chunk_idx=request.chunk_idx,
+            offset=allocation.offset if allocation else STAGING_NEVER_FITS,
+            round=allocation.round if allocation else 0,
+            end=allocation.end if allocation else 0,
+            session_id=self.peer_id,
+        )
+        self.channel.send(request.session_id, response)
+
+    def _scatter(self, ready: ChunkReady) -> None:
+        """A staged chunk landed: hand it to the scatter thread (so this thread keeps
+        answering ring requests), holding the room's success until it is in the pages."""
+        key = (ready.prefill_rank, ready.room, ready.chunk_idx)
+        with self._ring_lock:
+            allocation = self._staged.pop(key, None)
+        if allocation is None:
+            self.stats.unexpected_chunks += 1
+            log.warning("chunk %d of room %d from prefill rank %d has no ring space here",
+                        ready.chunk_idx, ready.room, ready.prefill_rank)  # fmt: skip
             return
         with self._lock:
-            state = self._rooms.get(message.room)
-            if state is None:
-                log.info("status for unknown or cleared room %d, ignored", message.room)
+            state = self._rooms.get(ready.room)
+            if state is not None:
+                state.chunk_arrived()
+        self._scatters.put((ready, allocation))
+
+    def _run_scatters(self) -> None:
+        while True:
+            item = self._scatters.get()
+            if item is None:
                 return
-            state.on_status(message.prefill_rank, message.status, message.reason)
+            ready, allocation = item
+            try:
+                self._scatter_chunk(ready, allocation)
+            except Exception:  # a broken chunk fails its room, never this thread
+                log.exception("scatter of room %d chunk %d failed", ready.room, ready.chunk_idx)
+                with self._lock:
+                    state = self._rooms.get(ready.room)
+                    if state is not None:
+                        state.status.fail(f"room {ready.room}: scatter of a staged chunk failed")
+            self._release(ready, allocation)
+
+    def _scatter_chunk(self, ready: ChunkReady, allocation: Allocation) -> None:
+        assert self._ring_bytes is not None
+        with self._lock:
+            state = self._rooms.get(ready.room)
+        source = state.sources.get(ready.prefill_rank) if state is not None else None
+        if state is None or source is None or state.status.finished:
+            return
+        args = self.kv_args
+        rows = dst_token_rows(
+            ready.token_start, ready.token_count, state.dst_pages, args.page_size,
+            args.dcp_size, args.dcp_rank,
+        )  # fmt: skip
+        head_bytes = args.head_dim * args.dtype_size
+        started = time.perf_counter()
+        staged = self._ring_bytes[allocation.offset : allocation.end]
+        scatter(staged, self._kv_rows, rows, source.dst_head_offset * head_bytes,
+                source.heads.count * head_bytes)  # fmt: skip
+        self.stats.scattered_chunks += 1
+        self.stats.scatter_s += time.perf_counter() - started
+
+    def _release(self, ready: ChunkReady, allocation: Allocation) -> None:
+        """Free the chunk's ring space, tell its writer the watermark, grant waiting space."""
+        with self._lock:
+            state = self._rooms.get(ready.room)
+            if state is not None:
+                state.chunk_scattered()
+        assert self._ring is not None
+        grants = []
+        with self._ring_lock:
+            self._ring.free(allocation)
+            round_, tail = self._ring.watermark
+            while self._waiting:
+                granted = self._ring.allocate(self._waiting[0].nbytes)
+                if granted is None:
+                    break
+                waiting = self._waiting.popleft()
+                self._staged[(waiting.prefill_rank, waiting.room, waiting.chunk_idx)] = granted
+                grants.append((waiting, granted))
+        self.channel.send(ready.session_id, Watermark(round_, tail, self.peer_id))
+        for waiting, granted in grants:
+            self._answer(waiting, granted)
 
     def _on_tick(self) -> bool:
         notifications = self.engine.notifications()
@@ -118,9 +276,11 @@ class DecodeManager:
 
     @property
     def healthy(self) -> bool:
-        return self.channel.alive
+        return self.channel.alive and self._scatter_thread.is_alive()
 
     def close(self) -> None:
+        self._scatters.put(None)
+        self._scatter_thread.join(timeout=10.0)
         self.channel.close()
         self.engine.close()
 
@@ -196,6 +356,8 @@ class KVReceiver:
             expected_ranks=frozenset(self._route.prefill_ranks),
             notifying_ranks=notifying,
             deadline=time.monotonic() + self.manager.config.transfer_timeout_s,
+            dst_pages=pages.astype(np.int64),
+            sources={source.prefill_rank: source for source in self._route.sources},
         )
         state.status.advance(KVPoll.Transferring)
         with self.manager._lock:

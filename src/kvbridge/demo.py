@@ -71,6 +71,8 @@ class DemoConfig:
     decode_pool_factor: float = 1.25
     # After the kvbridge run, replay the identical blocks through the raw engine and time it.
     measure_raw: bool = False
+    # Use the staging path where the TP sizes differ (off: per-token blocks).
+    staging: bool = True
 
     @property
     def shape(self) -> ModelShape:
@@ -115,6 +117,9 @@ class RankReport:
     raw_bytes: int = 0
     raw_seconds: float = 0.0
     raw_blocks: int = 0
+    staged_chunks: int = 0
+    staging_fallbacks: int = 0
+    timings: dict[str, float] = field(default_factory=dict)
     latencies_ms: list[float] = field(default_factory=list)
     mismatched_rooms: list[int] = field(default_factory=list)
     failed_rooms: dict[int, str] = field(default_factory=dict)
@@ -189,7 +194,10 @@ def run_prefill(
         kv, aux, args = allocate_rank(config, rank, tp, config.requests * pages_per_request)
         heads = rank_head_range(config, rank, tp)
         manager_config = ManagerConfig(
-            engine=config.engine, bootstrap_url=bootstrap_url, keep_plans=config.measure_raw
+            engine=config.engine,
+            bootstrap_url=bootstrap_url,
+            keep_plans=config.measure_raw,
+            staging=config.staging,
         )
         manager = PrefillManager(args, manager_config)
         report.transport = manager.engine.transport
@@ -222,6 +230,11 @@ def run_prefill(
             if sender.poll() != KVPoll.Success:
                 report.failed_rooms[sender.room] = sender.failure_reason or str(sender.poll())
         report.rooms = len(active)
+        report.staged_chunks = manager.stats.staged_chunks
+        report.staging_fallbacks = manager.stats.staging_fallbacks
+        stats = manager.stats
+        report.timings = {"staging_wait_s": stats.staging_wait_s, "gather_s": stats.gather_s,
+                          "write_s": stats.write_s}  # fmt: skip
         report.ok = not report.failed_rooms
         if config.measure_raw and report.ok:
             _replay_raw(manager, config, events, report)
@@ -267,7 +280,9 @@ def run_decode(
         pool = math.ceil(config.requests * pages_per_request * config.decode_pool_factor)
         kv, aux, args = allocate_rank(config, rank, tp, pool)
         heads = rank_head_range(config, rank, tp)
-        manager_config = ManagerConfig(engine=config.engine, bootstrap_url=bootstrap_url)
+        manager_config = ManagerConfig(
+            engine=config.engine, bootstrap_url=bootstrap_url, staging=config.staging
+        )
         manager = DecodeManager(args, manager_config)
         report.transport = manager.engine.transport
         scattered = np.random.default_rng(rank).permutation(pool)
@@ -309,6 +324,7 @@ def run_decode(
                 report.mismatched_rooms.append(room)
             report.bytes += config.tokens * args.token_bytes * len(kv) + AUX_BYTES
         report.rooms = len(receivers)
+        report.timings = {"scatter_s": manager.stats.scatter_s}
         report.ok = not report.failed_rooms and not report.mismatched_rooms
     except Exception as exc:
         report.error = f"{type(exc).__name__}: {exc}"

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 import uuid
 from collections import deque
 from collections.abc import Sequence
@@ -26,13 +27,26 @@ import numpy.typing as npt
 
 from kvbridge.cache import GeometryError, KVArgs, PlanError, TransferPlan, plan_slots
 from kvbridge.cache.peer import kv_args_of, memory_regions
-from kvbridge.cache.plan import Pairing, pair
+from kvbridge.cache.plan import Pairing, pair, token_rows
 from kvbridge.config import ManagerConfig
 from kvbridge.control.bootstrap import BootstrapServer, PrefillRank, register_prefill
 from kvbridge.control.channel import ControlChannel
-from kvbridge.engines import EngineError, create_engine
+from kvbridge.engines import EngineError, MemoryRegion, create_engine
 from kvbridge.room import Chunk, ChunkJob, PrefillRoom, notification_for
-from kvbridge.wire import Abort, KVPoll, Message, Registration, TransferRequest, TransferStatus
+from kvbridge.staging import buffer_rows, gather, staged_size
+from kvbridge.wire import (
+    Abort,
+    ChunkReady,
+    KVPoll,
+    MemoryKind,
+    Message,
+    Registration,
+    StagingRequest,
+    StagingResponse,
+    TransferRequest,
+    TransferStatus,
+    Watermark,
+)
 
 log = logging.getLogger("kvbridge.prefill")
 # Rooms that ended are remembered this long (by count) so late messages never re-create them.
@@ -48,6 +62,17 @@ class _Connect:
 class _WriteChunk:
     room: int
     jobs: list[ChunkJob]
+
+
+@dataclass
+class PrefillStats:
+    staged_chunks: int = 0
+    staging_fallbacks: int = 0
+    watermarks: int = 0
+    # Where the worker's time goes (seconds): waiting for ring space, gathering, writing.
+    staging_wait_s: float = 0.0
+    gather_s: float = 0.0
+    write_s: float = 0.0
 
 
 @dataclass
@@ -67,6 +92,22 @@ class PrefillManager:
         self.rank = kv_args.attn_tp_rank
         self.engine = create_engine(config.engine, f"prefill-{self.rank}-{uuid.uuid4().hex[:8]}")
         self.engine.register(memory_regions(kv_args))
+        self.stats = PrefillStats()
+        # The local staging buffer: the worker gathers one chunk at a time into it.
+        self._staging: npt.NDArray[np.uint8] | None = None
+        if config.staging and kv_args.memory_kind == MemoryKind.DRAM:
+            self._staging = np.empty(config.staging_bytes, dtype=np.uint8)
+            self._staging.fill(0)  # touch it: no page faults inside a transfer
+            staging_ptr = int(self._staging.ctypes.data)
+            self.engine.register([MemoryRegion(staging_ptr, config.staging_bytes)])
+        # Host views of the KV buffers for the gather kernel (CPU memory only).
+        self._kv_rows = (
+            [buffer_rows(b, kv_args.token_bytes) for b in kv_args.kv_buffers]
+            if self._staging is not None
+            else []
+        )
+        self._staging_answers: dict[tuple[str, int, int], StagingResponse] = {}
+        self._staging_answered = threading.Condition()
         self._lock = threading.Lock()
         self._rooms: dict[int, PrefillRoom] = {}
         self._finished: deque[int] = deque(maxlen=FINISHED_ROOMS_KEPT)
@@ -138,6 +179,13 @@ class PrefillManager:
                     return
                 state.on_request(message)
                 self._schedule_locked(state)
+        elif isinstance(message, StagingResponse):
+            with self._staging_answered:
+                key = (message.session_id, message.room, message.chunk_idx)
+                self._staging_answers[key] = message
+                self._staging_answered.notify_all()
+        elif isinstance(message, Watermark):
+            self.stats.watermarks += 1
         elif isinstance(message, Abort):
             with self._lock:
                 state = self._room(message.room, create=False)
@@ -220,10 +268,80 @@ class PrefillManager:
             peer.error = f"cannot connect to decode {peer_id}: {exc}"
             log.error("%s", peer.error)
 
-    def _plan(self, job: ChunkJob, peer_args: KVArgs, pairing: Pairing) -> TransferPlan:
-        plans = [
-            pairing.plan(self.kv_args, peer_args, job.src_pages, job.page_offset, job.dst_pages)
-        ]
+    def _stage(self, job: ChunkJob, peer: _DecodePeer) -> tuple[TransferPlan, ChunkReady] | None:
+        """Gather the chunk's head slices into the staging buffer and plan the one write to
+        decode's ring; None to fall back to the per-token path (no local buffer, a chunk too
+        big for either side, or decode says it can never fit)."""
+        pairing, peer_args = peer.pairing, peer.kv_args
+        assert pairing is not None
+        assert pairing.source is not None
+        assert peer_args is not None
+        if self._staging is None or peer_args.staging_buffer is None:
+            self.stats.staging_fallbacks += 1
+            return None
+        source = pairing.source
+        token_start = job.page_offset * self.kv_args.page_size
+        src_rows, _ = token_rows(
+            job.src_pages, self.kv_args.page_size, token_start,
+            np.asarray(job.dst_pages, dtype=np.int64), peer_args.page_size,
+            peer_args.dcp_size, peer_args.dcp_rank,
+        )  # fmt: skip
+        head_bytes = self.kv_args.head_dim * self.kv_args.dtype_size
+        width = source.heads.count * head_bytes
+        nbytes = staged_size(len(self._kv_rows), src_rows.size, width)
+        if nbytes == 0 or nbytes > self._staging.size or nbytes > peer_args.staging_buffer.length:
+            self.stats.staging_fallbacks += 1
+            return None
+        request = StagingRequest(
+            room=job.room, chunk_idx=job.chunk_idx, chunk_num_pages=job.src_pages.size,
+            session_id=self.channel.endpoint, prefill_rank=self.rank, nbytes=nbytes,
+        )  # fmt: skip
+        started = time.perf_counter()
+        self.channel.send(peer.endpoint, request)
+        answer = self._await_staging(job.peer_id, job.room, job.chunk_idx)
+        self.stats.staging_wait_s += time.perf_counter() - started
+        if answer.never_fits:
+            self.stats.staging_fallbacks += 1
+            return None
+        started = time.perf_counter()
+        gather(self._kv_rows, src_rows, source.src_head_offset * head_bytes, width, self._staging)
+        self.stats.gather_s += time.perf_counter() - started
+        plan = TransferPlan(
+            np.array([self._staging.ctypes.data], dtype=np.uint64),
+            np.array([peer_args.staging_buffer.ptr + answer.offset], dtype=np.uint64),
+            np.array([nbytes], dtype=np.uint64),
+        )
+        ready = ChunkReady(
+            room=job.room, chunk_idx=job.chunk_idx, page_start=job.page_offset,
+            num_pages=job.src_pages.size, session_id=self.channel.endpoint,
+            prefill_rank=self.rank, token_start=token_start,
+            token_count=job.src_pages.size * self.kv_args.page_size,
+        )  # fmt: skip
+        self.stats.staged_chunks += 1
+        return plan, ready
+
+    def _await_staging(self, peer_id: str, room: int, chunk_idx: int) -> StagingResponse:
+        key = (peer_id, room, chunk_idx)
+        with self._staging_answered:
+            if not self._staging_answered.wait_for(
+                lambda: key in self._staging_answers, timeout=self.config.staging_timeout_s
+            ):
+                raise PlanError(
+                    f"decode {peer_id} gave no staging space for chunk {chunk_idx} in "
+                    f"{self.config.staging_timeout_s:g} s"
+                )
+            return self._staging_answers.pop(key)
+
+    def _plan(
+        self, job: ChunkJob, peer_args: KVArgs, pairing: Pairing, kv_plan: TransferPlan | None
+    ) -> TransferPlan:
+        """The chunk's KV blocks (already staged, or planned here) plus, with the last chunk,
+        the aux and state slots."""
+        if kv_plan is None:
+            kv_plan = pairing.plan(
+                self.kv_args, peer_args, job.src_pages, job.page_offset, job.dst_pages
+            )
+        plans = [kv_plan]
         if job.last and job.src_aux_index is not None and job.dst_aux_index is not None:
             plans.append(
                 plan_slots(
@@ -264,15 +382,21 @@ class PrefillManager:
                     return  # aborted or cleared meanwhile: write nothing more
                 if peer.engine_peer is None or peer.kv_args is None or peer.pairing is None:
                     raise EngineError(self.engine.name, "write", peer.error or "not connected")
-                plan = self._plan(job, peer.kv_args, peer.pairing)
+                staged = self._stage(job, peer) if peer.pairing.stageable else None
+                kv_plan = staged[0] if staged else None
+                plan = self._plan(job, peer.kv_args, peer.pairing, kv_plan)
                 notify = notification_for(room, self.rank) if job.last else b""
                 if len(plan):
+                    started = time.perf_counter()
                     handle = self.engine.write(peer.engine_peer, plan, notify)
                     handle.wait(self.config.write_timeout_s)
+                    self.stats.write_s += time.perf_counter() - started
                     if self.config.keep_plans:
                         self.written_plans.append((peer.engine_peer, plan))
                 elif notify and self.engine.delivers_notifications:
                     self.engine.notify(peer.engine_peer, notify)
+                if staged:
+                    self.channel.send(peer.endpoint, staged[1])
         except (EngineError, PlanError, ValueError) as exc:
             with self._lock:
                 state = self._rooms.get(room)

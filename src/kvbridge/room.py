@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
+from kvbridge.cache.topology import Source
 from kvbridge.wire.messages import KVPoll
 from kvbridge.wire.native import TransferRequest
 
@@ -71,6 +72,7 @@ class ChunkJob:
 
     room: int
     peer_id: str
+    chunk_idx: int
     src_pages: npt.NDArray[np.int64]
     page_offset: int
     dst_pages: npt.NDArray[np.int32]
@@ -91,6 +93,7 @@ class PrefillRoom:
     required_requests: int | None = None
     pending: deque[Chunk] = field(default_factory=deque)
     pages_sent: int = 0
+    chunks_sent: int = 0
     last_queued: bool = False
     in_flight: bool = False
 
@@ -127,6 +130,7 @@ class PrefillRoom:
                 ChunkJob(
                     room=self.room,
                     peer_id=peer_id,
+                    chunk_idx=self.chunks_sent,
                     src_pages=chunk.src_pages,
                     page_offset=self.pages_sent,
                     dst_pages=request.dst_kv_indices,
@@ -142,6 +146,7 @@ class PrefillRoom:
                 )
             )
         self.pages_sent += chunk.src_pages.size
+        self.chunks_sent += 1
         self.in_flight = True
         self.status.advance(KVPoll.Transferring)
         if not jobs:  # every destination is a dummy: nothing to write
@@ -164,9 +169,15 @@ class DecodeRoom:
     # notify): the notification proves the data is in place.
     notifying_ranks: frozenset[int]
     deadline: float
+    # The room's pages on this rank and, per prefill rank, the heads it sends (for scattering
+    # staged chunks).
+    dst_pages: npt.NDArray[np.int64] = field(default_factory=lambda: np.empty(0, np.int64))
+    sources: dict[int, Source] = field(default_factory=dict)
     status: RoomStatus = field(default_factory=RoomStatus)
     reported: set[int] = field(default_factory=set)
     notified: set[int] = field(default_factory=set)
+    # Staged chunks that arrived in the ring and are not scattered into pages yet.
+    unscattered: int = 0
 
     def on_status(self, prefill_rank: int, poll: KVPoll, reason: str) -> None:
         if prefill_rank not in self.expected_ranks:
@@ -182,10 +193,21 @@ class DecodeRoom:
             self.notified.add(prefill_rank)
             self._maybe_done()
 
+    def chunk_arrived(self) -> None:
+        self.unscattered += 1
+
+    def chunk_scattered(self) -> None:
+        self.unscattered -= 1
+        self._maybe_done()
+
     def _maybe_done(self) -> None:
         # The status says a rank wrote everything; where the engine notifies, the notification
-        # says it landed. Success needs both from every rank concerned.
-        if self.reported >= self.expected_ranks and self.notified >= self.notifying_ranks:
+        # says it landed; staged chunks must be in the pages. Success needs all three.
+        if (
+            self.reported >= self.expected_ranks
+            and self.notified >= self.notifying_ranks
+            and not self.unscattered
+        ):
             self.status.advance(KVPoll.Success)
 
     def check_deadline(self, now: float) -> None:

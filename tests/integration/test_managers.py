@@ -170,3 +170,44 @@ def test_two_prefill_groups_feed_one_decode_rank() -> None:
     for room, src in enumerate(sources):
         for got, want in zip(dst.kv, src.kv, strict=True):
             assert np.array_equal(got[room * 8 : room * 8 + 4], want[4:8])
+
+
+@pytest.mark.parametrize(
+    ("ring_bytes", "staged", "fallbacks"), [(1 << 20, 2, 0), (1024, 1, 1), (512, 0, 2)]
+)
+def test_two_prefill_ranks_into_one_decode_rank_through_the_ring(
+    ring_bytes: int, staged: int, fallbacks: int
+) -> None:
+    """TP 2 → 1: each prefill rank sends its heads; staged through decode's ring, or, when a
+    chunk cannot fit the ring, token by token (counted)."""
+    geometry = dict(layer_ids=(0, 1), page_size=4, total_kv_heads=4, head_dim=8)
+    sources = [
+        rank_cache(num_pages=16, seed=31 + rank, attn_tp_rank=rank, attn_tp_size=2, **geometry)
+        for rank in range(2)
+    ]
+    dst = rank_cache(num_pages=24, seed=None, attn_tp_size=1, **geometry)
+    first = PrefillManager(sources[0].args, ManagerConfig(engine="loopback", run_bootstrap=True))
+    url = first.bootstrap_url
+    second = PrefillManager(sources[1].args, ManagerConfig(engine="loopback", bootstrap_url=url))
+    decode_config = ManagerConfig(engine="loopback", bootstrap_url=url, staging_bytes=ring_bytes)
+    decode = DecodeManager(dst.args, decode_config)
+    try:
+        receiver = decode.receiver(1)
+        dst_pages = np.array([20, 3, 7, 11, 0])
+        receiver.init(dst_pages)
+        senders = [manager.sender(1) for manager in (first, second)]
+        for sender in senders:
+            sender.send(np.arange(2, 4))
+            sender.send(np.arange(8, 11), last=True)
+        wait_for(finished(receiver, *senders))
+        assert receiver.poll() == KVPoll.Success, receiver.failure_reason
+        assert sum(m.stats.staged_chunks for m in (first, second)) == 2 * staged
+        assert sum(m.stats.staging_fallbacks for m in (first, second)) == 2 * fallbacks
+    finally:
+        decode.close()
+        first.close()
+        second.close()
+    src_pages = np.r_[2:4, 8:11]
+    for rank, cache in enumerate(sources):
+        for got, want in zip(dst.kv, cache.kv, strict=True):  # heads 2·rank, 2·rank + 1
+            assert np.array_equal(got[dst_pages][:, :, 2 * rank : 2 * rank + 2], want[src_pages])

@@ -19,16 +19,31 @@ def require(engine: str) -> None:
 
 
 @pytest.mark.parametrize(
-    ("prefill_tp", "decode_tp", "chunks"), [(1, 1, 1), (1, 1, 4), (2, 2, 3), (2, 4, 2), (4, 2, 1)]
+    ("prefill_tp", "decode_tp", "chunks", "staging"),
+    [
+        (1, 1, 1, True),
+        (1, 1, 4, True),
+        (2, 2, 3, True),
+        (2, 4, 2, True),
+        (4, 2, 1, True),
+        (2, 4, 2, False),
+    ],
 )
-def test_nixl_requests_arrive_byte_exact(prefill_tp: int, decode_tp: int, chunks: int) -> None:
+def test_nixl_requests_arrive_byte_exact(
+    prefill_tp: int, decode_tp: int, chunks: int, staging: bool
+) -> None:
     require("nixl")
     config = DemoConfig(
         requests=6, tokens=300, page_size=16, prefill_tp=prefill_tp, decode_tp=decode_tp,
-        engine="nixl", chunks=chunks,
+        engine="nixl", chunks=chunks, staging=staging,
     )  # fmt: skip
     result = run_demo(config)
     assert result.ok, [report for report in result.reports if not report.ok]
+    staged = sum(report.staged_chunks for report in result.reports)
+    if staging and prefill_tp != decode_tp:
+        assert staged > 0
+    else:
+        assert staged == 0
     assert sum(report.rooms for report in result.decode_reports) == 6 * decode_tp
     expected = decode_tp * 6 * (300 * config.shape.bytes_per_token(decode_tp) + 64)
     assert result.total_bytes == expected

@@ -48,6 +48,8 @@ def registration_for(
         state_lengths=(
             [[buffer.length for buffer in args.state_buffers]] if args.state_buffers else []
         ),
+        staging_base_ptr=args.staging_buffer.ptr if args.staging_buffer else 0,
+        staging_total_size=args.staging_buffer.length if args.staging_buffer else 0,
         memory_kind=args.memory_kind,
         device_id=args.device_id,
         capabilities=capabilities,
@@ -95,12 +97,18 @@ def kv_args_of(registration: Registration) -> KVArgs:
         device_id=registration.device_id,
         dcp_rank=registration.dcp_rank,
         dcp_size=registration.dcp_size,
+        staging_buffer=(
+            BufferSpec(registration.staging_base_ptr, registration.staging_total_size, 1)
+            if registration.staging_base_ptr and registration.staging_total_size
+            else None
+        ),
     )
 
 
 def memory_regions(args: KVArgs) -> list[MemoryRegion]:
     """Every buffer of a rank as a region to register (or to bound a peer's writes)."""
+    staging = (args.staging_buffer,) if args.staging_buffer is not None else ()
     return [
         MemoryRegion(buffer.ptr, buffer.length, args.memory_kind, args.device_id)
-        for buffer in (*args.kv_buffers, *args.aux_buffers, *args.state_buffers)
+        for buffer in (*args.kv_buffers, *args.aux_buffers, *args.state_buffers, *staging)
     ]

@@ -15,6 +15,7 @@ import numpy.typing as npt
 
 from kvbridge.cache.spec import BufferSpec, KVArgs
 from kvbridge.cache.topology import Source, Topology, TopologyError, topology
+from kvbridge.wire.messages import KVLayout
 
 U64 = np.uint64
 Addresses = npt.NDArray[np.uint64]
@@ -193,16 +194,49 @@ def token_rows(
     ``i % dcp_size`` at local token ``i // dcp_size``. Tokens past the destination's pages
     (prefill's last-page padding) are left out.
     """
-    local = np.arange(src_pages.size * src_page_size, dtype=np.int64)
+    local, tokens = chunk_tokens(
+        token_start, src_pages.size * src_page_size, dst_pages.size * dst_page_size,
+        dcp_size, dcp_rank,
+    )  # fmt: skip
+    src_rows = src_pages[local // src_page_size] * src_page_size + local % src_page_size
+    return src_rows, _rows(dst_pages, dst_page_size, tokens)
+
+
+def chunk_tokens(
+    token_start: int, token_count: int, dst_tokens: int, dcp_size: int = 1, dcp_rank: int = 0
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    """The chunk's tokens that this decode (DCP) rank holds: (index within the chunk, token
+    index on the decode rank), in token order."""
+    local = np.arange(token_count, dtype=np.int64)
     tokens = token_start + local
     if dcp_size > 1:
         mine = tokens % dcp_size == dcp_rank
         local, tokens = local[mine], tokens[mine] // dcp_size
-    keep = tokens < dst_pages.size * dst_page_size
-    local, tokens = local[keep], tokens[keep]
-    src_rows = src_pages[local // src_page_size] * src_page_size + local % src_page_size
-    dst_rows = dst_pages[tokens // dst_page_size] * dst_page_size + tokens % dst_page_size
-    return src_rows, dst_rows
+    keep = tokens < dst_tokens
+    return local[keep], tokens[keep]
+
+
+def _rows(
+    pages: npt.NDArray[np.int64], page_size: int, tokens: npt.NDArray[np.int64]
+) -> npt.NDArray[np.int64]:
+    rows: npt.NDArray[np.int64] = pages[tokens // page_size] * page_size + tokens % page_size
+    return rows
+
+
+def dst_token_rows(
+    token_start: int,
+    token_count: int,
+    dst_pages: npt.NDArray[np.int64],
+    dst_page_size: int,
+    dcp_size: int = 1,
+    dcp_rank: int = 0,
+) -> npt.NDArray[np.int64]:
+    """Decode's half of `token_rows`: where a chunk's tokens land, from the token range alone
+    (decode never needs to know prefill's pages)."""
+    _, tokens = chunk_tokens(
+        token_start, token_count, dst_pages.size * dst_page_size, dcp_size, dcp_rank
+    )
+    return _rows(dst_pages, dst_page_size, tokens)
 
 
 def plan_tokens(
@@ -291,6 +325,9 @@ class Pairing:
     topology: Topology
     source: Source | None  # None: this rank only answers the decode rank's dummy requests
     whole_pages: bool  # same heads and page size: plan by page runs
+    # Head slices that may go through decode's staging ring (it registered one, and both
+    # sides hold the same layers in the same order).
+    stageable: bool = False
 
     def plan(
         self,
@@ -343,4 +380,11 @@ def pair(src: KVArgs, dst: KVArgs) -> Pairing:
         and dst.dcp_size == 1
         and source.heads.count == src.kv_heads == dst.kv_heads
     )
-    return Pairing(mapping, source, whole)
+    stageable = (
+        source is not None
+        and not whole
+        and src.kv_layout == KVLayout.MHA
+        and dst.staging_buffer is not None
+        and src.layer_ids == dst.layer_ids
+    )
+    return Pairing(mapping, source, whole, stageable)

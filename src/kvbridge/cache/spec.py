@@ -96,6 +96,8 @@ class KVArgs:
     # Decode context parallelism: global token i lives on DCP rank i % dcp_size.
     dcp_rank: int = 0
     dcp_size: int = 1
+    # Decode's staging ring (heterogeneous TP): prefill writes staged chunks here.
+    staging_buffer: BufferSpec | None = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -158,10 +160,12 @@ class KVArgs:
                     f"({self.page_size} tokens × {self.kv_heads} heads × {self.head_dim} × "
                     f"{self.dtype_size} B = {self.page_bytes})"
                 )
+        staging = (self.staging_buffer,) if self.staging_buffer is not None else ()
         for kind, buffers in (
             ("KV", self.kv_buffers),
             ("aux", self.aux_buffers),
             ("state", self.state_buffers),
+            ("staging", staging),
         ):
             for index, buffer in enumerate(buffers):
                 if buffer.ptr <= 0 or buffer.item_len <= 0 or buffer.length < buffer.item_len:

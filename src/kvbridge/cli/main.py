@@ -164,6 +164,8 @@ def protocol_doc_command(output: Path | None, check: Path | None) -> None:
 @click.option("--decode-tp", type=click.IntRange(1), help="Decode attention-TP (default: --tp).")
 @click.option("--engine", type=click.Choice(["nixl", "mooncake"]), default="nixl",
               show_default=True)  # fmt: skip
+@click.option("--staging/--no-staging", default=True, show_default=True,
+              help="Staging path where the TP sizes differ.")  # fmt: skip
 @click.option("--chunks", type=click.IntRange(1), default=2, show_default=True,
               help="Chunks each request is sent in (chunked prefill).")  # fmt: skip
 def demo_command(
@@ -175,6 +177,7 @@ def demo_command(
     prefill_tp: int | None,
     decode_tp: int | None,
     engine: str,
+    staging: bool,
     chunks: int,
 ) -> None:
     """Move the KV cache of N requests from a prefill group to a decode group (separate
@@ -182,6 +185,7 @@ def demo_command(
     config = DemoConfig(
         model=model, requests=requests, tokens=tokens, page_size=page_size,
         prefill_tp=prefill_tp or tp, decode_tp=decode_tp or tp, engine=engine, chunks=chunks,
+        staging=staging,
     )  # fmt: skip
     reason = unavailable_reason(engine)
     if reason is not None:
@@ -210,6 +214,11 @@ def demo_command(
         "[green]all bytes[/green]" if result.ok else "[red]NO[/red]",
     )
     console.print(table)
+    staged = sum(r.staged_chunks for r in result.reports)
+    fallbacks = sum(r.staging_fallbacks for r in result.reports)
+    if staged or fallbacks:
+        console.print(f"staging: {staged} chunks staged, {fallbacks} sent token by token",
+                      highlight=False)  # fmt: skip
     for report in result.reports:
         for room, why in sorted(report.failed_rooms.items()):
             console.print(f"[red]{report.role} {report.rank} room {room} failed:[/red] {why}")

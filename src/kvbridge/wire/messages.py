@@ -121,6 +121,9 @@ class StagingRequest(Message):
     chunk_idx: int
     chunk_num_pages: int
     session_id: str
+    # Native profile only: who asks, and the staged chunk's exact size.
+    prefill_rank: int = 0
+    nbytes: int = 0
 
 
 @dataclass(eq=False)
@@ -158,6 +161,9 @@ class ChunkReady(Message):
     num_pages: int
     session_id: str
     prefill_rank: int
+    # Native profile only: the chunk's global tokens, which decode maps to its own pages.
+    token_start: int = 0
+    token_count: int = 0
 
 
 @dataclass(eq=False)

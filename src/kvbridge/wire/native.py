@@ -283,6 +283,8 @@ _LAYOUT_ROWS: tuple[tuple[int, type[Message], str, tuple[Field, ...]], ...] = (
             Field("chunk_idx", c.U32),
             Field("chunk_num_pages", c.U32),
             Field("session_id", c.UTF8),
+            Field("prefill_rank", c.U32),
+            Field("nbytes", c.U64, "bytes of the staged chunk"),
         ),
     ),
     (
@@ -315,6 +317,8 @@ _LAYOUT_ROWS: tuple[tuple[int, type[Message], str, tuple[Field, ...]], ...] = (
             Field("num_pages", c.U32),
             Field("session_id", c.UTF8),
             Field("prefill_rank", c.U32),
+            Field("token_start", c.U64, "first global token of the chunk"),
+            Field("token_count", c.U64, "tokens of the chunk (prefill pages × page size)"),
         ),
     ),
     (
