@@ -44,6 +44,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/plan_128k.py
 	$(BIN)/python benchmarks/wire_codec.py
 	$(BIN)/python benchmarks/e2e.py
+	$(BIN)/python benchmarks/hetero.py
 
 docs: $(STAMP)
 	$(BIN)/kvbridge protocol-doc --output docs/PROTOCOL.md

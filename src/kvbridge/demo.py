@@ -119,6 +119,7 @@ class RankReport:
     raw_blocks: int = 0
     staged_chunks: int = 0
     staging_fallbacks: int = 0
+    blocks_written: int = 0
     timings: dict[str, float] = field(default_factory=dict)
     latencies_ms: list[float] = field(default_factory=list)
     mismatched_rooms: list[int] = field(default_factory=list)
@@ -232,6 +233,7 @@ def run_prefill(
         report.rooms = len(active)
         report.staged_chunks = manager.stats.staged_chunks
         report.staging_fallbacks = manager.stats.staging_fallbacks
+        report.blocks_written = manager.stats.blocks_written
         stats = manager.stats
         report.timings = {"staging_wait_s": stats.staging_wait_s, "gather_s": stats.gather_s,
                           "write_s": stats.write_s}  # fmt: skip

@@ -70,6 +70,7 @@ class PrefillStats:
     staging_fallbacks: int = 0
     watermarks: int = 0
     # Where the worker's time goes (seconds): waiting for ring space, gathering, writing.
+    blocks_written: int = 0
     staging_wait_s: float = 0.0
     gather_s: float = 0.0
     write_s: float = 0.0
@@ -391,6 +392,7 @@ class PrefillManager:
                     handle = self.engine.write(peer.engine_peer, plan, notify)
                     handle.wait(self.config.write_timeout_s)
                     self.stats.write_s += time.perf_counter() - started
+                    self.stats.blocks_written += len(plan)
                     if self.config.keep_plans:
                         self.written_plans.append((peer.engine_peer, plan))
                 elif notify and self.engine.delivers_notifications:
