@@ -119,9 +119,14 @@ class PrefillRoom:
     def next_jobs(self) -> list[ChunkJob]:
         """The next chunk as one write job per destination, once the requests are in and no
         write of this room is in flight (chunks go in order); [] if nothing can start."""
-        if self.status.finished or self.in_flight or not self.pending or not self.ready:
-            return []
-        chunk = self.pending.popleft()
+        while not (self.status.finished or self.in_flight or not self.pending or not self.ready):
+            jobs = self._jobs_for(self.pending.popleft())
+            if jobs:
+                return jobs
+            # Every destination is a dummy: nothing to write; on to the next chunk.
+        return []
+
+    def _jobs_for(self, chunk: Chunk) -> list[ChunkJob]:
         jobs = []
         for peer_id, request in self.requests.items():
             if request.is_dummy:
@@ -149,7 +154,7 @@ class PrefillRoom:
         self.chunks_sent += 1
         self.in_flight = True
         self.status.advance(KVPoll.Transferring)
-        if not jobs:  # every destination is a dummy: nothing to write
+        if not jobs:
             self.chunk_written(chunk.last)
         return jobs
 

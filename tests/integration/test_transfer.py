@@ -49,10 +49,18 @@ def test_nixl_requests_arrive_byte_exact(
     assert result.total_bytes == expected
 
 
-def test_mla_model_arrives_byte_exact() -> None:
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(1, 1), (4, 2), (1, 2)])
+def test_mla_model_arrives_byte_exact(prefill_tp: int, decode_tp: int) -> None:
+    """MLA: one prefill rank feeds each decode rank, the others answer dummy requests."""
     require("nixl")
-    result = run_demo(DemoConfig(model="deepseek-v3", requests=3, tokens=64, engine="nixl"))
+    config = DemoConfig(
+        model="deepseek-v3", requests=3, tokens=64, engine="nixl",
+        prefill_tp=prefill_tp, decode_tp=decode_tp,
+    )  # fmt: skip
+    result = run_demo(config)
     assert result.ok, result.reports
+    writers = [r for r in result.reports if r.role == "prefill" and r.blocks_written]
+    assert len(writers) == min(prefill_tp, decode_tp)  # no byte sent twice
 
 
 def test_mooncake_requests_arrive_byte_exact(private_netns: list[str]) -> None:

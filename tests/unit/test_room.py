@@ -59,8 +59,9 @@ def test_prefill_room_slices_destination_pages_per_chunk() -> None:
 
 def test_dummy_requests_get_no_write_and_finish_with_the_last_chunk() -> None:
     room = PrefillRoom(1)
+    room.add_chunk(Chunk(np.array([1, 2]), last=False))  # chunks queued before the request
+    room.add_chunk(Chunk(np.array([3]), last=True))
     room.on_request(TransferRequest(1, "d0", True, np.array([], np.int32), None, [], 1))
-    room.add_chunk(Chunk(np.array([1, 2]), last=True))
     assert room.next_jobs() == []
     assert room.status.poll == KVPoll.Success
 
