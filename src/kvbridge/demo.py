@@ -9,6 +9,7 @@ every prefill rank has filled its pages.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import multiprocessing
 import queue
@@ -64,6 +65,8 @@ class DemoConfig:
     page_size: int = 16
     prefill_tp: int = 1
     decode_tp: int = 1
+    # Decode context parallelism: each decode TP rank is `dcp` processes, token i on i % dcp.
+    dcp: int = 1
     engine: str = "nixl"
     chunks: int = 2
     timeout_s: float = 120.0
@@ -77,6 +80,14 @@ class DemoConfig:
     @property
     def shape(self) -> ModelShape:
         return MODELS[self.model]
+
+    @property
+    def decode_ranks(self) -> int:
+        return self.decode_tp * self.dcp
+
+    def local_tokens(self, dcp_rank: int) -> int:
+        """Tokens of a request that a DCP rank holds."""
+        return len(range(dcp_rank, self.tokens, self.dcp))
 
     @property
     def pages_per_request(self) -> int:
@@ -277,11 +288,14 @@ def run_decode(
     report = RankReport("decode", rank, ok=False)
     manager = None
     try:
-        pages_per_request = config.pages_per_request
+        tp_rank, dcp_rank = divmod(rank, config.dcp)
+        tokens = config.local_tokens(dcp_rank)
+        pages_per_request = math.ceil(tokens / config.page_size)
         tp, shape = config.decode_tp, config.shape
         pool = math.ceil(config.requests * pages_per_request * config.decode_pool_factor)
-        kv, aux, args = allocate_rank(config, rank, tp, pool)
-        heads = rank_head_range(config, rank, tp)
+        kv, aux, args = allocate_rank(config, tp_rank, tp, pool)
+        args = dataclasses.replace(args, dcp_rank=dcp_rank, dcp_size=config.dcp)
+        heads = rank_head_range(config, tp_rank, tp)
         manager_config = ManagerConfig(
             engine=config.engine, bootstrap_url=bootstrap_url, staging=config.staging
         )
@@ -314,17 +328,17 @@ def run_decode(
             pages = scattered[room * pages_per_request : (room + 1) * pages_per_request]
             same = all(
                 np.array_equal(
-                    token_words(array, pages, config.tokens),
+                    token_words(array, pages, tokens),
                     kv_content(
                         room, buffer, config.tokens, heads, shape.kv_heads, shape.head_dim // 4
-                    ),
+                    )[dcp_rank :: config.dcp],
                 )
                 for buffer, array in enumerate(kv)
             )
             same &= bool((aux[room].view(np.uint64) == room).all())
             if not same:
                 report.mismatched_rooms.append(room)
-            report.bytes += config.tokens * args.token_bytes * len(kv) + AUX_BYTES
+            report.bytes += tokens * args.token_bytes * len(kv) + AUX_BYTES
         report.rooms = len(receivers)
         report.timings = {"scatter_s": manager.stats.scatter_s}
         report.ok = not report.failed_rooms and not report.mismatched_rooms
@@ -347,7 +361,7 @@ class DemoResult:
 
     @property
     def ok(self) -> bool:
-        expected = self.config.prefill_tp + self.config.decode_tp
+        expected = self.config.prefill_tp + self.config.decode_ranks
         return len(self.reports) == expected and all(r.ok for r in self.reports)
 
     @property
@@ -382,9 +396,9 @@ def run_demo(config: DemoConfig, on_progress: Any = None) -> DemoResult:
     results = context.Queue()
     events = DemoEvents(
         filled=[context.Event() for _ in range(config.prefill_tp)],
-        verified=[context.Event() for _ in range(config.decode_tp)],
+        verified=[context.Event() for _ in range(config.decode_ranks)],
         prefill_done=[context.Event() for _ in range(config.prefill_tp)],
-        decode_done=[context.Event() for _ in range(config.decode_tp)],
+        decode_done=[context.Event() for _ in range(config.decode_ranks)],
     )
     bootstrap = BootstrapServer().start()
     processes = [
@@ -395,7 +409,7 @@ def run_demo(config: DemoConfig, on_progress: Any = None) -> DemoResult:
         )
         for role, target, tp in (
             ("prefill", run_prefill, config.prefill_tp),
-            ("decode", run_decode, config.decode_tp),
+            ("decode", run_decode, config.decode_ranks),
         )
         for rank in range(tp)
     ]

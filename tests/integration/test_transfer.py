@@ -74,3 +74,26 @@ def test_mooncake_requests_arrive_byte_exact(private_netns: list[str]) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     assert "all bytes" in result.stdout
     assert "mooncake: tcp" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("model", "prefill_tp", "decode_tp", "dcp", "staging"),
+    [
+        ("llama3-8b", 1, 1, 2, True),
+        ("llama3-8b", 2, 1, 2, True),
+        ("llama3-8b", 2, 1, 2, False),
+        ("deepseek-v3", 2, 1, 4, True),
+    ],
+)
+def test_decode_context_parallelism(
+    model: str, prefill_tp: int, decode_tp: int, dcp: int, staging: bool
+) -> None:
+    """Token i lands on DCP rank i % dcp at local token i // dcp, on every decode process."""
+    require("nixl")
+    config = DemoConfig(
+        model=model, requests=3, tokens=333, prefill_tp=prefill_tp, decode_tp=decode_tp,
+        dcp=dcp, staging=staging, engine="nixl",
+    )  # fmt: skip
+    result = run_demo(config)
+    assert result.ok, [report for report in result.reports if not report.ok]
+    assert len(result.decode_reports) == decode_tp * dcp

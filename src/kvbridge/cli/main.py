@@ -164,6 +164,8 @@ def protocol_doc_command(output: Path | None, check: Path | None) -> None:
 @click.option("--decode-tp", type=click.IntRange(1), help="Decode attention-TP (default: --tp).")
 @click.option("--engine", type=click.Choice(["nixl", "mooncake"]), default="nixl",
               show_default=True)  # fmt: skip
+@click.option("--dcp", type=click.IntRange(1), default=1, show_default=True,
+              help="Decode context parallelism: processes per decode TP rank.")  # fmt: skip
 @click.option("--staging/--no-staging", default=True, show_default=True,
               help="Staging path where the TP sizes differ.")  # fmt: skip
 @click.option("--chunks", type=click.IntRange(1), default=2, show_default=True,
@@ -177,6 +179,7 @@ def demo_command(
     prefill_tp: int | None,
     decode_tp: int | None,
     engine: str,
+    dcp: int,
     staging: bool,
     chunks: int,
 ) -> None:
@@ -185,7 +188,7 @@ def demo_command(
     config = DemoConfig(
         model=model, requests=requests, tokens=tokens, page_size=page_size,
         prefill_tp=prefill_tp or tp, decode_tp=decode_tp or tp, engine=engine, chunks=chunks,
-        staging=staging,
+        staging=staging, dcp=dcp,
     )  # fmt: skip
     reason = unavailable_reason(engine)
     if reason is not None:
@@ -193,12 +196,13 @@ def demo_command(
     footprint = config.kv_bytes_per_rank(config.prefill_tp) / 2**30
     console.print(
         f"{config.shape.name}: {requests} requests × {tokens} tokens, page {page_size}, "
-        f"TP {config.prefill_tp}→{config.decode_tp}, engine {engine}; {footprint:.2f} GiB of KV "
+        f"TP {config.prefill_tp}→{config.decode_tp}, DCP {config.dcp}, engine {engine}; "
+        f"{footprint:.2f} GiB of KV "
         "per prefill rank",
         highlight=False,
     )
     with Progress(console=console, transient=True) as progress:
-        task = progress.add_task("rooms verified", total=requests * config.decode_tp)
+        task = progress.add_task("rooms verified", total=requests * config.decode_ranks)
         result = run_demo(config, lambda done: progress.update(task, completed=done))
     table = Table(title="kvbridge demo", title_justify="left")
     for column in ("requests", "bytes", "GB/s", "p50 ms", "p99 ms", "engine", "verified"):
