@@ -332,6 +332,8 @@ class KVReceiver:
         first_source = self._route.sources[0].prefill_rank if self._route.sources else None
 
         def request(prefill_rank: int, dummy: bool) -> TransferRequest:
+            # The aux slot comes from the first source; every source sends its shard of the
+            # state slots (at equal TP that is one source and the whole slot).
             first = prefill_rank == first_source
             return TransferRequest(
                 room=self.room,
@@ -339,7 +341,7 @@ class KVReceiver:
                 is_dummy=dummy,
                 dst_kv_indices=np.empty(0, dtype=np.int32) if dummy else pages,
                 dst_aux_index=aux_index if first else None,
-                dst_state_indices=[list(state_indices)] if first and state_indices else [],
+                dst_state_indices=[list(state_indices)] if state_indices and not dummy else [],
                 required_dst_info_num=self._required[prefill_rank],
                 decode_prefix_len=decode_prefix_len,
             )

@@ -27,7 +27,7 @@ import numpy.typing as npt
 
 from kvbridge.cache import GeometryError, KVArgs, PlanError, TransferPlan, plan_slots
 from kvbridge.cache.peer import kv_args_of, memory_regions
-from kvbridge.cache.plan import Pairing, pair, token_rows
+from kvbridge.cache.plan import Pairing, pair, plan_state_slices, token_rows
 from kvbridge.config import ManagerConfig
 from kvbridge.control.bootstrap import BootstrapServer, PrefillRank, register_prefill
 from kvbridge.control.channel import ControlChannel
@@ -359,18 +359,16 @@ class PrefillManager:
                     f"{len(job.src_state_indices)} local state slots but decode gave "
                     f"{len(job.dst_state_indices)}"
                 )
-            for src_slot, dst_slot in zip(
-                job.src_state_indices, job.dst_state_indices, strict=True
-            ):
-                plans.append(
-                    plan_slots(
-                        self.kv_args.state_buffers,
-                        peer_args.state_buffers,
-                        src_slot,
-                        dst_slot,
-                        "state",
+            equal_tp = self.kv_args.attn_tp_size == peer_args.attn_tp_size
+            slots = zip(job.src_state_indices, job.dst_state_indices, strict=True)
+            for src_slot, dst_slot in slots:
+                if equal_tp:  # whole slots
+                    state = self.kv_args.state_buffers
+                    plans.append(
+                        plan_slots(state, peer_args.state_buffers, src_slot, dst_slot, "state")
                     )
-                )
+                else:  # this rank's shard of each slot
+                    plans.append(plan_state_slices(self.kv_args, peer_args, src_slot, dst_slot))
         return TransferPlan.concat(*plans)
 
     def _write_chunk(self, room: int, jobs: list[ChunkJob]) -> None:

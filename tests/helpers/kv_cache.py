@@ -39,6 +39,7 @@ def rank_cache(
     aux_item_bytes: tuple[int, ...] = (),
     state_slots: int = 0,
     state_item_bytes: tuple[int, ...] = (),
+    state_dims: tuple[int, ...] = (),
     seed: int | None = 0,
 ) -> RankCache:
     """Random contents when `seed` is given, zeros otherwise (a destination)."""
@@ -66,5 +67,6 @@ def rank_cache(
         attn_tp_size=attn_tp_size,
         aux=aux,
         state=state,
+        state_dims=state_dims,
     )
     return RankCache(kv, aux, state, args)

@@ -211,3 +211,39 @@ def test_two_prefill_ranks_into_one_decode_rank_through_the_ring(
     for rank, cache in enumerate(sources):
         for got, want in zip(dst.kv, cache.kv, strict=True):  # heads 2·rank, 2·rank + 1
             assert np.array_equal(got[dst_pages][:, :, 2 * rank : 2 * rank + 2], want[src_pages])
+
+
+def test_state_shards_move_from_two_prefill_ranks_to_one_decode_rank() -> None:
+    """Hybrid state at different TP: each prefill rank writes its rows of the state slot."""
+    geometry = dict(layer_ids=(0,), page_size=4, total_kv_heads=4, head_dim=8, state_slots=3)
+    sources = [
+        rank_cache(
+            num_pages=8,
+            seed=41 + rank,
+            attn_tp_rank=rank,
+            attn_tp_size=2,
+            state_item_bytes=(32,),
+            state_dims=(2,),
+            **geometry,
+        )
+        for rank in range(2)
+    ]
+    dst = rank_cache(num_pages=8, seed=None, state_item_bytes=(64,), state_dims=(4,), **geometry)
+    first = PrefillManager(sources[0].args, ManagerConfig(engine="loopback", run_bootstrap=True))
+    url = first.bootstrap_url
+    second = PrefillManager(sources[1].args, ManagerConfig(engine="loopback", bootstrap_url=url))
+    decode = DecodeManager(dst.args, ManagerConfig(engine="loopback", bootstrap_url=url))
+    try:
+        receiver = decode.receiver(2)
+        receiver.init([5, 6], state_indices=[1])
+        senders = [manager.sender(2) for manager in (first, second)]
+        for sender in senders:
+            sender.send([0, 1], last=True, state_indices=[2])
+        wait_for(finished(receiver, *senders))
+        assert receiver.poll() == KVPoll.Success, receiver.failure_reason
+    finally:
+        decode.close()
+        first.close()
+        second.close()
+    assert np.array_equal(dst.state[0][1][:32], sources[0].state[0][2])  # rows 0-1
+    assert np.array_equal(dst.state[0][1][32:], sources[1].state[0][2])  # rows 2-3

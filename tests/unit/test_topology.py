@@ -9,6 +9,7 @@ executed with vectorized byte indexing over it.
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import math
 from dataclasses import dataclass
@@ -16,8 +17,8 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from kvbridge.cache import BufferSpec, KVArgs, TransferPlan, plan_kv
-from kvbridge.cache.plan import plan_tokens
+from kvbridge.cache import BufferSpec, KVArgs, PlanError, TransferPlan, plan_kv
+from kvbridge.cache.plan import check_state_slicing, pair, plan_state_slices, plan_tokens
 from kvbridge.cache.topology import TopologyError, rank_heads, topology
 from kvbridge.wire import KVLayout
 
@@ -199,3 +200,48 @@ def test_uneven_heads_are_refused() -> None:
         rank_heads(0, 3, 8)
     with pytest.raises(TopologyError, match="not a multiple"):
         rank_heads(0, 12, 8)
+
+
+@pytest.mark.parametrize(("pt", "dt"), list(itertools.product((1, 2, 4, 8), repeat=2)))
+def test_state_shards_against_the_global_state(pt: int, dt: int) -> None:
+    """A per-request state tensor [rows, row_bytes] sharded by rows over TP moves between any
+    TP sizes: the route's sources together write exactly the decode rank's rows."""
+    total_rows, row_bytes, slots = 8, 12, 3
+    rng = np.random.default_rng(pt * 10 + dt)
+    truth = rng.integers(0, 256, size=(slots, total_rows, row_bytes), dtype=np.uint8)
+
+    def rank(tp_rank: int, tp: int, fill: bool) -> tuple[KVArgs, np.ndarray, list[np.ndarray]]:
+        rows = total_rows // tp
+        state = np.zeros((slots, rows, row_bytes), dtype=np.uint8)
+        if fill:
+            state[:] = truth[:, tp_rank * rows : (tp_rank + 1) * rows]
+        kv = [np.zeros((2, 1, 8 // min(tp, 8), 4), np.uint16) for _ in range(2)]
+        args = KVArgs.from_numpy(
+            kv, kv_layout=KVLayout.MHA, total_kv_heads=8, attn_tp_rank=tp_rank,
+            attn_tp_size=tp, state=[state], state_dims=[rows],
+        )  # fmt: skip
+        return args, state, kv  # the arrays stay alive with the args that point into them
+
+    prefill = [rank(p, pt, True) for p in range(pt)]
+    mapping = topology(pt, dt, 8, KVLayout.MHA)
+    for d in range(dt):
+        args, state, _ = rank(d, dt, False)
+        for source in mapping.route(d).sources:
+            src_args = prefill[source.prefill_rank][0]
+            check_state_slicing(src_args, args)
+            plan = plan_state_slices(src_args, args, src_slot=2, dst_slot=0)
+            for src, dst, length in zip(plan.src, plan.dst, plan.length, strict=True):
+                ctypes.memmove(int(dst), int(src), int(length))
+        rows = total_rows // dt
+        assert np.array_equal(state[0], truth[2, d * rows : (d + 1) * rows])
+
+
+def test_state_without_its_sharded_dimension_is_refused_at_pairing() -> None:
+    state = [np.zeros((2, 64), np.uint8)]
+    kv = [np.zeros((2, 1, 4, 4), np.uint16) for _ in range(2)]
+    src = KVArgs.from_numpy(kv, kv_layout=KVLayout.MHA, total_kv_heads=8, attn_tp_size=2,
+                            state=state)  # fmt: skip
+    kv_full = [np.zeros((2, 1, 8, 4), np.uint16) for _ in range(2)]
+    dst = KVArgs.from_numpy(kv_full, kv_layout=KVLayout.MHA, total_kv_heads=8, state=state)
+    with pytest.raises(PlanError, match="without their sharded dimension"):
+        pair(src, dst)

@@ -48,6 +48,7 @@ def registration_for(
         state_lengths=(
             [[buffer.length for buffer in args.state_buffers]] if args.state_buffers else []
         ),
+        state_dim_per_tensor=[list(args.state_dims)] if args.state_dims else [],
         staging_base_ptr=args.staging_buffer.ptr if args.staging_buffer else 0,
         staging_total_size=args.staging_buffer.length if args.staging_buffer else 0,
         memory_kind=args.memory_kind,
@@ -97,6 +98,7 @@ def kv_args_of(registration: Registration) -> KVArgs:
         device_id=registration.device_id,
         dcp_rank=registration.dcp_rank,
         dcp_size=registration.dcp_size,
+        state_dims=tuple(dim for group in registration.state_dim_per_tensor for dim in group),
         staging_buffer=(
             BufferSpec(registration.staging_base_ptr, registration.staging_total_size, 1)
             if registration.staging_base_ptr and registration.staging_total_size

@@ -318,6 +318,55 @@ def plan_slots(
     )
 
 
+def check_state_slicing(src: KVArgs, dst: KVArgs) -> None:
+    """State can move between different TP sizes when both sides describe each buffer's
+    sharded dimension and the shards add up to the same tensor."""
+    if src.kv_layout == KVLayout.MLA:
+        raise PlanError("state buffers with MLA move only between equal TP sizes")
+    if len(src.state_buffers) != len(dst.state_buffers):
+        raise PlanError(
+            f"{len(src.state_buffers)} local state buffers but the peer registered "
+            f"{len(dst.state_buffers)}"
+        )
+    if not src.state_dims or not dst.state_dims:
+        raise PlanError(
+            f"state buffers cannot move between attention TP {src.attn_tp_size} and "
+            f"{dst.attn_tp_size} without their sharded dimension (state_dims) on both sides"
+        )
+    for index, (src_dim, dst_dim, local, remote) in enumerate(
+        zip(src.state_dims, dst.state_dims, src.state_buffers, dst.state_buffers, strict=True)
+    ):
+        if src_dim * src.attn_tp_size != dst_dim * dst.attn_tp_size:
+            raise PlanError(
+                f"state buffer {index}: {src_dim} rows × TP {src.attn_tp_size} and {dst_dim} "
+                f"rows × TP {dst.attn_tp_size} are not the same tensor"
+            )
+        if local.item_len // src_dim != remote.item_len // dst_dim:
+            raise PlanError(f"state buffer {index}: rows of different sizes on the two sides")
+
+
+def plan_state_slices(src: KVArgs, dst: KVArgs, src_slot: int, dst_slot: int) -> TransferPlan:
+    """The rows of each state slot that this prefill rank holds and the decode rank needs:
+    the overlap of their shards of the TP-sharded dimension, one block per buffer."""
+    sources, targets, lengths = [], [], []
+    for local, remote, src_dim, dst_dim in zip(
+        src.state_buffers, dst.state_buffers, src.state_dims, dst.state_dims, strict=True
+    ):
+        row = local.item_len // src_dim
+        src_first, dst_first = src.attn_tp_rank * src_dim, dst.attn_tp_rank * dst_dim
+        low, high = max(src_first, dst_first), min(src_first + src_dim, dst_first + dst_dim)
+        if low >= high:
+            continue
+        if not (0 <= src_slot < local.num_items and 0 <= dst_slot < remote.num_items):
+            raise PlanError(f"state slot {src_slot} → {dst_slot} out of range")
+        sources.append(local.ptr + src_slot * local.item_len + (low - src_first) * row)
+        targets.append(remote.ptr + dst_slot * remote.item_len + (low - dst_first) * row)
+        lengths.append((high - low) * row)
+    return TransferPlan(
+        np.array(sources, dtype=U64), np.array(targets, dtype=U64), np.array(lengths, dtype=U64)
+    )
+
+
 @dataclass(frozen=True)
 class Pairing:
     """How this prefill rank writes to one decode rank: decided once, at registration."""
@@ -364,10 +413,7 @@ def pair(src: KVArgs, dst: KVArgs) -> Pairing:
     except TopologyError as exc:
         raise PlanError(str(exc)) from None
     if src.attn_tp_size != dst.attn_tp_size and (src.state_buffers or dst.state_buffers):
-        raise PlanError(
-            f"state buffers cannot move between attention TP {src.attn_tp_size} and "
-            f"{dst.attn_tp_size} (their TP-sharded dimension is not described yet)"
-        )
+        check_state_slicing(src, dst)
     sources = [
         source
         for source in mapping.route(dst.attn_tp_rank).sources

@@ -96,6 +96,10 @@ class KVArgs:
     # Decode context parallelism: global token i lives on DCP rank i % dcp_size.
     dcp_rank: int = 0
     dcp_size: int = 1
+    # Per state buffer, the local size of its TP-sharded dimension, the outermost of a slot
+    # (e.g. a Mamba state [heads, head_dim, state]: its heads on this rank). Needed to move
+    # state between different TP sizes; empty: state moves only as whole slots at equal TP.
+    state_dims: tuple[int, ...] = ()
     # Decode's staging ring (heterogeneous TP): prefill writes staged chunks here.
     staging_buffer: BufferSpec | None = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
@@ -160,6 +164,20 @@ class KVArgs:
                     f"({self.page_size} tokens × {self.kv_heads} heads × {self.head_dim} × "
                     f"{self.dtype_size} B = {self.page_bytes})"
                 )
+        if self.state_dims:
+            if len(self.state_dims) != len(self.state_buffers):
+                raise GeometryError(
+                    f"{len(self.state_dims)} state dimensions for {len(self.state_buffers)} "
+                    "state buffers"
+                )
+            for index, (dim, buffer) in enumerate(
+                zip(self.state_dims, self.state_buffers, strict=True)
+            ):
+                if dim < 1 or buffer.item_len % dim:
+                    raise GeometryError(
+                        f"state buffer {index}: a slot of {buffer.item_len} B does not split "
+                        f"into {dim} rows of its sharded dimension"
+                    )
         staging = (self.staging_buffer,) if self.staging_buffer is not None else ()
         for kind, buffers in (
             ("KV", self.kv_buffers),
@@ -186,6 +204,7 @@ class KVArgs:
         attn_tp_size: int = 1,
         aux: Sequence[np.ndarray] = (),
         state: Sequence[np.ndarray] = (),
+        state_dims: Sequence[int] = (),
     ) -> KVArgs:
         """From contiguous arrays shaped ``[pages, page_size, heads, head_dim]`` (KV) and
         ``[slots, ...]`` (aux, state), in `KVArgs`' buffer order."""
@@ -212,6 +231,7 @@ class KVArgs:
             attn_tp_size=attn_tp_size,
             aux_buffers=tuple(_numpy_buffer(array, "aux") for array in aux),
             state_buffers=tuple(_numpy_buffer(array, "state") for array in state),
+            state_dims=tuple(state_dims),
         )
 
     @staticmethod
@@ -225,6 +245,7 @@ class KVArgs:
         attn_tp_size: int = 1,
         aux: Sequence[Any] = (),
         state: Sequence[Any] = (),
+        state_dims: Sequence[int] = (),
     ) -> KVArgs:
         """From torch tensors (CPU or CUDA), shaped as for `from_numpy`."""
         if not kv:
@@ -252,6 +273,7 @@ class KVArgs:
             attn_tp_size=attn_tp_size,
             aux_buffers=tuple(_torch_buffer(tensor, "aux") for tensor in aux),
             state_buffers=tuple(_torch_buffer(tensor, "state") for tensor in state),
+            state_dims=tuple(state_dims),
             memory_kind=MemoryKind.VRAM if on_gpu else MemoryKind.DRAM,
             device_id=int(first.device.index or 0) if on_gpu else 0,
         )
