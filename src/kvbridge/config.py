@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvbridge.engines import DEFAULT_ENGINE
+from kvbridge.wire.auth import secret_from_env
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,8 @@ class ManagerConfig:
     staging_bytes: decode's ring, and prefill's local staging buffer, in bytes; a chunk that
         does not fit falls back to the per-token path.
     staging_timeout_s: how long prefill waits for ring space for one chunk.
+    secret: shared secret (default: $KVBRIDGE_SECRET): control messages carry and require
+        an auth tag (HMAC, timestamp, nonce); bootstrap registrations need the derived token.
     """
 
     engine: str = DEFAULT_ENGINE
@@ -41,3 +44,4 @@ class ManagerConfig:
     staging: bool = True
     staging_bytes: int = 64 << 20
     staging_timeout_s: float = 30.0
+    secret: bytes | None = field(default_factory=secret_from_env, repr=False)

@@ -99,8 +99,9 @@ class DecodeManager:
         self._groups: dict[str, list[PrefillRank]] = {}
         self._registered: set[str] = set()
         self.channel = ControlChannel(
-            config.host, self._on_message, self._on_tick, name="kvbridge-decode"
-        )
+            config.host, self._on_message, self._on_tick, name="kvbridge-decode",
+            secret=config.secret,
+        )  # fmt: skip
         self.peer_id = f"decode-{self.rank}@{self.channel.endpoint}"
         self.channel.start()
 

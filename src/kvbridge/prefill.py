@@ -117,12 +117,16 @@ class PrefillManager:
         self._jobs: queue.SimpleQueue[_Connect | _WriteChunk | None] = queue.SimpleQueue()
         self._worker = threading.Thread(target=self._run_worker, name="kvbridge-prefill-worker")
         self._worker.daemon = True
-        self.channel = ControlChannel(config.host, self._on_message, name="kvbridge-prefill")
+        self.channel = ControlChannel(
+            config.host, self._on_message, name="kvbridge-prefill", secret=config.secret
+        )
         self.written_plans: list[tuple[str, TransferPlan]] = []
         self.bootstrap: BootstrapServer | None = None
         url = config.bootstrap_url
         if config.run_bootstrap:
-            self.bootstrap = BootstrapServer(config.host, config.bootstrap_port).start()
+            self.bootstrap = BootstrapServer(
+                config.host, config.bootstrap_port, secret=config.secret
+            ).start()
             url = self.bootstrap.url
         if url is None:
             raise ValueError("a prefill manager needs bootstrap_url or run_bootstrap")
@@ -135,6 +139,7 @@ class PrefillManager:
                 self.rank, kv_args.attn_tp_size, config.host, self.channel.port, config.engine
             ),
             timeout_s=config.bootstrap_timeout_s,
+            secret=config.secret,
         )
 
     # --- scheduler side ------------------------------------------------------------------

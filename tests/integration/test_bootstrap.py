@@ -105,3 +105,20 @@ def test_standalone_command() -> None:
     finally:
         process.send_signal(signal.SIGINT)
         assert process.wait(10) == 0
+
+
+def test_registration_needs_the_token_when_a_secret_is_set() -> None:
+    service = BootstrapServer(secret=b"s").start()
+    try:
+        status, document = call(
+            f"{service.url}/prefill", "PUT", json.dumps(asdict(rank(0))).encode()
+        )
+        assert status == 401
+        assert "token" in str(document["error"])
+        with pytest.raises(BootstrapError, match="401"):
+            register_prefill(service.url, rank(0), secret=b"wrong")
+        register_prefill(service.url, rank(0), secret=b"s")
+        register_prefill(service.url, rank(1), secret=b"s")
+        assert call(f"{service.url}/health")[0] == 200  # lookups need no token
+    finally:
+        service.close()

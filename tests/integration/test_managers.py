@@ -15,7 +15,7 @@ from kv_cache import RankCache, rank_cache
 from kvbridge.config import ManagerConfig
 from kvbridge.decode import DecodeManager, KVReceiver
 from kvbridge.prefill import KVSender, PrefillManager
-from kvbridge.wire import KVPoll
+from kvbridge.wire import NATIVE, Abort, Heartbeat, KVPoll
 
 GEOMETRY = dict(
     layer_ids=(0, 1), page_size=4, total_kv_heads=2, head_dim=8,
@@ -247,3 +247,35 @@ def test_state_shards_move_from_two_prefill_ranks_to_one_decode_rank() -> None:
         second.close()
     assert np.array_equal(dst.state[0][1][:32], sources[0].state[0][2])  # rows 0-1
     assert np.array_equal(dst.state[0][1][32:], sources[1].state[0][2])  # rows 2-3
+
+
+def test_with_a_secret_unauthenticated_and_replayed_messages_are_refused() -> None:
+    secret = b"a shared secret"
+    src, dst = rank_cache(seed=1, **GEOMETRY), rank_cache(seed=None, **GEOMETRY)
+    prefill = PrefillManager(
+        src.args, ManagerConfig(engine="loopback", run_bootstrap=True, secret=secret)
+    )
+    decode = DecodeManager(
+        dst.args, ManagerConfig(engine="loopback", bootstrap_url=prefill.bootstrap_url,
+                                secret=secret),
+    )  # fmt: skip
+    context = zmq.Context()
+    push = context.socket(zmq.PUSH)
+    try:
+        push.connect(prefill.channel.endpoint)
+        forged = Abort(room=6, decode_ip="127.0.0.1", decode_port=1, reason="forged")
+        push.send_multipart(NATIVE.encode(forged))  # no tag
+        signed = NATIVE.encode(Heartbeat("intruder", 1, 1000), secret=secret)
+        push.send_multipart(signed)
+        push.send_multipart(signed)  # the same bytes again: a replay
+        wait_for(lambda: prefill.channel.stats.unauthenticated == 2)
+        sender, receiver = prefill.sender(6), decode.receiver(6)
+        receiver.init([0, 1])
+        sender.send([2, 3], last=True)
+        wait_for(finished(sender, receiver))
+        assert receiver.poll() == KVPoll.Success  # the forged abort did nothing
+    finally:
+        push.close(linger=0)
+        context.term()
+        decode.close()
+        prefill.close()

@@ -21,6 +21,7 @@ from kvbridge.wire import (
     encode_frames,
 )
 from kvbridge.wire import codecs as c
+from kvbridge.wire.auth import TAG_SIZE, ReplayGuard, make_tag
 from kvbridge.wire.native import HEADER, MAGIC, MAJOR, MINOR, Header
 
 
@@ -147,6 +148,7 @@ def test_auth_tag() -> None:
     status = TransferStatus(room=1, status=KVPoll.Failed, prefill_rank=3, reason="engine: rc -1")
     frames = NATIVE.encode(status, secret=secret)
     assert len(frames) == 6
+    assert len(frames[-1]) == TAG_SIZE
     assert NATIVE.decode(frames, secret=secret) == status
     # A receiver without a secret still reads the message.
     assert NATIVE.decode(frames) == status
@@ -158,6 +160,26 @@ def test_auth_tag() -> None:
         NATIVE.decode(tampered, secret=secret)
     with pytest.raises(WireError, match="not authenticated"):
         NATIVE.decode(NATIVE.encode(status), secret=secret)
+    with pytest.raises(WireError, match="expected a 56-byte auth tag"):
+        NATIVE.decode([*frames[:-1], frames[-1][:40]], secret=secret)
+
+
+def test_replayed_and_stale_messages_are_refused() -> None:
+    secret, now = b"s", [10**18]
+    guard = ReplayGuard(max_skew_s=30, clock_ns=lambda: now[0])
+    heartbeat = Heartbeat(sender_id="p0", sequence=7, lease_ms=2000)
+    frames = NATIVE.encode(heartbeat, secret=secret)
+    frames[-1] = make_tag(secret, frames[:-1], now_ns=now[0])
+    assert NATIVE.decode(frames, secret=secret, guard=guard) == heartbeat
+    with pytest.raises(WireError, match="replayed"):
+        NATIVE.decode(frames, secret=secret, guard=guard)
+    old = [*frames[:-1], make_tag(secret, frames[:-1], now_ns=now[0] - 31 * 10**9)]
+    with pytest.raises(WireError, match=r"timestamp -31\.0 s from this clock"):
+        NATIVE.decode(old, secret=secret, guard=guard)
+    now[0] += 61 * 10**9  # nonces are forgotten once their messages could no longer be fresh
+    fresh = [*frames[:-1], make_tag(secret, frames[:-1], now_ns=now[0])]
+    assert NATIVE.decode(fresh, secret=secret, guard=guard) == heartbeat
+    assert len(guard) == 1
 
 
 def test_secret_refused_for_profiles_without_a_tag_frame() -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -17,11 +16,10 @@ from kvbridge.control.bootstrap import BootstrapServer
 from kvbridge.demo import MODELS, DemoConfig, run_demo
 from kvbridge.engines import unavailable_reason
 from kvbridge.wire import PROFILES, WireError, inspect_frames
+from kvbridge.wire.auth import secret_from_env
 from kvbridge.wire.framefile import FrameFileError, load_frames, parse_hex_frame
 from kvbridge.wire.profile import Inspection
 from kvbridge.wire.protocol_doc import render_protocol
-
-SECRET_ENV = "KVBRIDGE_SECRET"
 
 console = Console()
 error_console = Console(stderr=True)
@@ -105,13 +103,13 @@ def inspect_command(
         raise _fail("no frames given")
     chosen_profile = profile or metadata.get("profile")
     chosen_type = message_type or metadata.get("type")
-    secret = os.environ.get(SECRET_ENV)
+    secret = secret_from_env()
     try:
         result = inspect_frames(
             frames,
             str(chosen_profile) if chosen_profile else None,
             str(chosen_type) if chosen_type else None,
-            secret.encode() if secret else None,
+            secret,
         )
     except WireError as exc:
         raise _fail(str(exc)) from None
@@ -240,7 +238,7 @@ def demo_command(
 @click.option("--port", type=click.IntRange(0, 65535), default=8998, show_default=True)
 def bootstrap_command(host: str, port: int) -> None:
     """Run the bootstrap (rendezvous) service standalone until interrupted."""
-    server = BootstrapServer(host, port)
+    server = BootstrapServer(host, port, secret=secret_from_env())
     console.print(f"kvbridge bootstrap on {server.url}", highlight=False)
     try:
         server.serve_forever()

@@ -5,13 +5,16 @@ group up. Until every rank of the prefill group has registered, lookups and `/he
 503; a registration that conflicts with what is recorded is refused with 409, never silently
 overwritten. The service runs inside prefill rank 0 or standalone (`kvbridge bootstrap`).
 
-    PUT /prefill   {"rank", "attn_tp_size", "host", "port", "engine"}   → 200 | 400 | 409
+    PUT /prefill   {"rank", "attn_tp_size", "host", "port", "engine"}   → 200 | 400 | 401 | 409
+                   (with a shared secret: header "Authorization: Bearer <bootstrap_token>")
     GET /prefill   → 200 {"attn_tp_size", "ranks": [...]} | 503 {"registered", "expected"}
     GET /health    → 200 when the group is complete, else 503
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import threading
 import time
@@ -121,6 +124,12 @@ class _Handler(BaseHTTPRequestHandler):
         if self.path != "/prefill":
             self._reply(HTTPStatus.NOT_FOUND, {"error": f"no route {self.path}"})
             return
+        token = self.server.token
+        offered = self.headers.get("Authorization", "")
+        if token is not None and not hmac.compare_digest(offered, f"Bearer {token}"):
+            self.server.unauthorized += 1
+            self._reply(HTTPStatus.UNAUTHORIZED, {"error": "registration needs the token"})
+            return
         try:
             length = int(self.headers.get("Content-Length", "0"))
             if not 0 < length <= MAX_BODY:
@@ -139,14 +148,22 @@ class _Handler(BaseHTTPRequestHandler):
 class _BootstrapHTTPServer(ThreadingHTTPServer):
     daemon_threads = True
     group: PrefillGroup
+    token: str | None
+    unauthorized: int = 0
+
+
+def bootstrap_token(secret: bytes) -> str:
+    """The bearer token bootstrap writes need: derived from the shared secret, never it."""
+    return hmac.new(secret, b"kvbridge bootstrap v1", hashlib.sha256).hexdigest()
 
 
 class BootstrapServer:
     """The service on (host, port); port 0 picks a free one. Runs on a daemon thread."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, secret: bytes | None = None) -> None:
         self._server = _BootstrapHTTPServer((host, port), _Handler)
         self._server.group = PrefillGroup()
+        self._server.token = bootstrap_token(secret) if secret else None
         self._thread = threading.Thread(
             target=self._server.serve_forever, name="kvbridge-bootstrap", daemon=True
         )
@@ -170,12 +187,18 @@ class BootstrapServer:
 
 
 def _request(
-    url: str, method: str, body: dict[str, Any] | None, timeout_s: float
+    url: str,
+    method: str,
+    body: dict[str, Any] | None,
+    timeout_s: float,
+    secret: bytes | None = None,
 ) -> tuple[int, Any]:
     data = json.dumps(body).encode() if body is not None else None
     request = urllib.request.Request(url, data=data, method=method)
     if data is not None:
         request.add_header("Content-Type", "application/json")
+    if secret:
+        request.add_header("Authorization", f"Bearer {bootstrap_token(secret)}")
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as response:
             return response.status, json.loads(response.read())
@@ -183,12 +206,16 @@ def _request(
         return exc.code, json.loads(exc.read() or b"{}")
 
 
-def register_prefill(url: str, rank: PrefillRank, timeout_s: float = 30.0) -> None:
+def register_prefill(
+    url: str, rank: PrefillRank, timeout_s: float = 30.0, secret: bytes | None = None
+) -> None:
     """Register a prefill rank, retrying while the service is not up yet."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            status, document = _request(f"{url}/prefill", "PUT", asdict(rank), timeout_s=5.0)
+            status, document = _request(
+                f"{url}/prefill", "PUT", asdict(rank), timeout_s=5.0, secret=secret
+            )
         except (urllib.error.URLError, OSError) as exc:
             if time.monotonic() > deadline:
                 raise BootstrapError(

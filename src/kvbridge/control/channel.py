@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import zmq
 
 from kvbridge.wire import NATIVE, Message, WireError
+from kvbridge.wire.auth import ReplayGuard
 
 log = logging.getLogger("kvbridge.control")
 
@@ -32,6 +33,7 @@ class ChannelStats:
     received: int = 0
     sent: int = 0
     malformed: int = 0
+    unauthenticated: int = 0
     handler_errors: int = 0
     send_failures: int = 0
 
@@ -57,6 +59,7 @@ class ControlChannel:
         self._on_message = on_message
         self._on_tick = on_tick
         self._secret = secret
+        self._guard = ReplayGuard() if secret else None
         self._outgoing: queue.SimpleQueue[tuple[str, Message]] = queue.SimpleQueue()
         self._push: dict[str, zmq.Socket[bytes]] = {}
         self._stop = threading.Event()
@@ -105,10 +108,14 @@ class ControlChannel:
                 return
             self.stats.received += 1
             try:
-                message = NATIVE.decode(frames, secret=self._secret)
+                message = NATIVE.decode(frames, secret=self._secret, guard=self._guard)
             except WireError as exc:
-                self.stats.malformed += 1
-                log.warning("dropped a malformed control message: %s", exc)
+                if exc.field in ("auth_tag", "header.flags") and self._secret:
+                    self.stats.unauthenticated += 1
+                    log.warning("dropped an unauthenticated control message: %s", exc)
+                else:
+                    self.stats.malformed += 1
+                    log.warning("dropped a malformed control message: %s", exc)
                 continue
             try:
                 self._on_message(message)

@@ -3,8 +3,10 @@
 Frame 0 is a fixed 8-byte header (magic, major/minor version, message type, flags); the
 message's fields follow, one frame each, as fixed-width little-endian integers, UTF-8 text,
 packed integer arrays or opaque bytes. An optional field that is absent is an empty frame, so
-0 is always a real value. With the `FLAG_TAG` flag the last frame is an HMAC-SHA256 tag over
-all frames before it, each preceded by its length as a little-endian uint32.
+0 is always a real value. With the `FLAG_TAG` flag the last frame is an authentication tag
+(`kvbridge.wire.auth`): a 16-byte nonce, the sender's clock in nanoseconds and an HMAC-SHA256
+over all frames before it (each preceded by its length as a little-endian uint32), the nonce
+and the timestamp; receivers with the secret also refuse stale timestamps and replayed nonces.
 
 Compatibility: a different major version is refused naming both versions. A peer with a newer
 minor version may append fields (always optional ones) and message types; this side ignores
@@ -14,8 +16,6 @@ frames, which take their defaults.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -25,6 +25,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvbridge.wire import codecs as c
+from kvbridge.wire.auth import ReplayGuard, check_tag, make_tag
 from kvbridge.wire.errors import WireError, describe_bytes
 from kvbridge.wire.layout import Field, FieldValueError, FrameRow, Layout, Message
 from kvbridge.wire.messages import (
@@ -52,7 +53,6 @@ MAJOR = 1
 MINOR = 0
 FLAG_TAG = 0x01
 KNOWN_FLAGS = FLAG_TAG
-TAG_SIZE = hashlib.sha256().digest_size
 
 # The header frame, as a table: (name, struct format, meaning).
 HEADER_FIELDS = (
@@ -60,7 +60,7 @@ HEADER_FIELDS = (
     ("major", "B", f"major version, {MAJOR}"),
     ("minor", "B", f"minor version, {MINOR}"),
     ("type", "B", "message type code (table below)"),
-    ("flags", "B", f"bit 0 ({FLAG_TAG:#x}): the last frame is an HMAC-SHA256 tag"),
+    ("flags", "B", f"bit 0 ({FLAG_TAG:#x}): the last frame is an auth tag (nonce, time, HMAC)"),
 )
 HEADER = struct.Struct("<" + "".join(fmt for _, fmt, _ in HEADER_FIELDS))
 
@@ -338,14 +338,6 @@ CODES_BY_TYPE: dict[type[Message], int] = {
 }
 
 
-def _auth_tag(secret: bytes, frames: Sequence[bytes]) -> bytes:
-    mac = hmac.new(secret, digestmod=hashlib.sha256)
-    for frame in frames:
-        mac.update(struct.pack("<I", len(frame)))
-        mac.update(frame)
-    return mac.digest()
-
-
 def parse_header(frame: bytes) -> Header:
     """The header of frame 0; `WireError` naming the header field that is wrong."""
 
@@ -393,13 +385,14 @@ class NativeProfile(Profile):
         flags = FLAG_TAG if secret else 0
         frames = [Header(MAJOR, MINOR, code, flags).pack(), *LAYOUTS_BY_CODE[code].encode(message)]
         if secret:
-            frames.append(_auth_tag(secret, frames))
+            frames.append(make_tag(secret, frames))
         return frames
 
     def _split(
-        self, frames: Sequence[bytes], secret: bytes | None
+        self, frames: Sequence[bytes], secret: bytes | None, guard: ReplayGuard | None = None
     ) -> tuple[Header, list[bytes], bytes | None]:
-        """Header, field frames and the auth tag (if any), after checking the tag."""
+        """Header, field frames and the auth tag (if any), after checking the tag (and, with
+        a guard, its freshness and nonce)."""
         require_frames(frames, self.name)
         header = parse_header(bytes(frames[0]))
         body = [bytes(frame) for frame in frames[1:]]
@@ -413,15 +406,16 @@ class NativeProfile(Profile):
                     field="auth_tag",
                 )
             tag = body.pop()
-            if secret is not None and not hmac.compare_digest(
-                tag, _auth_tag(secret, [bytes(frames[0]), *body])
-            ):
-                raise WireError(
-                    "HMAC tag does not match: wrong secret or altered message",
-                    profile=PROFILE,
-                    frame_index=len(frames) - 1,
-                    field="auth_tag",
-                )
+            if secret is not None:
+                check = check_tag(secret, [bytes(frames[0]), *body], tag)
+                if isinstance(check, str):
+                    refused: str | None = check
+                else:  # (a guard is a sized container: test it against None, not for truth)
+                    refused = guard.admit(check) if guard is not None else None
+                if refused:
+                    raise WireError(
+                        refused, profile=PROFILE, frame_index=len(frames) - 1, field="auth_tag"
+                    )
         elif secret is not None:
             raise WireError(
                 "message is not authenticated but a shared secret is configured",
@@ -437,8 +431,9 @@ class NativeProfile(Profile):
         type_name: str | None = None,
         *,
         secret: bytes | None = None,
+        guard: ReplayGuard | None = None,
     ) -> Message:
-        header, body, _ = self._split(frames, secret)
+        header, body, _ = self._split(frames, secret, guard)
         layout = LAYOUTS_BY_CODE[header.type_code]
         if type_name and type_name != layout.type_name:
             raise WireError(
@@ -485,7 +480,9 @@ class NativeProfile(Profile):
             notes.append(f"{extra} frame(s) appended by minor version {header.minor} ignored")
         if tag is not None:
             verified = "verified" if secret is not None else "not verified (no secret given)"
-            rows.append(FrameRow(len(frames) - 1, "auth_tag", "hmac-sha256", len(tag), verified))
+            rows.append(
+                FrameRow(len(frames) - 1, "auth_tag", "nonce+time+hmac", len(tag), verified)
+            )
         message = None if errors else layout.decode(body, allow_extra=header.minor > MINOR)
         return Inspection(self.name, layout.type_name, [header_row, *rows], errors, message, notes)
 
