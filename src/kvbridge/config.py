@@ -28,6 +28,8 @@ class ManagerConfig:
     staging_bytes: decode's ring, and prefill's local staging buffer, in bytes; a chunk that
         does not fit falls back to the per-token path.
     staging_timeout_s: how long prefill waits for ring space for one chunk.
+    heartbeat_interval_s: how often a rank tells each peer it is alive.
+    peer_timeout_s: a peer silent this long is declared dead and its rooms fail (both sides).
     secret: shared secret (default: $KVBRIDGE_SECRET): control messages carry and require
         an auth tag (HMAC, timestamp, nonce); bootstrap registrations need the derived token.
     """
@@ -44,4 +46,6 @@ class ManagerConfig:
     staging: bool = True
     staging_bytes: int = 64 << 20
     staging_timeout_s: float = 30.0
+    heartbeat_interval_s: float = 0.5
+    peer_timeout_s: float = 3.0
     secret: bytes | None = field(default_factory=secret_from_env, repr=False)

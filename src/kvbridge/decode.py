@@ -34,12 +34,14 @@ from kvbridge.config import ManagerConfig
 from kvbridge.control.bootstrap import BootstrapError, PrefillRank, lookup_prefill_group
 from kvbridge.control.channel import ControlChannel
 from kvbridge.engines import create_engine
+from kvbridge.liveness import Liveness
 from kvbridge.room import DecodeRoom, RoomStatus, parse_notification
 from kvbridge.staging import Allocation, StagingRing, buffer_rows, scatter
 from kvbridge.wire import (
     STAGING_NEVER_FITS,
     Abort,
     ChunkReady,
+    Heartbeat,
     KVPoll,
     MemoryKind,
     Message,
@@ -98,6 +100,8 @@ class DecodeManager:
         self._rooms: dict[int, DecodeRoom] = {}
         self._groups: dict[str, list[PrefillRank]] = {}
         self._registered: set[str] = set()
+        self._liveness = Liveness(config.heartbeat_interval_s, config.peer_timeout_s)
+        self._heartbeats = 0
         self.channel = ControlChannel(
             config.host, self._on_message, self._on_tick, name="kvbridge-decode",
             secret=config.secret,
@@ -125,6 +129,7 @@ class DecodeManager:
             if endpoint in self._registered:
                 return endpoint
             self._registered.add(endpoint)
+        self._liveness.watch(endpoint, time.monotonic())
         registration = registration_for(
             self.kv_args,
             peer_id=self.peer_id,
@@ -139,6 +144,10 @@ class DecodeManager:
     # --- control thread --------------------------------------------------------------------
 
     def _on_message(self, message: Message) -> None:
+        if isinstance(message, Heartbeat):
+            if self._liveness.seen(message.sender_id, time.monotonic()):
+                log.info("prefill %s is heard from again", message.sender_id)
+            return
         if isinstance(message, StagingRequest):
             self._allocate(message)
         elif isinstance(message, ChunkReady):
@@ -255,9 +264,31 @@ class DecodeManager:
         for waiting, granted in grants:
             self._answer(waiting, granted)
 
+    def _check_liveness(self, now: float) -> None:
+        """Heartbeats to every prefill rank registered with; rooms waiting on a prefill rank
+        that fell silent fail with the reason."""
+        if self._liveness.heartbeat_due(now):
+            self._heartbeats += 1
+            lease_ms = int(self.config.peer_timeout_s * 1000)
+            for endpoint in self._liveness.peers:
+                self.channel.send(endpoint, Heartbeat(self.peer_id, self._heartbeats, lease_ms))
+        for endpoint, silent_s in self._liveness.expired(now):
+            reason = (
+                f"prefill {endpoint} silent for {silent_s:.1f} s (peer timeout "
+                f"{self.config.peer_timeout_s:g} s)"
+            )
+            with self._lock:
+                affected = [state for state in self._rooms.values()
+                            if state.waits_on(endpoint)]  # fmt: skip
+                for state in affected:
+                    state.status.fail(f"room {state.room}: {reason}")
+            if affected:
+                log.warning("%s: %d room(s) failed", reason, len(affected))
+
     def _on_tick(self) -> bool:
         notifications = self.engine.notifications()
         now = time.monotonic()
+        self._check_liveness(now)
         with self._lock:
             for _, message in notifications:
                 parsed = parse_notification(message)
@@ -361,6 +392,7 @@ class KVReceiver:
             deadline=time.monotonic() + self.manager.config.transfer_timeout_s,
             dst_pages=pages.astype(np.int64),
             sources={source.prefill_rank: source for source in self._route.sources},
+            endpoints=dict(self._endpoints),
         )
         state.status.advance(KVPoll.Transferring)
         with self.manager._lock:

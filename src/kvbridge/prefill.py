@@ -32,11 +32,13 @@ from kvbridge.config import ManagerConfig
 from kvbridge.control.bootstrap import BootstrapServer, PrefillRank, register_prefill
 from kvbridge.control.channel import ControlChannel
 from kvbridge.engines import EngineError, MemoryRegion, create_engine
+from kvbridge.liveness import Liveness
 from kvbridge.room import Chunk, ChunkJob, PrefillRoom, notification_for
 from kvbridge.staging import buffer_rows, gather, staged_size
 from kvbridge.wire import (
     Abort,
     ChunkReady,
+    Heartbeat,
     KVPoll,
     MemoryKind,
     Message,
@@ -62,6 +64,15 @@ class _Connect:
 class _WriteChunk:
     room: int
     jobs: list[ChunkJob]
+
+
+def _sender_of(message: Message) -> str | None:
+    """The decode peer a message comes from, where the message says."""
+    if isinstance(message, (Registration, TransferRequest)):
+        return message.peer_id
+    if isinstance(message, (Heartbeat, StagingResponse, Watermark)):
+        return message.sender_id if isinstance(message, Heartbeat) else message.session_id
+    return None
 
 
 @dataclass
@@ -117,9 +128,12 @@ class PrefillManager:
         self._jobs: queue.SimpleQueue[_Connect | _WriteChunk | None] = queue.SimpleQueue()
         self._worker = threading.Thread(target=self._run_worker, name="kvbridge-prefill-worker")
         self._worker.daemon = True
+        self._liveness = Liveness(config.heartbeat_interval_s, config.peer_timeout_s)
+        self._heartbeats = 0
         self.channel = ControlChannel(
-            config.host, self._on_message, name="kvbridge-prefill", secret=config.secret
-        )
+            config.host, self._on_message, self._on_tick, name="kvbridge-prefill",
+            secret=config.secret,
+        )  # fmt: skip
         self.written_plans: list[tuple[str, TransferPlan]] = []
         self.bootstrap: BootstrapServer | None = None
         url = config.bootstrap_url
@@ -166,6 +180,14 @@ class PrefillManager:
     # --- control thread --------------------------------------------------------------------
 
     def _on_message(self, message: Message) -> None:
+        sender = _sender_of(message)
+        if sender is not None:
+            with self._lock:
+                known = sender in self._peers
+            if known:
+                self._liveness.seen(sender, time.monotonic())
+        if isinstance(message, Heartbeat):
+            return
         if isinstance(message, Registration):
             self._on_registration(message)
         elif isinstance(message, TransferRequest):
@@ -200,6 +222,37 @@ class PrefillManager:
         else:
             log.warning("unexpected %s on a prefill rank, ignored", type(message).__name__)
 
+    def _on_tick(self) -> bool:
+        """Heartbeats to every decode peer; rooms of peers that fell silent fail."""
+        now = time.monotonic()
+        with self._lock:
+            endpoints = {peer_id: peer.endpoint for peer_id, peer in self._peers.items()}
+            in_flight = any(not state.status.finished for state in self._rooms.values())
+        if self._liveness.heartbeat_due(now):
+            self._heartbeats += 1
+            lease_ms = int(self.config.peer_timeout_s * 1000)
+            for endpoint in endpoints.values():
+                beat = Heartbeat(self.channel.endpoint, self._heartbeats, lease_ms)
+                self.channel.send(endpoint, beat)
+        for peer_id, silent_s in self._liveness.expired(now):
+            reason = (
+                f"decode {peer_id} silent for {silent_s:.1f} s (peer timeout "
+                f"{self.config.peer_timeout_s:g} s)"
+            )
+            with self._lock:
+                affected = [
+                    state
+                    for state in self._rooms.values()
+                    if peer_id in state.requests and not state.status.finished
+                ]
+                for state in affected:
+                    self._fail_locked(state, f"room {state.room}: {reason}")
+            if affected:
+                log.warning("%s: %d room(s) failed", reason, len(affected))
+            else:
+                log.info("%s", reason)
+        return in_flight
+
     def _on_registration(self, registration: Registration) -> None:
         endpoint = f"tcp://{registration.host}:{registration.control_port}"
         peer = _DecodePeer(registration, endpoint)
@@ -216,6 +269,7 @@ class PrefillManager:
             )
         with self._lock:
             self._peers[registration.peer_id] = peer
+        self._liveness.seen(registration.peer_id, time.monotonic())
         if peer.error is None:
             self._jobs.put(_Connect(registration.peer_id))
 

@@ -178,6 +178,7 @@ class DecodeRoom:
     # staged chunks).
     dst_pages: npt.NDArray[np.int64] = field(default_factory=lambda: np.empty(0, np.int64))
     sources: dict[int, Source] = field(default_factory=dict)
+    endpoints: dict[int, str] = field(default_factory=dict)  # prefill rank → control endpoint
     status: RoomStatus = field(default_factory=RoomStatus)
     reported: set[int] = field(default_factory=set)
     notified: set[int] = field(default_factory=set)
@@ -214,6 +215,17 @@ class DecodeRoom:
             and not self.unscattered
         ):
             self.status.advance(KVPoll.Success)
+
+    def waits_on(self, endpoint: str) -> bool:
+        """Whether this unfinished room still needs something from the prefill rank there."""
+        if self.status.finished:
+            return False
+        ranks = [rank for rank, known in self.endpoints.items() if known == endpoint]
+        return any(
+            rank not in self.reported
+            or (rank in self.notifying_ranks and rank not in self.notified)
+            for rank in ranks
+        )
 
     def check_deadline(self, now: float) -> None:
         if not self.status.finished and now > self.deadline:

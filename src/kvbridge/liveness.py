@@ -1,0 +1,58 @@
+"""Liveness between ranks, pure: who was heard from when, and who fell silent.
+
+Each rank sends a heartbeat to every peer it works with every `interval_s`; a peer not heard
+from for `timeout_s` is declared dead once (its rooms fail with the reason), and comes back to
+life when it is heard from again (a healed partition needs no restart).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Liveness:
+    interval_s: float
+    timeout_s: float
+    _last_seen: dict[str, float] = field(default_factory=dict)
+    _dead: set[str] = field(default_factory=set)
+    _last_beat: float = float("-inf")
+
+    def watch(self, peer: str, now: float) -> None:
+        """Start watching a peer, as if just heard from (a grace period of one timeout)."""
+        self._last_seen.setdefault(peer, now)
+
+    def seen(self, peer: str, now: float) -> bool:
+        """Record a sign of life; True if the peer had been declared dead."""
+        self._last_seen[peer] = now
+        if peer in self._dead:
+            self._dead.discard(peer)
+            return True
+        return False
+
+    def heartbeat_due(self, now: float) -> bool:
+        """Whether it is time to send this rank's heartbeats (and note that they are sent)."""
+        if now - self._last_beat >= self.interval_s:
+            self._last_beat = now
+            return True
+        return False
+
+    def expired(self, now: float) -> list[tuple[str, float]]:
+        """Peers silent for longer than the timeout, each reported once: (peer, silent for)."""
+        newly_dead = []
+        for peer, last in self._last_seen.items():
+            if peer not in self._dead and now - last > self.timeout_s:
+                self._dead.add(peer)
+                newly_dead.append((peer, now - last))
+        return newly_dead
+
+    def alive(self, peer: str) -> bool:
+        return peer not in self._dead
+
+    @property
+    def peers(self) -> list[str]:
+        return list(self._last_seen)
+
+    def forget(self, peer: str) -> None:
+        self._last_seen.pop(peer, None)
+        self._dead.discard(peer)
