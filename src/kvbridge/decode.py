@@ -40,6 +40,7 @@ from kvbridge.staging import Allocation, StagingRing, buffer_rows, scatter
 from kvbridge.wire import (
     STAGING_NEVER_FITS,
     Abort,
+    AbortAck,
     ChunkReady,
     Heartbeat,
     KVPoll,
@@ -147,6 +148,12 @@ class DecodeManager:
         if isinstance(message, Heartbeat):
             if self._liveness.seen(message.sender_id, time.monotonic()):
                 log.info("prefill %s is heard from again", message.sender_id)
+            return
+        if isinstance(message, AbortAck):
+            with self._lock:
+                state = self._rooms.get(message.room)
+                if state is not None:
+                    state.on_abort_ack(message.prefill_rank)
             return
         if isinstance(message, StagingRequest):
             self._allocate(message)
@@ -280,8 +287,10 @@ class DecodeManager:
             with self._lock:
                 affected = [state for state in self._rooms.values()
                             if state.waits_on(endpoint)]  # fmt: skip
-                for state in affected:
-                    state.status.fail(f"room {state.room}: {reason}")
+                for state in self._rooms.values():
+                    for rank, known in state.endpoints.items():
+                        if known == endpoint:  # it writes no more: settled, failed if needed
+                            state.on_rank_dead(rank, f"room {state.room}: {reason}")
             if affected:
                 log.warning("%s: %d room(s) failed", reason, len(affected))
 
@@ -299,10 +308,23 @@ class DecodeManager:
                 if state is not None:
                     state.on_notification(prefill_rank)
             busy = False
+            expired = []
             for state in self._rooms.values():
-                state.check_deadline(now)
+                if state.check_deadline(now):
+                    expired.append(state)
                 busy = busy or state.status.poll == KVPoll.Transferring
-            return busy
+        for state in expired:  # stop the prefill ranks that may still write, and hear them
+            self._abort_unsettled(state, state.status.failure_reason or "deadline")
+        return busy
+
+    def _abort_unsettled(self, state: DecodeRoom, reason: str) -> None:
+        """Ask every prefill rank that may still write into the room's pages to stop and
+        confirm (its AbortAck settles it); the pages are safe once all have."""
+        message = Abort(state.room, self.channel.host, self.channel.port, reason)
+        with self._lock:
+            endpoints = {state.endpoints[rank] for rank in state.unsettled()}
+        for endpoint in sorted(endpoints):
+            self.channel.send(endpoint, message)
 
     # --- lifecycle -------------------------------------------------------------------------
 
@@ -411,13 +433,24 @@ class KVReceiver:
             return self._status.failure_reason
 
     def abort(self, reason: str) -> None:
+        """Give up on the room: it fails at once; its pages are safe to reuse only when
+        `pages_safe` says so (every prefill rank confirmed that nothing is in flight)."""
         with self.manager._lock:
             failed = self._status.fail(f"aborted by decode: {reason}")
-        if failed:
-            decode_ip = self.manager.channel.host
-            message = Abort(self.room, decode_ip, self.manager.channel.port, reason)
-            for endpoint in self._endpoints.values():
-                self.manager.channel.send(endpoint, message)
+            state = self.manager._rooms.get(self.room)
+        if failed and state is not None:
+            self.manager._abort_unsettled(state, reason)
+
+    @property
+    def pages_safe(self) -> bool:
+        """Whether the room's pages can be handed back to the allocator: the room succeeded,
+        or it failed and no prefill rank can still write into them (each confirmed, reported
+        how the room ended, or was declared dead)."""
+        with self.manager._lock:
+            state = self.manager._rooms.get(self.room)
+            if state is None:
+                return self._status.finished or self._status.poll != KVPoll.Transferring
+            return state.pages_safe
 
     def clear(self) -> None:
         """The one cleanup path of the room on this side (idempotent)."""

@@ -37,6 +37,7 @@ from kvbridge.room import Chunk, ChunkJob, PrefillRoom, notification_for
 from kvbridge.staging import buffer_rows, gather, staged_size
 from kvbridge.wire import (
     Abort,
+    AbortAck,
     ChunkReady,
     Heartbeat,
     KVPoll,
@@ -215,10 +216,16 @@ class PrefillManager:
         elif isinstance(message, Watermark):
             self.stats.watermarks += 1
         elif isinstance(message, Abort):
+            endpoint = f"tcp://{message.decode_ip}:{message.decode_port}"
             with self._lock:
                 state = self._room(message.room, create=False)
-                if state is not None:
-                    state.status.fail(f"aborted by decode: {message.reason or 'no reason given'}")
+                if state is None or state.status.poll == KVPoll.Success:
+                    # Nothing of this room can be in flight: confirm at once.
+                    self.channel.send(endpoint, AbortAck(message.room, self.rank))
+                    return
+                state.pending_acks.add(endpoint)
+                why = message.reason or "no reason given"
+                self._fail_locked(state, f"room {message.room}: aborted by decode: {why}")
         else:
             log.warning("unexpected %s on a prefill rank, ignored", type(message).__name__)
 
@@ -300,9 +307,23 @@ class PrefillManager:
             self.channel.send(peer.endpoint, status)
 
     def _fail_locked(self, state: PrefillRoom, reason: str, peer_id: str | None = None) -> None:
+        """Fail the room; tell its destinations (and acknowledge aborts) once no write of it
+        is in flight — at once if idle, else when the worker finishes the write."""
         if state.status.fail(reason):
             log.warning("room %d failed: %s", state.room, reason)
-        self._report_locked(state, also_peer=peer_id)
+        if peer_id is not None and peer_id not in state.requests:
+            self._report_locked(state, also_peer=peer_id)  # a peer this room never wrote to
+        if not state.in_flight:
+            self._settle_locked(state)
+
+    def _settle_locked(self, state: PrefillRoom) -> None:
+        """A failed room with nothing in flight: report it once, acknowledge every abort."""
+        if not state.failure_reported:
+            state.failure_reported = True
+            self._report_locked(state)
+        for endpoint in sorted(state.pending_acks):
+            self.channel.send(endpoint, AbortAck(state.room, self.rank))
+        state.pending_acks.clear()
 
     # --- worker thread: every engine call --------------------------------------------------
 
@@ -431,13 +452,29 @@ class PrefillManager:
         return TransferPlan.concat(*plans)
 
     def _write_chunk(self, room: int, jobs: list[ChunkJob]) -> None:
+        failure = self._write_jobs(room, jobs)
+        with self._lock:
+            state = self._rooms.get(room)
+            if state is None:
+                return
+            state.in_flight = False
+            if failure is not None:
+                state.status.fail(failure)
+            if state.status.poll == KVPoll.Failed:
+                self._settle_locked(state)  # now nothing of this room is in flight
+                return
+            state.chunk_written(jobs[0].last)
+            self._schedule_locked(state)
+
+    def _write_jobs(self, room: int, jobs: list[ChunkJob]) -> str | None:
+        """Write a chunk to each destination; the failure reason, if any."""
         try:
             for job in jobs:
                 with self._lock:
                     peer = self._peers[job.peer_id]
                     state = self._rooms.get(room)
                 if state is None or state.status.finished:
-                    return  # aborted or cleared meanwhile: write nothing more
+                    return None  # aborted or cleared meanwhile: write nothing more
                 if peer.engine_peer is None or peer.kv_args is None or peer.pairing is None:
                     raise EngineError(self.engine.name, "write", peer.error or "not connected")
                 staged = self._stage(job, peer) if peer.pairing.stageable else None
@@ -457,17 +494,9 @@ class PrefillManager:
                 if staged:
                     self.channel.send(peer.endpoint, staged[1])
         except (EngineError, PlanError, ValueError) as exc:
-            with self._lock:
-                state = self._rooms.get(room)
-                if state is not None:
-                    self._fail_locked(state, f"room {room}: {exc}")
-            return
-        with self._lock:
-            state = self._rooms.get(room)
-            if state is None:
-                return
-            state.chunk_written(jobs[0].last)
-            self._schedule_locked(state)
+            log.warning("room %d: %s", room, exc)
+            return f"room {room}: {exc}"
+        return None
 
     # --- lifecycle -------------------------------------------------------------------------
 

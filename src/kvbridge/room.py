@@ -96,6 +96,10 @@ class PrefillRoom:
     chunks_sent: int = 0
     last_queued: bool = False
     in_flight: bool = False
+    # A failed room tells its destinations (and acknowledges aborts) only once no write of
+    # it is in flight: decode may reuse the pages as soon as it hears.
+    failure_reported: bool = False
+    pending_acks: set[str] = field(default_factory=set)
 
     def on_request(self, request: TransferRequest) -> None:
         if self.status.finished:
@@ -182,12 +186,43 @@ class DecodeRoom:
     status: RoomStatus = field(default_factory=RoomStatus)
     reported: set[int] = field(default_factory=set)
     notified: set[int] = field(default_factory=set)
+    # Prefill ranks that can no longer write into the room's pages: they reported how the
+    # room ended, acknowledged an abort, or were declared dead.
+    settled: set[int] = field(default_factory=set)
     # Staged chunks that arrived in the ring and are not scattered into pages yet.
     unscattered: int = 0
+
+    @property
+    def pages_safe(self) -> bool:
+        """Whether the room's pages may be handed back: no prefill rank can still write."""
+        return self.status.poll == KVPoll.Success or (
+            self.status.poll == KVPoll.Failed and self.settled >= self.expected_ranks
+        )
+
+    def unsettled(self) -> list[int]:
+        return sorted(self.expected_ranks - self.settled)
+
+    def on_abort_ack(self, prefill_rank: int) -> None:
+        if prefill_rank in self.expected_ranks:
+            self.settled.add(prefill_rank)
+
+    def _rank_done(self, prefill_rank: int) -> bool:
+        notified = prefill_rank not in self.notifying_ranks or prefill_rank in self.notified
+        return prefill_rank in self.reported and notified
+
+    def on_rank_dead(self, prefill_rank: int, reason: str) -> None:
+        """A prefill rank was declared dead: it writes no more; the room fails if it still
+        needed something from it."""
+        if prefill_rank in self.expected_ranks:
+            self.settled.add(prefill_rank)
+            if not self._rank_done(prefill_rank):
+                self.status.fail(reason)
 
     def on_status(self, prefill_rank: int, poll: KVPoll, reason: str) -> None:
         if prefill_rank not in self.expected_ranks:
             return
+        if poll in (KVPoll.Success, KVPoll.Failed):
+            self.settled.add(prefill_rank)
         if poll == KVPoll.Failed:
             self.status.fail(f"prefill rank {prefill_rank}: {reason or 'no reason given'}")
         elif poll == KVPoll.Success:
@@ -221,19 +256,17 @@ class DecodeRoom:
         if self.status.finished:
             return False
         ranks = [rank for rank, known in self.endpoints.items() if known == endpoint]
-        return any(
-            rank not in self.reported
-            or (rank in self.notifying_ranks and rank not in self.notified)
-            for rank in ranks
-        )
+        return any(not self._rank_done(rank) for rank in ranks)
 
-    def check_deadline(self, now: float) -> None:
-        if not self.status.finished and now > self.deadline:
-            missing = sorted(self.expected_ranks - self.reported)
-            self.status.fail(
-                f"room {self.room}: transfer not complete before its deadline; no success from "
-                f"prefill ranks {missing}"
-            )
+    def check_deadline(self, now: float) -> bool:
+        """Fail the room if its deadline passed; whether it failed now."""
+        if self.status.finished or now <= self.deadline:
+            return False
+        missing = sorted(self.expected_ranks - self.reported)
+        return self.status.fail(
+            f"room {self.room}: transfer not complete before its deadline; no success from "
+            f"prefill ranks {missing}"
+        )
 
 
 def notification_for(room: int, prefill_rank: int) -> bytes:

@@ -3,6 +3,7 @@ with the loopback engine: the state machine, chunking, slots and the failure pat
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -12,8 +13,11 @@ import pytest
 import zmq
 from kv_cache import RankCache, rank_cache
 
+from kvbridge.cache import TransferPlan
 from kvbridge.config import ManagerConfig
 from kvbridge.decode import DecodeManager, KVReceiver
+from kvbridge.engines import TransferHandle, TransferState
+from kvbridge.engines.loopback import LoopbackEngine
 from kvbridge.prefill import KVSender, PrefillManager
 from kvbridge.wire import NATIVE, Abort, Heartbeat, KVPoll
 
@@ -279,3 +283,72 @@ def test_with_a_secret_unauthenticated_and_replayed_messages_are_refused() -> No
         context.term()
         decode.close()
         prefill.close()
+
+
+class GatedLoopback(LoopbackEngine):
+    """A loopback engine whose writes land only when the test opens the gate."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = threading.Event()
+        self.started = threading.Event()
+
+    def _write(self, peer: str, plan: TransferPlan, notify: bytes) -> TransferHandle:
+        self.started.set()
+        engine = self
+
+        class Gated(TransferHandle):
+            landed = False
+
+            def poll(self) -> TransferState:
+                if not engine.gate.is_set():
+                    return TransferState.PENDING
+                if not self.landed:
+                    LoopbackEngine._write(engine, peer, plan, notify)
+                    self.landed = True
+                return TransferState.DONE
+
+        return Gated()
+
+
+def test_abort_while_a_write_is_in_flight_keeps_the_pages_until_prefill_confirms(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    gated = GatedLoopback()
+    monkeypatch.setattr("kvbridge.prefill.create_engine", lambda name, endpoint: gated)
+    src, dst = rank_cache(num_pages=8, seed=3, **GEOMETRY), rank_cache(seed=None, **GEOMETRY)
+    with pair(src, dst) as (prefill, decode):
+        sender, receiver = prefill.sender(1), decode.receiver(1)
+        receiver.init([4, 5])
+        sender.send([0, 1], last=True)
+        assert gated.started.wait(5)  # the write is in flight
+        receiver.abort("the user cancelled")
+        assert receiver.poll() == KVPoll.Failed
+        time.sleep(0.3)
+        assert not receiver.pages_safe  # prefill has not confirmed: a write may still land
+        gated.gate.set()  # the aborted write lands …
+        wait_for(lambda: receiver.pages_safe)  # … then prefill confirms, and only then
+        assert "aborted by decode: the user cancelled" in str(sender.failure_reason)
+        receiver.clear()
+        # A following request reuses the pages: what arrives is its data, nothing else.
+        sender, receiver = prefill.sender(2), decode.receiver(2)
+        receiver.init([4, 5])
+        sender.send([6, 7], last=True)
+        wait_for(finished(sender, receiver))
+        assert receiver.poll() == KVPoll.Success
+    for got, want in zip(dst.kv, src.kv, strict=True):
+        assert np.array_equal(got[[4, 5]], want[[6, 7]])
+
+
+def test_pages_of_a_finished_room_are_safe() -> None:
+    src, dst = rank_cache(seed=1, **GEOMETRY), rank_cache(seed=None, **GEOMETRY)
+    with pair(src, dst) as (prefill, decode):
+        sender, receiver = prefill.sender(3), decode.receiver(3)
+        receiver.init([0])
+        sender.send([1], last=True)
+        wait_for(finished(sender, receiver))
+        assert receiver.pages_safe
+        idle = decode.receiver(4)
+        idle.init([2])  # prefill never sends: abort, the idle prefill confirms at once
+        idle.abort("no longer needed")
+        wait_for(lambda: idle.pages_safe)
