@@ -80,6 +80,13 @@ def _repair_registration(message: Registration) -> None:
     layers = len(message.kv_ptrs) // per_layer
     message.kv_ptrs = message.kv_ptrs[: layers * per_layer]
     message.kv_layer_ids = list(range(layers))
+    # Regions must lie inside the address space (bit 63 stays possible, wrapping does not).
+    message.kv_ptrs = [max(1, ptr % 2**64 - 2**20) for ptr in message.kv_ptrs]
+    message.aux_ptrs = [max(1, ptr - 2**20) for ptr in message.aux_ptrs]
+    message.state_ptrs = [[max(1, ptr - 2**20) for ptr in group] for group in message.state_ptrs]
+    if message.staging_base_ptr:
+        message.staging_base_ptr = max(1, message.staging_base_ptr - 2**40)
+        message.staging_total_size = message.staging_total_size % 2**40 or 1
     message.kv_item_lens = [4096] * len(message.kv_ptrs)
     message.kv_lengths = [4096 * 8] * len(message.kv_ptrs)
     message.aux_item_lens = [64] * len(message.aux_ptrs)

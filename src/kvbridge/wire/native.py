@@ -118,6 +118,8 @@ class Registration(Message, StagingRing):
     def check(self) -> None:
         check_port(self.control_port, "control_port")
         check_staging(self.staging_base_ptr, self.staging_total_size)
+        if self.staging_base_ptr + self.staging_total_size > 2**64:
+            raise FieldValueError("staging_total_size", "the staging ring wraps the address space")
         check_dcp(self.dcp_size, self.dcp_rank, "dcp_size", "dcp_rank")
         for name in ("attn_tp_size", "total_kv_heads", "head_dim", "page_size"):
             if getattr(self, name) < 1:
@@ -150,11 +152,18 @@ class Registration(Message, StagingRing):
 
 
 def _check_buffers(kind: str, ptrs: list[int], item_lens: list[int], lengths: list[int]) -> None:
-    """Each buffer has an item length and a total length, and holds at least one item."""
+    """Each buffer has an item length and a total length, holds at least one item, and lies
+    inside the address space (a forged size must not wrap around it)."""
     for name, values in ((f"{kind}_item_lens", item_lens), (f"{kind}_lengths", lengths)):
         if len(values) != len(ptrs):
             raise FieldValueError(
                 name, f"one per {kind} buffer: {len(ptrs)} buffers, {len(values)} values"
+            )
+    for index, (ptr, length) in enumerate(zip(ptrs, lengths, strict=True)):
+        if ptr == 0 or ptr + length > 2**64:
+            raise FieldValueError(
+                f"{kind}_lengths",
+                f"{kind} buffer {index}: {length} bytes at {ptr:#x} is not a valid region",
             )
     for index, (item_len, length) in enumerate(zip(item_lens, lengths, strict=True)):
         if item_len == 0 or length < item_len:
