@@ -20,6 +20,7 @@ class ManagerConfig:
         (0: any free port; the URL is then `PrefillManager.bootstrap_url`).
     bootstrap_timeout_s: how long to wait for the prefill group to be complete.
     transfer_timeout_s: how long decode waits for a room after sending its request.
+    request_timeout_s: how long a prefill room waits for decode's transfer request(s).
     write_timeout_s: how long prefill waits for one engine write.
     keep_plans: prefill keeps every (peer, plan) it wrote, for benchmarks that replay the
         identical blocks through the raw engine.
@@ -41,6 +42,7 @@ class ManagerConfig:
     bootstrap_port: int = 0
     bootstrap_timeout_s: float = 30.0
     transfer_timeout_s: float = 300.0
+    request_timeout_s: float = 300.0
     write_timeout_s: float = 60.0
     keep_plans: bool = False
     staging: bool = True

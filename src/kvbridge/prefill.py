@@ -166,7 +166,7 @@ class PrefillManager:
         """The room's state; created on first use unless it already ended here."""
         state = self._rooms.get(room)
         if state is None and create and room not in self._finished_set:
-            state = self._rooms[room] = PrefillRoom(room)
+            state = self._rooms[room] = PrefillRoom(room, created_at=time.monotonic())
         return state
 
     def _clear(self, room: int) -> None:
@@ -241,6 +241,16 @@ class PrefillManager:
             for endpoint in endpoints.values():
                 beat = Heartbeat(self.channel.endpoint, self._heartbeats, lease_ms)
                 self.channel.send(endpoint, beat)
+        timeout_s = self.config.request_timeout_s
+        with self._lock:
+            for state in self._rooms.values():
+                if state.request_overdue(now, timeout_s):
+                    got, wanted = len(state.requests), state.required_requests or "any"
+                    self._fail_locked(
+                        state,
+                        f"room {state.room}: {got} of {wanted} transfer request(s) from decode "
+                        f"in {timeout_s:g} s",
+                    )
         for peer_id, silent_s in self._liveness.expired(now):
             reason = (
                 f"decode {peer_id} silent for {silent_s:.1f} s (peer timeout "

@@ -88,6 +88,7 @@ class PrefillRoom:
     """Prefill's view of a room: the decode request(s), the chunks to send, the progress."""
 
     room: int
+    created_at: float = 0.0  # monotonic seconds, for the request deadline
     status: RoomStatus = field(default_factory=RoomStatus)
     requests: dict[str, TransferRequest] = field(default_factory=dict)
     required_requests: int | None = None
@@ -100,6 +101,10 @@ class PrefillRoom:
     # it is in flight: decode may reuse the pages as soon as it hears.
     failure_reported: bool = False
     pending_acks: set[str] = field(default_factory=set)
+
+    def request_overdue(self, now: float, timeout_s: float) -> bool:
+        """Still waiting for decode's request(s) after `timeout_s`."""
+        return not self.status.finished and not self.ready and now - self.created_at > timeout_s
 
     def on_request(self, request: TransferRequest) -> None:
         if self.status.finished:

@@ -352,3 +352,16 @@ def test_pages_of_a_finished_room_are_safe() -> None:
         idle.init([2])  # prefill never sends: abort, the idle prefill confirms at once
         idle.abort("no longer needed")
         wait_for(lambda: idle.pages_safe)
+
+
+def test_a_prefill_room_without_a_request_fails_at_its_deadline() -> None:
+    src = rank_cache(seed=1, **GEOMETRY)
+    config = ManagerConfig(engine="loopback", run_bootstrap=True, request_timeout_s=0.3)
+    prefill = PrefillManager(src.args, config)
+    try:
+        sender = prefill.sender(8)
+        sender.send([0], last=True)  # decode never asks
+        wait_for(lambda: sender.poll() == KVPoll.Failed, 5)
+        assert "0 of any transfer request(s) from decode in 0.3 s" in str(sender.failure_reason)
+    finally:
+        prefill.close()
