@@ -68,7 +68,9 @@ class DecodeManager:
         self.kv_args = kv_args
         self.config = config
         self.rank = kv_args.attn_tp_rank
-        self.engine = create_engine(config.engine, f"decode-{self.rank}-{uuid.uuid4().hex[:8]}")
+        self.engine = create_engine(
+            config.engine, f"decode-{self.rank}-{uuid.uuid4().hex[:8]}", config.host
+        )
         self.stats = DecodeStats()
         # The staging ring prefill writes staged chunks into (heterogeneous TP, CPU memory).
         self._ring: StagingRing | None = None

@@ -103,7 +103,9 @@ class PrefillManager:
         self.kv_args = kv_args
         self.config = config
         self.rank = kv_args.attn_tp_rank
-        self.engine = create_engine(config.engine, f"prefill-{self.rank}-{uuid.uuid4().hex[:8]}")
+        self.engine = create_engine(
+            config.engine, f"prefill-{self.rank}-{uuid.uuid4().hex[:8]}", config.host
+        )
         self.engine.register(memory_regions(kv_args))
         self.stats = PrefillStats()
         # The local staging buffer: the worker gathers one chunk at a time into it.

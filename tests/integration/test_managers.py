@@ -315,7 +315,7 @@ def test_abort_while_a_write_is_in_flight_keeps_the_pages_until_prefill_confirms
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     gated = GatedLoopback()
-    monkeypatch.setattr("kvbridge.prefill.create_engine", lambda name, endpoint: gated)
+    monkeypatch.setattr("kvbridge.prefill.create_engine", lambda name, endpoint, host: gated)
     src, dst = rank_cache(num_pages=8, seed=3, **GEOMETRY), rank_cache(seed=None, **GEOMETRY)
     with pair(src, dst) as (prefill, decode):
         sender, receiver = prefill.sender(1), decode.receiver(1)

@@ -31,8 +31,9 @@ def unavailable_reason(name: str) -> str | None:
     return None
 
 
-def create_engine(name: str, endpoint_name: str) -> TransferEngine:
-    """An engine by name; `endpoint_name` names this endpoint where the engine has names."""
+def create_engine(name: str, endpoint_name: str, host: str = "127.0.0.1") -> TransferEngine:
+    """An engine by name; `endpoint_name` names this endpoint where the engine has names, and
+    `host` is the address it serves on where the engine needs one (Mooncake)."""
     if name == "nixl":
         from kvbridge.engines.nixl import NixlEngine
 
@@ -40,7 +41,7 @@ def create_engine(name: str, endpoint_name: str) -> TransferEngine:
     if name == "mooncake":
         from kvbridge.engines.mooncake import MooncakeEngine
 
-        return MooncakeEngine()
+        return MooncakeEngine(host)
     if name == "loopback":
         from kvbridge.engines.loopback import LoopbackEngine
 

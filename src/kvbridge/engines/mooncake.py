@@ -128,7 +128,7 @@ class MooncakeEngine(TransferEngine):
                         raise EngineError(NAME, "write", f"batch status rc {rc}")
                 handle.state = TransferState.DONE
             except Exception as exc:  # anything Mooncake raises ends this write, not the worker
-                handle.error = str(exc)
+                handle.error = exc.detail if isinstance(exc, EngineError) else str(exc)
                 handle.state = TransferState.FAILED
             finally:
                 handle.done.set()

@@ -1,0 +1,109 @@
+"""A network partition between prefill and decode, in two network namespaces joined by a veth
+pair that the test creates: both sides fail the affected rooms within the liveness timeout,
+and once the link is back, new rooms succeed without restarting anything."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvbridge.engines import unavailable_reason
+
+PEER = Path(__file__).with_name("partition_peer.py")
+PREFILL_IP, DECODE_IP = "192.168.231.1", "192.168.231.2"
+
+
+def ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True)
+
+
+@pytest.fixture
+def two_hosts() -> Iterator[tuple[str, str, str]]:
+    """Namespaces A (prefill) and B (decode) joined by veth; yields (A, B, A's interface)."""
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("network namespaces and veth pairs need root and iproute2's `ip`")
+    tag = uuid.uuid4().hex[:6]
+    a, b, link_a, link_b = f"kvb-a-{tag}", f"kvb-b-{tag}", f"kva{tag}", f"kvb{tag}"
+    try:
+        ip("netns", "add", a)
+        ip("netns", "add", b)
+        ip("link", "add", link_a, "type", "veth", "peer", "name", link_b)
+        ip("link", "set", link_a, "netns", a)
+        ip("link", "set", link_b, "netns", b)
+        for ns, link, address in ((a, link_a, PREFILL_IP), (b, link_b, DECODE_IP)):
+            ip("-n", ns, "addr", "add", f"{address}/30", "dev", link)
+            ip("-n", ns, "link", "set", link, "up")
+            ip("-n", ns, "link", "set", "lo", "up")
+    except subprocess.CalledProcessError as exc:
+        pytest.skip(f"cannot create network namespaces here: {exc.stderr.decode().strip()}")
+    try:
+        yield a, b, link_a
+    finally:
+        subprocess.run(["ip", "netns", "delete", a], check=False)
+        subprocess.run(["ip", "netns", "delete", b], check=False)
+
+
+class Peer:
+    def __init__(self, namespace: str, *args: str) -> None:
+        self.process = subprocess.Popen(
+            ["ip", "netns", "exec", namespace, sys.executable, str(PEER), *args],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+
+    def ask(self, **command: Any) -> dict[str, Any]:
+        assert self.process.stdin is not None
+        assert self.process.stdout is not None
+        if command:
+            self.process.stdin.write(json.dumps(command) + "\n")
+            self.process.stdin.flush()
+        line = self.process.stdout.readline()
+        assert line, f"peer exited with {self.process.poll()}"
+        answer: dict[str, Any] = json.loads(line)
+        return answer
+
+    def close(self) -> None:
+        self.process.kill()
+        self.process.wait()
+
+
+def test_partition_fails_rooms_on_both_sides_and_heals(two_hosts: tuple[str, str, str]) -> None:
+    reason = unavailable_reason("mooncake")
+    if reason is not None:
+        pytest.skip(f"mooncake cannot be used here: {reason}")
+    a, b, link_a = two_hosts
+    prefill = Peer(a, "prefill", PREFILL_IP)
+    decode = None
+    try:
+        url = prefill.ask()["bootstrap"]
+        decode = Peer(b, "decode", DECODE_IP, url)
+        assert decode.ask() == {"ready": True}
+        decode.ask(start=[1, 2])
+        prefill.ask(start=[1, 2], last=False)  # in flight: the last chunk never comes
+        reached = prefill.ask(wait=[1, 2], timeout=10, reach="Transferring")
+        assert all(state == "Transferring" for state, _ in reached.values()), reached
+        ip("-n", a, "link", "set", link_a, "down")
+        for side, causes in ((prefill, ("silent for", "write failed")), (decode, ("silent for",))):
+            outcome = side.ask(wait=[1, 2], timeout=10)  # the peer timeout is 3 s
+            for room in ("1", "2"):
+                state, why = outcome[room]
+                assert state == "Failed", outcome
+                # Prefill may see its in-flight write fail first; both name the cause.
+                assert any(cause in why for cause in causes), outcome
+        ip("-n", a, "link", "set", link_a, "up")
+        decode.ask(start=[10])
+        prefill.ask(start=[10], last=True)
+        assert decode.ask(wait=[10], timeout=20)["10"][0] == "Success"
+        assert prefill.ask(wait=[10], timeout=20)["10"][0] == "Success"
+    finally:
+        prefill.close()
+        if decode is not None:
+            decode.close()
