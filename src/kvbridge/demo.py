@@ -28,6 +28,8 @@ from kvbridge.wire import KVLayout, KVPoll
 
 GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 AUX_BYTES = 64
+# A per-request recurrent state (hybrid models), sharded by rows over attention TP.
+STATE_ROWS, STATE_ROW_BYTES = 8, 32
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,16 @@ class DemoConfig:
     @property
     def shape(self) -> ModelShape:
         return MODELS[self.model]
+
+    @property
+    def with_state(self) -> bool:
+        """Requests carry a recurrent state too (MHA shapes whose state rows divide over
+        both groups' TP sizes)."""
+        return (
+            self.shape.kv_layout == KVLayout.MHA
+            and STATE_ROWS % self.prefill_tp == 0
+            and STATE_ROWS % self.decode_tp == 0
+        )
 
     @property
     def decode_ranks(self) -> int:
@@ -160,7 +172,8 @@ def rank_head_range(config: DemoConfig, rank: int, tp: int) -> HeadRange:
 
 def allocate_rank(
     config: DemoConfig, rank: int, tp: int, pool_pages: int
-) -> tuple[list[np.ndarray], np.ndarray, KVArgs]:
+) -> tuple[list[np.ndarray], np.ndarray, np.ndarray | None, KVArgs]:
+    """KV pages, aux slots and (MHA models, TP dividing the state rows) state slots."""
     shape = config.shape
     heads = rank_head_range(config, rank, tp).count
     per_layer = 2 if shape.kv_layout == KVLayout.MHA else 1
@@ -173,6 +186,9 @@ def allocate_rank(
         # first transfer into it pays the kernel's page faults and the demo measures those.
         array.fill(0)
     aux = np.zeros((config.requests, AUX_BYTES), dtype=np.uint8)
+    state = None
+    if config.with_state:
+        state = np.zeros((config.requests, STATE_ROWS // tp, STATE_ROW_BYTES), dtype=np.uint8)
     args = KVArgs.from_numpy(
         kv,
         kv_layout=shape.kv_layout,
@@ -180,8 +196,18 @@ def allocate_rank(
         attn_tp_rank=rank,
         attn_tp_size=tp,
         aux=[aux],
+        state=[state] if state is not None else [],
+        state_dims=[STATE_ROWS // tp] if state is not None else [],
     )
-    return kv, aux, args
+    return kv, aux, state, args
+
+
+def state_content(room: int, rows: range) -> npt.NDArray[np.uint8]:
+    """A request's state rows: each 8-byte word says (room, global row)."""
+    words = np.array([(room << 32) | row for row in rows], dtype=np.uint64)
+    repeated = np.repeat(words[:, None], STATE_ROW_BYTES // 8, axis=1)
+    content: npt.NDArray[np.uint8] = repeated.view(np.uint8)
+    return content
 
 
 def token_words(array: np.ndarray, pages: np.ndarray, tokens: int) -> np.ndarray:
@@ -203,7 +229,7 @@ def run_prefill(
     try:
         pages_per_request = config.pages_per_request
         tp, shape = config.prefill_tp, config.shape
-        kv, aux, args = allocate_rank(config, rank, tp, config.requests * pages_per_request)
+        kv, aux, state, args = allocate_rank(config, rank, tp, config.requests * pages_per_request)
         heads = rank_head_range(config, rank, tp)
         manager_config = ManagerConfig(
             engine=config.engine,
@@ -223,6 +249,9 @@ def run_prefill(
                 view = array[pages[0] : pages[-1] + 1].reshape(-1, heads.count, shape.head_dim)
                 view[: config.tokens].view(np.uint64)[:] = content
             aux[room] = np.frombuffer(np.uint64(room).tobytes() * (AUX_BYTES // 8), np.uint8)
+            if state is not None:
+                rows = STATE_ROWS // tp
+                state[room] = state_content(room, range(rank * rows, (rank + 1) * rows))
             rooms.append((room, pages))
         events.filled[rank].set()
         active = []
@@ -230,7 +259,8 @@ def run_prefill(
             sender = manager.sender(room)
             for chunk_index, chunk in enumerate(np.array_split(pages, config.chunks)):
                 last = chunk_index == config.chunks - 1
-                sender.send(chunk, last=last, aux_index=room if last else None)
+                slots = [room] if last and state is not None else []
+                sender.send(chunk, last=last, aux_index=room if last else None, state_indices=slots)
             active.append(sender)
         deadline = time.monotonic() + config.timeout_s
         while time.monotonic() < deadline:
@@ -293,7 +323,7 @@ def run_decode(
         pages_per_request = math.ceil(tokens / config.page_size)
         tp, shape = config.decode_tp, config.shape
         pool = math.ceil(config.requests * pages_per_request * config.decode_pool_factor)
-        kv, aux, args = allocate_rank(config, tp_rank, tp, pool)
+        kv, aux, state, args = allocate_rank(config, tp_rank, tp, pool)
         args = dataclasses.replace(args, dcp_rank=dcp_rank, dcp_size=config.dcp)
         heads = rank_head_range(config, tp_rank, tp)
         manager_config = ManagerConfig(
@@ -310,7 +340,7 @@ def run_decode(
         for room, receiver in enumerate(receivers):
             pages = scattered[room * pages_per_request : (room + 1) * pages_per_request]
             sent_at[room] = time.perf_counter()
-            receiver.init(pages, aux_index=room)
+            receiver.init(pages, aux_index=room, state_indices=[room] if state is not None else [])
         done: dict[int, float] = {}
         deadline = time.monotonic() + config.timeout_s
         while len(done) < len(receivers) and time.monotonic() < deadline:
@@ -336,6 +366,10 @@ def run_decode(
                 for buffer, array in enumerate(kv)
             )
             same &= bool((aux[room].view(np.uint64) == room).all())
+            if state is not None:
+                rows = STATE_ROWS // tp
+                expected = state_content(room, range(tp_rank * rows, (tp_rank + 1) * rows))
+                same &= bool(np.array_equal(state[room], expected))
             if not same:
                 report.mismatched_rooms.append(room)
             report.bytes += tokens * args.token_bytes * len(kv) + AUX_BYTES

@@ -100,6 +100,8 @@ class _DecodePeer:
 
 class PrefillManager:
     def __init__(self, kv_args: KVArgs, config: ManagerConfig) -> None:
+        if config.bootstrap_url is None and not config.run_bootstrap:
+            raise ValueError("a prefill manager needs bootstrap_url or run_bootstrap")
         self.kv_args = kv_args
         self.config = config
         self.rank = kv_args.attn_tp_rank
@@ -139,25 +141,24 @@ class PrefillManager:
         )  # fmt: skip
         self.written_plans: list[tuple[str, TransferPlan]] = []
         self.bootstrap: BootstrapServer | None = None
-        url = config.bootstrap_url
-        if config.run_bootstrap:
-            self.bootstrap = BootstrapServer(
-                config.host, config.bootstrap_port, secret=config.secret
-            ).start()
-            url = self.bootstrap.url
-        if url is None:
-            raise ValueError("a prefill manager needs bootstrap_url or run_bootstrap")
-        self.bootstrap_url = url
         self._worker.start()
         self.channel.start()
-        register_prefill(
-            url,
-            PrefillRank(
+        try:
+            if config.run_bootstrap:
+                self.bootstrap = BootstrapServer(
+                    config.host, config.bootstrap_port, secret=config.secret
+                ).start()
+            self.bootstrap_url = self.bootstrap.url if self.bootstrap else str(config.bootstrap_url)
+            rank = PrefillRank(
                 self.rank, kv_args.attn_tp_size, config.host, self.channel.port, config.engine
-            ),
-            timeout_s=config.bootstrap_timeout_s,
-            secret=config.secret,
-        )
+            )
+            register_prefill(
+                self.bootstrap_url, rank, timeout_s=config.bootstrap_timeout_s,
+                secret=config.secret,
+            )  # fmt: skip
+        except BaseException:
+            self.close()  # no thread, socket or registration left behind
+            raise
 
     # --- scheduler side ------------------------------------------------------------------
 

@@ -12,7 +12,9 @@ from collections.abc import Iterator
 from dataclasses import asdict
 
 import pytest
+from kv_cache import rank_cache
 
+from kvbridge.config import ManagerConfig
 from kvbridge.control.bootstrap import (
     BootstrapError,
     BootstrapServer,
@@ -20,6 +22,7 @@ from kvbridge.control.bootstrap import (
     lookup_prefill_group,
     register_prefill,
 )
+from kvbridge.prefill import PrefillManager
 
 
 @pytest.fixture
@@ -120,5 +123,17 @@ def test_registration_needs_the_token_when_a_secret_is_set() -> None:
         register_prefill(service.url, rank(0), secret=b"s")
         register_prefill(service.url, rank(1), secret=b"s")
         assert call(f"{service.url}/health")[0] == 200  # lookups need no token
+    finally:
+        service.close()
+
+
+def test_a_prefill_manager_that_cannot_register_leaves_nothing_running() -> None:
+    service = BootstrapServer(secret=b"s").start()
+    try:
+        cache = rank_cache()
+        config = ManagerConfig(engine="loopback", bootstrap_url=service.url, secret=b"wrong")
+        with pytest.raises(BootstrapError, match="401"):
+            PrefillManager(cache.args, config)
+        # (the suite's thread check verifies that its threads are gone)
     finally:
         service.close()
