@@ -20,8 +20,9 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import numpy.typing as npt
@@ -54,6 +55,10 @@ from kvbridge.wire import (
 )
 
 log = logging.getLogger("kvbridge.decode")
+
+
+def _in_pairs(pairs: set[tuple[int, int]], rank: int, room: int) -> bool:
+    return (rank, room) in pairs
 
 
 @dataclass
@@ -162,6 +167,11 @@ class DecodeManager:
         elif isinstance(message, ChunkReady):
             self._scatter(message)
         elif isinstance(message, TransferStatus):
+            if message.status == KVPoll.Failed:
+                # Prefill reports a failure only once nothing of the room is in flight: ring
+                # space it was granted for chunks it never wrote is free again.
+                self._reclaim(lambda rank, room: (rank, room) == (message.prefill_rank,
+                                                                  message.room))  # fmt: skip
             with self._lock:
                 state = self._rooms.get(message.room)
                 if state is None:
@@ -214,6 +224,18 @@ class DecodeManager:
             if state is not None:
                 state.chunk_arrived()
         self._scatters.put((ready, allocation))
+
+    def _reclaim(self, owned: Callable[[int, int], bool]) -> None:
+        """Free ring space granted for chunks that will never arrive: `owned(rank, room)`
+        picks the grants of a prefill rank that can no longer write them."""
+        if self._ring is None:
+            return
+        with self._ring_lock:
+            stale = [key for key in self._staged if owned(key[0], key[1])]
+            for key in stale:
+                self._ring.free(self._staged.pop(key))
+        if stale:
+            log.info("reclaimed ring space of %d chunk(s) that will not arrive", len(stale))
 
     def _run_scatters(self) -> None:
         while True:
@@ -289,10 +311,13 @@ class DecodeManager:
             with self._lock:
                 affected = [state for state in self._rooms.values()
                             if state.waits_on(endpoint)]  # fmt: skip
+                dead: set[tuple[int, int]] = set()  # (prefill rank, room)
                 for state in self._rooms.values():
                     for rank, known in state.endpoints.items():
                         if known == endpoint:  # it writes no more: settled, failed if needed
                             state.on_rank_dead(rank, f"room {state.room}: {reason}")
+                            dead.add((rank, state.room))
+            self._reclaim(partial(_in_pairs, dead))
             if affected:
                 log.warning("%s: %d room(s) failed", reason, len(affected))
 

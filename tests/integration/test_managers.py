@@ -19,7 +19,7 @@ from kvbridge.decode import DecodeManager, KVReceiver
 from kvbridge.engines import TransferHandle, TransferState
 from kvbridge.engines.loopback import LoopbackEngine
 from kvbridge.prefill import KVSender, PrefillManager
-from kvbridge.wire import NATIVE, Abort, Heartbeat, KVPoll
+from kvbridge.wire import NATIVE, Abort, Heartbeat, KVPoll, StagingRequest, TransferStatus
 
 GEOMETRY = dict(
     layer_ids=(0, 1), page_size=4, total_kv_heads=2, head_dim=8,
@@ -365,3 +365,25 @@ def test_a_prefill_room_without_a_request_fails_at_its_deadline() -> None:
         assert "0 of any transfer request(s) from decode in 0.3 s" in str(sender.failure_reason)
     finally:
         prefill.close()
+
+
+def test_ring_space_of_chunks_that_never_arrive_is_reclaimed() -> None:
+    """Prefill reports a room's failure only once nothing of it is in flight, so the ring
+    space it was granted for chunks it never wrote is free again when the failure arrives."""
+    dst = rank_cache(seed=None, **GEOMETRY)
+    decode = DecodeManager(dst.args, ManagerConfig(engine="loopback", staging_bytes=4096))
+    try:
+        ring = decode._ring
+        assert ring is not None
+        request = StagingRequest(
+            room=3, chunk_idx=0, chunk_num_pages=1, session_id="tcp://127.0.0.1:9",
+            prefill_rank=1, nbytes=1000,
+        )  # fmt: skip
+        decode._on_message(request)
+        assert ring.in_use == 1024
+        failed = TransferStatus(room=3, status=KVPoll.Failed, prefill_rank=1, reason="gone")
+        decode._on_message(failed)
+        assert ring.in_use == 0
+        assert decode._staged == {}
+    finally:
+        decode.close()
