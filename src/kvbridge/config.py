@@ -31,6 +31,8 @@ class ManagerConfig:
     staging_timeout_s: how long prefill waits for ring space for one chunk.
     heartbeat_interval_s: how often a rank tells each peer it is alive.
     peer_timeout_s: a peer silent this long is declared dead and its rooms fail (both sides).
+    metrics_port: serve Prometheus metrics on (host, this port); 0 picks a free port (see
+        `manager.metrics.port`); None (the default): no server.
     secret: shared secret (default: $KVBRIDGE_SECRET): control messages carry and require
         an auth tag (HMAC, timestamp, nonce); bootstrap registrations need the derived token.
     """
@@ -50,4 +52,5 @@ class ManagerConfig:
     staging_timeout_s: float = 30.0
     heartbeat_interval_s: float = 0.5
     peer_timeout_s: float = 3.0
+    metrics_port: int | None = None
     secret: bytes | None = field(default_factory=secret_from_env, repr=False)

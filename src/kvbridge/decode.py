@@ -19,9 +19,9 @@ import queue
 import threading
 import time
 import uuid
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from functools import partial
 
 import numpy as np
@@ -36,6 +36,7 @@ from kvbridge.control.bootstrap import BootstrapError, PrefillRank, lookup_prefi
 from kvbridge.control.channel import ControlChannel
 from kvbridge.engines import create_engine
 from kvbridge.liveness import Liveness
+from kvbridge.metrics import ManagerMetrics, Snapshot, failure_kind
 from kvbridge.room import DecodeRoom, RoomStatus, parse_notification
 from kvbridge.staging import Allocation, StagingRing, buffer_rows, scatter
 from kvbridge.wire import (
@@ -63,6 +64,8 @@ def _in_pairs(pairs: set[tuple[int, int]], rank: int, room: int) -> bool:
 
 @dataclass
 class DecodeStats:
+    peers_declared_dead: int = 0
+    rooms_finished: dict[tuple[str, str], int] = field(default_factory=dict)
     scattered_chunks: int = 0
     unexpected_chunks: int = 0
     scatter_s: float = 0.0
@@ -115,7 +118,26 @@ class DecodeManager:
             secret=config.secret,
         )  # fmt: skip
         self.peer_id = f"decode-{self.rank}@{self.channel.endpoint}"
+        self.metrics = ManagerMetrics("decode", self.rank, self._metrics_snapshot)
         self.channel.start()
+        if config.metrics_port is not None:
+            try:
+                self.metrics.serve(config.host, config.metrics_port)
+            except BaseException:
+                self.close()
+                raise
+
+    def _metrics_snapshot(self) -> Snapshot:
+        with self._lock:
+            rooms = Counter(state.status.poll.name for state in self._rooms.values())
+            finished = dict(self.stats.rooms_finished)
+        counters = {
+            **{f"channel_{k}": v for k, v in asdict(self.channel.stats).items()},
+            "peers_declared_dead": self.stats.peers_declared_dead,
+            "scattered_chunks": self.stats.scattered_chunks,
+            "unexpected_chunks": self.stats.unexpected_chunks,
+        }
+        return Snapshot(counters, dict(rooms), finished)
 
     def receiver(self, room: int, bootstrap_url: str | None = None) -> KVReceiver:
         return KVReceiver(self, room, bootstrap_url or self.config.bootstrap_url)
@@ -304,6 +326,7 @@ class DecodeManager:
             for endpoint in self._liveness.peers:
                 self.channel.send(endpoint, Heartbeat(self.peer_id, self._heartbeats, lease_ms))
         for endpoint, silent_s in self._liveness.expired(now):
+            self.stats.peers_declared_dead += 1
             reason = (
                 f"prefill {endpoint} silent for {silent_s:.1f} s (peer timeout "
                 f"{self.config.peer_timeout_s:g} s)"
@@ -364,6 +387,7 @@ class DecodeManager:
         self._scatter_thread.join(timeout=10.0)
         self.channel.close()
         self.engine.close()
+        self.metrics.close()
 
 
 class KVReceiver:
@@ -482,4 +506,9 @@ class KVReceiver:
     def clear(self) -> None:
         """The one cleanup path of the room on this side (idempotent)."""
         with self.manager._lock:
-            self.manager._rooms.pop(self.room, None)
+            if self.manager._rooms.pop(self.room, None) is not None:
+                outcome = self._status.poll.name
+                failed = outcome == "Failed"
+                key = (outcome, failure_kind(self._status.failure_reason) if failed else "")
+                finished = self.manager.stats.rooms_finished
+                finished[key] = finished.get(key, 0) + 1

@@ -18,9 +18,9 @@ import queue
 import threading
 import time
 import uuid
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import numpy.typing as npt
@@ -33,6 +33,7 @@ from kvbridge.control.bootstrap import BootstrapServer, PrefillRank, register_pr
 from kvbridge.control.channel import ControlChannel
 from kvbridge.engines import EngineError, MemoryRegion, create_engine
 from kvbridge.liveness import Liveness
+from kvbridge.metrics import ManagerMetrics, Snapshot, failure_kind
 from kvbridge.room import Chunk, ChunkJob, PrefillRoom, notification_for
 from kvbridge.staging import buffer_rows, gather, staged_size
 from kvbridge.wire import (
@@ -78,6 +79,8 @@ def _sender_of(message: Message) -> str | None:
 
 @dataclass
 class PrefillStats:
+    peers_declared_dead: int = 0
+    rooms_finished: dict[tuple[str, str], int] = field(default_factory=dict)
     staged_chunks: int = 0
     staging_fallbacks: int = 0
     watermarks: int = 0
@@ -141,9 +144,12 @@ class PrefillManager:
         )  # fmt: skip
         self.written_plans: list[tuple[str, TransferPlan]] = []
         self.bootstrap: BootstrapServer | None = None
+        self.metrics = ManagerMetrics("prefill", self.rank, self._metrics_snapshot)
         self._worker.start()
         self.channel.start()
         try:
+            if config.metrics_port is not None:
+                self.metrics.serve(config.host, config.metrics_port)
             if config.run_bootstrap:
                 self.bootstrap = BootstrapServer(
                     config.host, config.bootstrap_port, secret=config.secret
@@ -172,9 +178,28 @@ class PrefillManager:
             state = self._rooms[room] = PrefillRoom(room, created_at=time.monotonic())
         return state
 
+    def _metrics_snapshot(self) -> Snapshot:
+        with self._lock:
+            rooms = Counter(state.status.poll.name for state in self._rooms.values())
+            finished = dict(self.stats.rooms_finished)
+        counters = {
+            **{f"channel_{k}": v for k, v in asdict(self.channel.stats).items()},
+            "peers_declared_dead": self.stats.peers_declared_dead,
+            "staged_chunks": self.stats.staged_chunks,
+            "staging_fallbacks": self.stats.staging_fallbacks,
+            "blocks_written": self.stats.blocks_written,
+        }
+        return Snapshot(counters, dict(rooms), finished)
+
     def _clear(self, room: int) -> None:
         """The one cleanup path of a room (idempotent)."""
         with self._lock:
+            state = self._rooms.get(room)
+            if state is not None:
+                outcome = state.status.poll.name
+                kind = failure_kind(state.status.failure_reason) if outcome == "Failed" else ""
+                key = (outcome, kind)
+                self.stats.rooms_finished[key] = self.stats.rooms_finished.get(key, 0) + 1
             if self._rooms.pop(room, None) is not None:
                 if len(self._finished) == self._finished.maxlen:
                     self._finished_set.discard(self._finished[0])
@@ -255,6 +280,7 @@ class PrefillManager:
                         f"in {timeout_s:g} s",
                     )
         for peer_id, silent_s in self._liveness.expired(now):
+            self.stats.peers_declared_dead += 1
             reason = (
                 f"decode {peer_id} silent for {silent_s:.1f} s (peer timeout "
                 f"{self.config.peer_timeout_s:g} s)"
@@ -498,8 +524,10 @@ class PrefillManager:
                     started = time.perf_counter()
                     handle = self.engine.write(peer.engine_peer, plan, notify)
                     handle.wait(self.config.write_timeout_s)
-                    self.stats.write_s += time.perf_counter() - started
+                    elapsed = time.perf_counter() - started
+                    self.stats.write_s += elapsed
                     self.stats.blocks_written += len(plan)
+                    self.metrics.observe_write(elapsed, len(plan), plan.total_bytes)
                     if self.config.keep_plans:
                         self.written_plans.append((peer.engine_peer, plan))
                 elif notify and self.engine.delivers_notifications:
@@ -522,6 +550,7 @@ class PrefillManager:
         self._worker.join(timeout=10.0)
         self.channel.close()
         self.engine.close()
+        self.metrics.close()
         if self.bootstrap is not None:
             self.bootstrap.close()
 

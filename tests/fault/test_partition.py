@@ -54,10 +54,25 @@ def two_hosts() -> Iterator[tuple[str, str, str]]:
 
 class Peer:
     def __init__(self, namespace: str, *args: str) -> None:
+        self.command = ["ip", "netns", "exec", namespace, sys.executable, str(PEER), *args]
         self.process = subprocess.Popen(
-            ["ip", "netns", "exec", namespace, sys.executable, str(PEER), *args],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-        )  # fmt: skip
+            self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+
+    def greeting(self) -> dict[str, Any]:
+        """The peer's first line. The Mooncake engine has been seen to crash with SIGSEGV
+        while it initializes (about one start in twenty here, inside the engine); a start
+        that dies by a signal before it greets is retried once, and any later failure is
+        the test's to report."""
+        try:
+            return self.ask()
+        except AssertionError:
+            if self.process.wait() >= 0:
+                raise
+            self.process = subprocess.Popen(
+                self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+            )
+            return self.ask()
 
     def ask(self, **command: Any) -> dict[str, Any]:
         assert self.process.stdin is not None
@@ -83,9 +98,9 @@ def test_partition_fails_rooms_on_both_sides_and_heals(two_hosts: tuple[str, str
     prefill = Peer(a, "prefill", PREFILL_IP)
     decode = None
     try:
-        url = prefill.ask()["bootstrap"]
+        url = prefill.greeting()["bootstrap"]
         decode = Peer(b, "decode", DECODE_IP, url)
-        assert decode.ask() == {"ready": True}
+        assert decode.greeting() == {"ready": True}
         decode.ask(start=[1, 2])
         prefill.ask(start=[1, 2], last=False)  # in flight: the last chunk never comes
         reached = prefill.ask(wait=[1, 2], timeout=10, reach="Transferring")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 import zmq
 from kv_cache import RankCache, rank_cache
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvbridge.cache import TransferPlan
 from kvbridge.config import ManagerConfig
@@ -387,3 +389,57 @@ def test_ring_space_of_chunks_that_never_arrive_is_reclaimed() -> None:
         assert decode._staged == {}
     finally:
         decode.close()
+
+
+def test_metrics_are_served_and_scraped() -> None:
+    src, dst = rank_cache(seed=1, **GEOMETRY), rank_cache(seed=None, **GEOMETRY)
+    prefill = PrefillManager(
+        src.args, ManagerConfig(engine="loopback", run_bootstrap=True, metrics_port=0)
+    )
+    decode = DecodeManager(
+        dst.args,
+        ManagerConfig(engine="loopback", bootstrap_url=prefill.bootstrap_url, metrics_port=0),
+    )
+    try:
+        for room, pages in ((1, [0, 1]), (2, [2])):
+            sender, receiver = prefill.sender(room), decode.receiver(room)
+            receiver.init(pages)
+            if room == 1:
+                sender.send([4, 5], last=True)
+                wait_for(finished(sender, receiver))
+            else:
+                receiver.abort("cancelled")
+                wait_for(lambda receiver=receiver: receiver.pages_safe)
+            sender.clear()
+            receiver.clear()
+        scrape = {
+            role: urllib.request.urlopen(f"http://127.0.0.1:{m.metrics.port}/metrics", timeout=5)
+            .read()
+            .decode()
+            for role, m in (("prefill", prefill), ("decode", decode))
+        }
+    finally:
+        decode.close()
+        prefill.close()
+    prefill_metrics, decode_metrics = samples(scrape["prefill"]), samples(scrape["decode"])
+    on_prefill = frozenset({"role": "prefill", "rank": "0"}.items())
+    on_decode = {"role": "decode", "rank": "0"}
+    page_bytes = src.args.page_bytes
+    assert prefill_metrics[("kvbridge_written_bytes_total", on_prefill)] == 2 * 4 * page_bytes
+    assert prefill_metrics[("kvbridge_write_blocks_count", on_prefill)] == 1
+    success = frozenset({**on_decode, "outcome": "Success", "kind": ""}.items())
+    aborted = frozenset({**on_decode, "outcome": "Failed", "kind": "aborted"}.items())
+    assert decode_metrics[("kvbridge_rooms_finished_total", success)] == 1
+    assert decode_metrics[("kvbridge_rooms_finished_total", aborted)] == 1
+    decode_labels = frozenset(on_decode.items())
+    assert decode_metrics[("kvbridge_channel_malformed_total", decode_labels)] == 0
+    assert decode_metrics[("kvbridge_channel_received_total", decode_labels)] >= 2
+
+
+def samples(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    """Prometheus text as {(sample name, labels): value}."""
+    return {
+        (sample.name, frozenset(sample.labels.items())): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }

@@ -1,0 +1,111 @@
+"""Prometheus metrics of a manager, in its own registry, optionally served over HTTP.
+
+Counters that the managers already keep (channel, staging, liveness, room outcomes) are read
+at scrape time through a collector, so the hot paths do not touch prometheus objects; the
+write path observes two histograms (seconds and blocks per engine write) and a byte counter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from threading import Thread
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+
+def failure_kind(reason: str | None) -> str:
+    """A small, fixed set of labels for failure reasons (free text would explode cardinality)."""
+    text = (reason or "").lower()
+    for kind, markers in (
+        ("aborted", ("aborted",)),
+        ("peer_dead", ("silent for",)),
+        ("timeout", ("deadline", "in flight after", "not complete after", "request(s) from")),
+        ("engine", ("write failed", "connect", "register")),
+        ("geometry", ("differs", "cannot be served", "do not fit", "not the same tensor")),
+    ):
+        if any(marker in text for marker in markers):
+            return kind
+    return "other"
+
+
+@dataclass
+class Snapshot:
+    """What a manager reports at scrape time."""
+
+    counters: Mapping[str, float] = field(default_factory=dict)
+    rooms_by_state: Mapping[str, int] = field(default_factory=dict)
+    rooms_finished: Mapping[tuple[str, str], int] = field(default_factory=dict)  # (outcome, kind)
+
+
+class _SnapshotCollector(Collector):
+    def __init__(self, role: str, rank: int, snapshot: Callable[[], Snapshot]) -> None:
+        self._labels = {"role": role, "rank": str(rank)}
+        self._snapshot = snapshot
+
+    def collect(self) -> Iterator[Any]:
+        snapshot = self._snapshot()
+        names = list(self._labels)
+        values = list(self._labels.values())
+        for name, value in sorted(snapshot.counters.items()):
+            family = CounterMetricFamily(f"kvbridge_{name}", name.replace("_", " "), labels=names)
+            family.add_metric(values, value)
+            yield family
+        rooms = GaugeMetricFamily(
+            "kvbridge_rooms", "rooms in flight by KVPoll state", labels=[*names, "state"]
+        )
+        for state, count in sorted(snapshot.rooms_by_state.items()):
+            rooms.add_metric([*values, state], count)
+        yield rooms
+        finished = CounterMetricFamily(
+            "kvbridge_rooms_finished",
+            "rooms cleared, by outcome and failure kind",
+            labels=[*names, "outcome", "kind"],
+        )
+        for (outcome, kind), count in sorted(snapshot.rooms_finished.items()):
+            finished.add_metric([*values, outcome, kind], count)
+        yield finished
+
+
+class ManagerMetrics:
+    def __init__(self, role: str, rank: int, snapshot: Callable[[], Snapshot]) -> None:
+        self.registry = CollectorRegistry()
+        labels = {"role": role, "rank": str(rank)}
+        self.write_seconds = Histogram(
+            "kvbridge_write_seconds", "seconds per engine write", list(labels),
+            registry=self.registry,
+        ).labels(**labels)  # fmt: skip
+        self.write_blocks = Histogram(
+            "kvbridge_write_blocks", "blocks (descriptors) per engine write", list(labels),
+            buckets=(1, 8, 64, 512, 4096, 32768, 262144, 2097152), registry=self.registry,
+        ).labels(**labels)  # fmt: skip
+        self.bytes_written = Counter(
+            "kvbridge_written_bytes", "bytes written through the engine", list(labels),
+            registry=self.registry,
+        ).labels(**labels)  # fmt: skip
+        self.registry.register(_SnapshotCollector(role, rank, snapshot))
+        self._server: Any = None
+        self._thread: Thread | None = None
+        self.port: int | None = None
+
+    def observe_write(self, seconds: float, blocks: int, nbytes: int) -> None:
+        self.write_seconds.observe(seconds)
+        self.write_blocks.observe(blocks)
+        self.bytes_written.inc(nbytes)
+
+    def serve(self, host: str, port: int) -> int:
+        """Serve /metrics on (host, port), 0 for any free port; the bound port."""
+        self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        self.port = int(self._server.server_port)
+        return self.port
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            if self._thread is not None:
+                self._thread.join(timeout=5)
+            self._server = None
