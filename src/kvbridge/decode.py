@@ -36,7 +36,7 @@ from kvbridge.control.bootstrap import BootstrapError, PrefillRank, lookup_prefi
 from kvbridge.control.channel import ControlChannel
 from kvbridge.engines import create_engine
 from kvbridge.liveness import Liveness
-from kvbridge.metrics import ManagerMetrics, Snapshot, failure_kind
+from kvbridge.metrics import ManagerMetrics, Snapshot, count_finished
 from kvbridge.room import DecodeRoom, RoomStatus, parse_notification
 from kvbridge.staging import Allocation, StagingRing, buffer_rows, scatter
 from kvbridge.wire import (
@@ -507,8 +507,8 @@ class KVReceiver:
         """The one cleanup path of the room on this side (idempotent)."""
         with self.manager._lock:
             if self.manager._rooms.pop(self.room, None) is not None:
-                outcome = self._status.poll.name
-                failed = outcome == "Failed"
-                key = (outcome, failure_kind(self._status.failure_reason) if failed else "")
-                finished = self.manager.stats.rooms_finished
-                finished[key] = finished.get(key, 0) + 1
+                count_finished(
+                    self.manager.stats.rooms_finished,
+                    self._status.poll.name,
+                    self._status.failure_reason,
+                )

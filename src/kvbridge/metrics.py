@@ -32,6 +32,12 @@ def failure_kind(reason: str | None) -> str:
     return "other"
 
 
+def count_finished(counts: dict[tuple[str, str], int], poll: str, reason: str | None) -> None:
+    """Count a cleared room under (outcome, failure kind): the one place rooms are tallied."""
+    key = (poll, failure_kind(reason) if poll == "Failed" else "")
+    counts[key] = counts.get(key, 0) + 1
+
+
 @dataclass
 class Snapshot:
     """What a manager reports at scrape time."""

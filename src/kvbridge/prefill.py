@@ -33,7 +33,7 @@ from kvbridge.control.bootstrap import BootstrapServer, PrefillRank, register_pr
 from kvbridge.control.channel import ControlChannel
 from kvbridge.engines import EngineError, MemoryRegion, create_engine
 from kvbridge.liveness import Liveness
-from kvbridge.metrics import ManagerMetrics, Snapshot, failure_kind
+from kvbridge.metrics import ManagerMetrics, Snapshot, count_finished
 from kvbridge.room import Chunk, ChunkJob, PrefillRoom, notification_for
 from kvbridge.staging import buffer_rows, gather, staged_size
 from kvbridge.wire import (
@@ -196,10 +196,8 @@ class PrefillManager:
         with self._lock:
             state = self._rooms.get(room)
             if state is not None:
-                outcome = state.status.poll.name
-                kind = failure_kind(state.status.failure_reason) if outcome == "Failed" else ""
-                key = (outcome, kind)
-                self.stats.rooms_finished[key] = self.stats.rooms_finished.get(key, 0) + 1
+                status = state.status
+                count_finished(self.stats.rooms_finished, status.poll.name, status.failure_reason)
             if self._rooms.pop(room, None) is not None:
                 if len(self._finished) == self._finished.maxlen:
                     self._finished_set.discard(self._finished[0])
