@@ -1,3 +1,3 @@
-from kvbridge.cli.main import app
+from kvbridge.cli.main import main
 
-app(prog_name="kvbridge")
+main()

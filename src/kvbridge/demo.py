@@ -9,11 +9,16 @@ every prefill rank has filled its pages.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import math
 import multiprocessing
+import os
 import queue
+import signal
+import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from multiprocessing.synchronize import Event
 from typing import Any
@@ -422,6 +427,35 @@ class DemoResult:
         return float(np.quantile(values, quantile)) if values else float("nan")
 
 
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def _rank_process(target: Callable[..., None], parent_pid: int, *args: Any) -> None:
+    """Entry of every rank process. Interrupts are the parent's to handle (it stops the ranks
+    at once); a rank never outlives its parent, even one killed with SIGKILL."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if sys.platform == "linux":
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent_pid:  # the parent died before the line above took effect
+        os._exit(1)
+    target(*args)
+
+
+def _stop(processes: list[Any], grace_s: float) -> None:
+    """Give the ranks `grace_s` to finish on their own, then end them: SIGTERM, then SIGKILL."""
+    deadline = time.monotonic() + grace_s
+    for process in processes:
+        process.join(timeout=max(0.0, deadline - time.monotonic()))
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+    for process in processes:
+        process.join(timeout=5)
+        if process.is_alive():
+            process.kill()
+            process.join()
+
+
 def run_demo(config: DemoConfig, on_progress: Any = None) -> DemoResult:
     """Run the whole demo; `on_progress(rooms_done)` is called as decode completes rooms."""
     from kvbridge.control.bootstrap import BootstrapServer
@@ -437,8 +471,8 @@ def run_demo(config: DemoConfig, on_progress: Any = None) -> DemoResult:
     bootstrap = BootstrapServer().start()
     processes = [
         context.Process(
-            target=target,
-            args=(config, rank, bootstrap.url, events, results),
+            target=_rank_process,
+            args=(target, os.getpid(), config, rank, bootstrap.url, events, results),
             name=f"kvbridge-{role}-{rank}",
         )
         for role, target, tp in (
@@ -452,6 +486,7 @@ def run_demo(config: DemoConfig, on_progress: Any = None) -> DemoResult:
     reports: list[RankReport] = []
     progressed = 0
     deadline = time.monotonic() + config.timeout_s + 60
+    grace_s = 10.0  # finished ranks close their managers and exit by themselves
     try:
         while len(reports) < len(processes) and time.monotonic() < deadline:
             try:
@@ -466,12 +501,11 @@ def run_demo(config: DemoConfig, on_progress: Any = None) -> DemoResult:
                     on_progress(progressed)
             else:
                 reports.append(RankReport(**item))
+    except BaseException:  # interrupted (SIGINT, or SIGTERM through the CLI): stop at once
+        grace_s = 0.0
+        raise
     finally:
-        for process in processes:
-            process.join(timeout=10)
-            if process.is_alive():
-                process.kill()
-                process.join()
+        _stop(processes, grace_s)
         bootstrap.close()
     reported = {f"kvbridge-{r.role}-{r.rank}" for r in reports}
     for process in processes:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import signal
 import sys
 from pathlib import Path
+from types import FrameType
 
 import click
 from rich.console import Console
@@ -29,6 +31,27 @@ error_console = Console(stderr=True)
 @click.version_option(kvbridge.__version__, prog_name="kvbridge")
 def app() -> None:
     """kvbridge: the KV-cache transfer plane between prefill and decode workers."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread like Ctrl-C so that every cleanup path runs."""
+
+
+def _raise_terminated(signum: int, frame: FrameType | None) -> None:
+    raise Terminated
+
+
+def _interrupted(exc: KeyboardInterrupt, what: str) -> click.exceptions.Exit:
+    """The conventional exit status of a process ended by the signal: 128 + its number."""
+    received = signal.SIGTERM if isinstance(exc, Terminated) else signal.SIGINT
+    error_console.print(f"{received.name}: {what}", highlight=False)
+    return click.exceptions.Exit(128 + received)
+
+
+def main() -> None:
+    """The `kvbridge` command: SIGTERM stops it as cleanly as Ctrl-C does."""
+    signal.signal(signal.SIGTERM, _raise_terminated)
+    app(prog_name="kvbridge")
 
 
 def _fail(message: str) -> click.exceptions.Exit:
@@ -201,7 +224,10 @@ def demo_command(
     )
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("rooms verified", total=requests * config.decode_ranks)
-        result = run_demo(config, lambda done: progress.update(task, completed=done))
+        try:
+            result = run_demo(config, lambda done: progress.update(task, completed=done))
+        except KeyboardInterrupt as exc:
+            raise _interrupted(exc, "demo stopped, rank processes ended") from None
     table = Table(title="kvbridge demo", title_justify="left")
     for column in ("requests", "bytes", "GB/s", "p50 ms", "p99 ms", "engine", "verified"):
         table.add_column(column, justify="right" if column != "engine" else "left")
@@ -242,7 +268,8 @@ def bootstrap_command(host: str, port: int) -> None:
     console.print(f"kvbridge bootstrap on {server.url}", highlight=False)
     try:
         server.serve_forever()
-    except KeyboardInterrupt:
-        pass
+    except KeyboardInterrupt as exc:  # the way to stop it: a clean exit, status 0
+        received = "SIGTERM" if isinstance(exc, Terminated) else "SIGINT"
+        console.print(f"{received}: bootstrap service stopped", highlight=False)
     finally:
         server.close()

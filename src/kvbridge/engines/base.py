@@ -13,6 +13,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from kvbridge.cache.plan import TransferPlan
 from kvbridge.engines.regions import MemoryRegion, RegionMap
@@ -42,6 +43,17 @@ class TransferState(enum.Enum):
     PENDING = "pending"
     DONE = "done"
     FAILED = "failed"
+
+
+class ClosedEngine:
+    """Stands in for an engine library's object once it is destroyed at close (which is what
+    releases its sockets): any later use is an EngineError, not a crash in native code."""
+
+    def __init__(self, engine: str) -> None:
+        self._engine = engine
+
+    def __getattr__(self, operation: str) -> Any:
+        raise EngineError(self._engine, operation, "the engine is closed")
 
 
 class TransferHandle(ABC):

@@ -20,6 +20,7 @@ from typing import Any
 
 from kvbridge.cache.plan import TransferPlan
 from kvbridge.engines.base import (
+    ClosedEngine,
     EngineError,
     TransferEngine,
     TransferHandle,
@@ -141,3 +142,6 @@ class MooncakeEngine(TransferEngine):
         self._worker.join(timeout=5.0)
         for region in self.local_memory.regions:
             self._engine.unregister_memory(region.ptr)
+        if not self._worker.is_alive():
+            # Destroying the engine closes its listeners; a worker stuck in a batch keeps it.
+            self._engine = ClosedEngine(NAME)

@@ -20,6 +20,7 @@ import numpy as np
 
 from kvbridge.cache.plan import TransferPlan
 from kvbridge.engines.base import (
+    ClosedEngine,
     EngineError,
     TransferEngine,
     TransferHandle,
@@ -214,3 +215,6 @@ class NixlEngine(TransferEngine):
             with contextlib.suppress(EngineError):
                 self._disconnect(peer)
         self.peer_memory.clear()
+        # The agent holds UCX workers and their sockets until it is destroyed; handles still
+        # referenced elsewhere keep it alive only as long as they live.
+        self._agent = ClosedEngine(NAME)
