@@ -540,6 +540,12 @@ class PrefillManager:
     # --- lifecycle -------------------------------------------------------------------------
 
     @property
+    def open_rooms(self) -> int:
+        """Rooms in the table: in flight, or ended and not yet cleared by their owner."""
+        with self._lock:
+            return len(self._rooms)
+
+    @property
     def healthy(self) -> bool:
         return self.channel.alive and self._worker.is_alive()
 

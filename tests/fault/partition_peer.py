@@ -5,6 +5,7 @@ stdin (commands) and stdout (answers).
     python partition_peer.py decode HOST BOOTSTRAP   → {"ready": true}
 commands: {"start": [rooms], "last": bool}   {"wait": [rooms], "timeout": seconds}
           {"wait": [rooms], "timeout": seconds, "reach": "Transferring"}  (or further)
+          {"clear": [rooms]}  → {"open_rooms": rooms left in the manager's table}
 """
 
 from __future__ import annotations
@@ -57,6 +58,10 @@ def main() -> None:
                     rooms[room] = manager.receiver(room)
                     rooms[room].init([2 * (room % 32), 2 * (room % 32) + 1])
             say(started=command["start"])
+        elif "clear" in command:
+            for room in command["clear"]:
+                rooms.pop(room).clear()
+            say(open_rooms=manager.open_rooms)
         else:
             deadline = time.monotonic() + command["timeout"]
             wanted = [rooms[room] for room in command["wait"]]

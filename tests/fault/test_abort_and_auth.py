@@ -19,23 +19,17 @@ import pytest
 import zmq
 from kv_cache import rank_cache
 from prometheus_client.parser import text_string_to_metric_families
+from real_engine import require_engine
 
 from kvbridge.cache.peer import registration_for
 from kvbridge.config import ManagerConfig
 from kvbridge.decode import DecodeManager
-from kvbridge.engines import unavailable_reason
 from kvbridge.wire import NATIVE, Heartbeat, KVPoll
 
 PEER = Path(__file__).with_name("prefill_peer.py")
 GEOMETRY = dict(layer_ids=(0, 1), page_size=4, total_kv_heads=2, head_dim=16)
 SEED = 5  # prefill_peer.py's cache
-
-
-@pytest.fixture(autouse=True)
-def nixl() -> None:
-    reason = unavailable_reason("nixl")
-    if reason is not None:
-        pytest.skip(f"nixl cannot be used here: {reason}")
+require_engine()
 
 
 class Peer:
@@ -105,6 +99,8 @@ def test_abort_during_an_in_flight_write_holds_the_pages_until_prefill_drains(
         assert prefill.expect("room") == {"room": 2, "poll": "Success", "reason": None}
         for got, want in zip(target.kv, source.kv, strict=True):
             assert np.array_equal(got[[4, 5]], want[[6, 7]])  # room 2's bytes, nothing else
+        reused.clear()
+        assert decode.open_rooms == 0
     finally:
         decode.close()
 
@@ -162,6 +158,8 @@ def test_with_a_secret_forged_and_replayed_messages_are_refused(
         receiver.init([0, 1])
         wait_for(lambda: receiver.poll() in (KVPoll.Success, KVPoll.Failed))
         assert receiver.poll() == KVPoll.Success, receiver.failure_reason
+        receiver.clear()
+        assert decode.open_rooms == 0
     finally:
         decode.close()
     assert prefill.expect("room") == {"room": 6, "poll": "Success", "reason": None}

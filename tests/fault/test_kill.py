@@ -13,24 +13,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 from kv_cache import rank_cache
+from real_engine import require_engine
 
 from kvbridge.config import ManagerConfig
 from kvbridge.control.bootstrap import BootstrapServer
 from kvbridge.decode import DecodeManager
-from kvbridge.engines import unavailable_reason
 from kvbridge.prefill import PrefillManager
 from kvbridge.wire import KVPoll
 
 RANK = Path(__file__).with_name("rank.py")
 GEOMETRY = dict(layer_ids=(0, 1), page_size=4, total_kv_heads=2, head_dim=16)
 TIMEOUT_S = 3.0  # ManagerConfig.peer_timeout_s
-
-
-@pytest.fixture(autouse=True)
-def nixl() -> None:
-    reason = unavailable_reason("nixl")
-    if reason is not None:
-        pytest.skip(f"nixl cannot be used here: {reason}")
+require_engine()
 
 
 @pytest.fixture
@@ -87,6 +81,9 @@ def test_killed_prefill_fails_its_rooms_on_decode(
         wait_until(lambda: fine.poll() == KVPoll.Success, 10)
         for got, want in zip(target.kv, source.kv, strict=True):
             assert np.array_equal(got[[20, 21]], want[[3, 4]])
+        for room in (*doomed, fine):
+            room.clear()
+        assert decode.open_rooms == 0  # the dead peer's rooms went through the one cleanup path
     finally:
         decode.close()
         survivor.close()
@@ -121,6 +118,11 @@ def test_killed_decode_fails_its_rooms_on_prefill(
         sender.send([5, 6], last=True)
         wait_until(lambda: receiver.poll() == KVPoll.Success, 10)
         assert prefill.healthy
+        wait_until(lambda: sender.poll() == KVPoll.Success, 10)
+        for room in (*doomed, sender):
+            room.clear()
+        receiver.clear()
+        assert prefill.open_rooms == other.open_rooms == 0
     finally:
         other.close()
         prefill.close()

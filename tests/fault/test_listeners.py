@@ -12,6 +12,7 @@ from collections.abc import Callable
 import numpy as np
 import zmq
 from kv_cache import rank_cache
+from real_engine import ENGINE, require_engine
 
 from kvbridge.config import ManagerConfig
 from kvbridge.control.bootstrap import BootstrapServer
@@ -19,6 +20,7 @@ from kvbridge.decode import DecodeManager
 from kvbridge.prefill import PrefillManager
 from kvbridge.wire import NATIVE, KVLayout, KVPoll, Registration
 
+require_engine()
 GEOMETRY = dict(layer_ids=(0, 1), page_size=4, total_kv_heads=2, head_dim=8)
 GARBAGE = 100_000
 
@@ -53,9 +55,9 @@ def wait_for(condition: Callable[[], bool], timeout_s: float) -> None:
 
 def test_random_messages_are_counted_and_the_listeners_keep_serving() -> None:
     src, dst = rank_cache(seed=1, **GEOMETRY), rank_cache(seed=None, **GEOMETRY)
-    prefill = PrefillManager(src.args, ManagerConfig(engine="loopback", run_bootstrap=True))
+    prefill = PrefillManager(src.args, ManagerConfig(engine=ENGINE, run_bootstrap=True))
     decode = DecodeManager(
-        dst.args, ManagerConfig(engine="loopback", bootstrap_url=prefill.bootstrap_url)
+        dst.args, ManagerConfig(engine=ENGINE, bootstrap_url=prefill.bootstrap_url)
     )
     try:
         endpoints = [prefill.channel.endpoint, decode.channel.endpoint]
@@ -79,10 +81,8 @@ def test_random_messages_are_counted_and_the_listeners_keep_serving() -> None:
 def test_transfers_complete_after_the_bootstrap_service_dies() -> None:
     bootstrap = BootstrapServer().start()
     src, dst = rank_cache(seed=1, **GEOMETRY), rank_cache(seed=None, **GEOMETRY)
-    prefill = PrefillManager(
-        src.args, ManagerConfig(engine="loopback", bootstrap_url=bootstrap.url)
-    )
-    decode = DecodeManager(dst.args, ManagerConfig(engine="loopback", bootstrap_url=bootstrap.url))
+    prefill = PrefillManager(src.args, ManagerConfig(engine=ENGINE, bootstrap_url=bootstrap.url))
+    decode = DecodeManager(dst.args, ManagerConfig(engine=ENGINE, bootstrap_url=bootstrap.url))
     try:
         receivers = [decode.receiver(room) for room in range(3)]  # rendezvous done
         bootstrap.close()
@@ -104,13 +104,13 @@ def test_transfers_complete_after_the_bootstrap_service_dies() -> None:
 def test_forged_registrations_are_refused_and_nothing_is_written() -> None:
     """A registration whose buffers wrap the address space never reaches the planner."""
     src = rank_cache(seed=1, **GEOMETRY)
-    prefill = PrefillManager(src.args, ManagerConfig(engine="loopback", run_bootstrap=True))
+    prefill = PrefillManager(src.args, ManagerConfig(engine=ENGINE, run_bootstrap=True))
     context = zmq.Context()
     push = context.socket(zmq.PUSH)
     try:
         page = src.args.page_bytes
         honest = Registration(
-            peer_id="forger", host="127.0.0.1", control_port=1, engine="loopback",
+            peer_id="forger", host="127.0.0.1", control_port=1, engine=ENGINE,
             engine_descriptor=b"loopback-x", tp_rank=0, attn_tp_size=1, dcp_rank=0, dcp_size=1,
             kv_layout=KVLayout.MHA, total_kv_heads=2, head_dim=8, dtype="bfloat16",
             page_size=4, kv_layer_ids=[0, 1], kv_ptrs=[0x1000] * 4, kv_item_lens=[page] * 4,

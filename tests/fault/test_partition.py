@@ -118,6 +118,8 @@ def test_partition_fails_rooms_on_both_sides_and_heals(two_hosts: tuple[str, str
         prefill.ask(start=[10], last=True)
         assert decode.ask(wait=[10], timeout=20)["10"][0] == "Success"
         assert prefill.ask(wait=[10], timeout=20)["10"][0] == "Success"
+        for side in (prefill, decode):
+            assert side.ask(clear=[1, 2, 10]) == {"open_rooms": 0}
     finally:
         prefill.close()
         if decode is not None:

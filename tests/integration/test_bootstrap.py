@@ -13,6 +13,7 @@ from dataclasses import asdict
 
 import pytest
 from kv_cache import rank_cache
+from real_engine import ENGINE, require_engine
 
 from kvbridge.config import ManagerConfig
 from kvbridge.control.bootstrap import (
@@ -128,12 +129,13 @@ def test_registration_needs_the_token_when_a_secret_is_set() -> None:
 
 
 def test_a_prefill_manager_that_cannot_register_leaves_nothing_running() -> None:
+    require_engine()
     service = BootstrapServer(secret=b"s").start()
     try:
         cache = rank_cache()
-        config = ManagerConfig(engine="loopback", bootstrap_url=service.url, secret=b"wrong")
+        config = ManagerConfig(engine=ENGINE, bootstrap_url=service.url, secret=b"wrong")
         with pytest.raises(BootstrapError, match="401"):
             PrefillManager(cache.args, config)
-        # (the suite's thread check verifies that its threads are gone)
+        # (the suite's leak check verifies that its threads and the engine's sockets are gone)
     finally:
         service.close()

@@ -1,9 +1,8 @@
 """Managers with real ZMQ sockets and a real bootstrap service in one process, moving bytes
-with the loopback engine: the state machine, chunking, slots and the failure paths."""
+with a real engine (NIXL): the state machine, chunking, slots and the failure paths."""
 
 from __future__ import annotations
 
-import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -14,15 +13,14 @@ import pytest
 import zmq
 from kv_cache import RankCache, rank_cache
 from prometheus_client.parser import text_string_to_metric_families
+from real_engine import ENGINE, require_engine
 
-from kvbridge.cache import TransferPlan
 from kvbridge.config import ManagerConfig
 from kvbridge.decode import DecodeManager, KVReceiver
-from kvbridge.engines import TransferHandle, TransferState
-from kvbridge.engines.loopback import LoopbackEngine
 from kvbridge.prefill import KVSender, PrefillManager
 from kvbridge.wire import NATIVE, Abort, Heartbeat, KVPoll, StagingRequest, TransferStatus
 
+require_engine()
 GEOMETRY = dict(
     layer_ids=(0, 1), page_size=4, total_kv_heads=2, head_dim=8,
     aux_slots=4, aux_item_bytes=(32,), state_slots=3, state_item_bytes=(128, 16),
@@ -33,8 +31,8 @@ GEOMETRY = dict(
 def pair(
     src: RankCache, dst: RankCache, **decode_config: float
 ) -> Iterator[tuple[PrefillManager, DecodeManager]]:
-    prefill = PrefillManager(src.args, ManagerConfig(engine="loopback", run_bootstrap=True))
-    config = ManagerConfig(engine="loopback", bootstrap_url=prefill.bootstrap_url, **decode_config)
+    prefill = PrefillManager(src.args, ManagerConfig(engine=ENGINE, run_bootstrap=True))
+    config = ManagerConfig(engine=ENGINE, bootstrap_url=prefill.bootstrap_url, **decode_config)
     decode = DecodeManager(dst.args, config)
     try:
         yield prefill, decode
@@ -155,10 +153,10 @@ def test_two_prefill_groups_feed_one_decode_rank() -> None:
     sources = [rank_cache(num_pages=16, seed=seed, **GEOMETRY) for seed in (21, 22)]
     dst = rank_cache(num_pages=32, seed=None, **GEOMETRY)
     prefills = [
-        PrefillManager(src.args, ManagerConfig(engine="loopback", run_bootstrap=True))
+        PrefillManager(src.args, ManagerConfig(engine=ENGINE, run_bootstrap=True))
         for src in sources
     ]
-    decode = DecodeManager(dst.args, ManagerConfig(engine="loopback"))
+    decode = DecodeManager(dst.args, ManagerConfig(engine=ENGINE))
     try:
         rooms = []
         for room, prefill in enumerate(prefills):
@@ -192,10 +190,10 @@ def test_two_prefill_ranks_into_one_decode_rank_through_the_ring(
         for rank in range(2)
     ]
     dst = rank_cache(num_pages=24, seed=None, attn_tp_size=1, **geometry)
-    first = PrefillManager(sources[0].args, ManagerConfig(engine="loopback", run_bootstrap=True))
+    first = PrefillManager(sources[0].args, ManagerConfig(engine=ENGINE, run_bootstrap=True))
     url = first.bootstrap_url
-    second = PrefillManager(sources[1].args, ManagerConfig(engine="loopback", bootstrap_url=url))
-    decode_config = ManagerConfig(engine="loopback", bootstrap_url=url, staging_bytes=ring_bytes)
+    second = PrefillManager(sources[1].args, ManagerConfig(engine=ENGINE, bootstrap_url=url))
+    decode_config = ManagerConfig(engine=ENGINE, bootstrap_url=url, staging_bytes=ring_bytes)
     decode = DecodeManager(dst.args, decode_config)
     try:
         receiver = decode.receiver(1)
@@ -235,10 +233,10 @@ def test_state_shards_move_from_two_prefill_ranks_to_one_decode_rank() -> None:
         for rank in range(2)
     ]
     dst = rank_cache(num_pages=8, seed=None, state_item_bytes=(64,), state_dims=(4,), **geometry)
-    first = PrefillManager(sources[0].args, ManagerConfig(engine="loopback", run_bootstrap=True))
+    first = PrefillManager(sources[0].args, ManagerConfig(engine=ENGINE, run_bootstrap=True))
     url = first.bootstrap_url
-    second = PrefillManager(sources[1].args, ManagerConfig(engine="loopback", bootstrap_url=url))
-    decode = DecodeManager(dst.args, ManagerConfig(engine="loopback", bootstrap_url=url))
+    second = PrefillManager(sources[1].args, ManagerConfig(engine=ENGINE, bootstrap_url=url))
+    decode = DecodeManager(dst.args, ManagerConfig(engine=ENGINE, bootstrap_url=url))
     try:
         receiver = decode.receiver(2)
         receiver.init([5, 6], state_indices=[1])
@@ -259,10 +257,10 @@ def test_with_a_secret_unauthenticated_and_replayed_messages_are_refused() -> No
     secret = b"a shared secret"
     src, dst = rank_cache(seed=1, **GEOMETRY), rank_cache(seed=None, **GEOMETRY)
     prefill = PrefillManager(
-        src.args, ManagerConfig(engine="loopback", run_bootstrap=True, secret=secret)
+        src.args, ManagerConfig(engine=ENGINE, run_bootstrap=True, secret=secret)
     )
     decode = DecodeManager(
-        dst.args, ManagerConfig(engine="loopback", bootstrap_url=prefill.bootstrap_url,
+        dst.args, ManagerConfig(engine=ENGINE, bootstrap_url=prefill.bootstrap_url,
                                 secret=secret),
     )  # fmt: skip
     context = zmq.Context()
@@ -287,61 +285,6 @@ def test_with_a_secret_unauthenticated_and_replayed_messages_are_refused() -> No
         prefill.close()
 
 
-class GatedLoopback(LoopbackEngine):
-    """A loopback engine whose writes land only when the test opens the gate."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.gate = threading.Event()
-        self.started = threading.Event()
-
-    def _write(self, peer: str, plan: TransferPlan, notify: bytes) -> TransferHandle:
-        self.started.set()
-        engine = self
-
-        class Gated(TransferHandle):
-            landed = False
-
-            def poll(self) -> TransferState:
-                if not engine.gate.is_set():
-                    return TransferState.PENDING
-                if not self.landed:
-                    LoopbackEngine._write(engine, peer, plan, notify)
-                    self.landed = True
-                return TransferState.DONE
-
-        return Gated()
-
-
-def test_abort_while_a_write_is_in_flight_keeps_the_pages_until_prefill_confirms(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    gated = GatedLoopback()
-    monkeypatch.setattr("kvbridge.prefill.create_engine", lambda name, endpoint, host: gated)
-    src, dst = rank_cache(num_pages=8, seed=3, **GEOMETRY), rank_cache(seed=None, **GEOMETRY)
-    with pair(src, dst) as (prefill, decode):
-        sender, receiver = prefill.sender(1), decode.receiver(1)
-        receiver.init([4, 5])
-        sender.send([0, 1], last=True)
-        assert gated.started.wait(5)  # the write is in flight
-        receiver.abort("the user cancelled")
-        assert receiver.poll() == KVPoll.Failed
-        time.sleep(0.3)
-        assert not receiver.pages_safe  # prefill has not confirmed: a write may still land
-        gated.gate.set()  # the aborted write lands …
-        wait_for(lambda: receiver.pages_safe)  # … then prefill confirms, and only then
-        assert "aborted by decode: the user cancelled" in str(sender.failure_reason)
-        receiver.clear()
-        # A following request reuses the pages: what arrives is its data, nothing else.
-        sender, receiver = prefill.sender(2), decode.receiver(2)
-        receiver.init([4, 5])
-        sender.send([6, 7], last=True)
-        wait_for(finished(sender, receiver))
-        assert receiver.poll() == KVPoll.Success
-    for got, want in zip(dst.kv, src.kv, strict=True):
-        assert np.array_equal(got[[4, 5]], want[[6, 7]])
-
-
 def test_pages_of_a_finished_room_are_safe() -> None:
     src, dst = rank_cache(seed=1, **GEOMETRY), rank_cache(seed=None, **GEOMETRY)
     with pair(src, dst) as (prefill, decode):
@@ -358,7 +301,7 @@ def test_pages_of_a_finished_room_are_safe() -> None:
 
 def test_a_prefill_room_without_a_request_fails_at_its_deadline() -> None:
     src = rank_cache(seed=1, **GEOMETRY)
-    config = ManagerConfig(engine="loopback", run_bootstrap=True, request_timeout_s=0.3)
+    config = ManagerConfig(engine=ENGINE, run_bootstrap=True, request_timeout_s=0.3)
     prefill = PrefillManager(src.args, config)
     try:
         sender = prefill.sender(8)
@@ -373,7 +316,7 @@ def test_ring_space_of_chunks_that_never_arrive_is_reclaimed() -> None:
     """Prefill reports a room's failure only once nothing of it is in flight, so the ring
     space it was granted for chunks it never wrote is free again when the failure arrives."""
     dst = rank_cache(seed=None, **GEOMETRY)
-    decode = DecodeManager(dst.args, ManagerConfig(engine="loopback", staging_bytes=4096))
+    decode = DecodeManager(dst.args, ManagerConfig(engine=ENGINE, staging_bytes=4096))
     try:
         ring = decode._ring
         assert ring is not None
@@ -394,11 +337,11 @@ def test_ring_space_of_chunks_that_never_arrive_is_reclaimed() -> None:
 def test_metrics_are_served_and_scraped() -> None:
     src, dst = rank_cache(seed=1, **GEOMETRY), rank_cache(seed=None, **GEOMETRY)
     prefill = PrefillManager(
-        src.args, ManagerConfig(engine="loopback", run_bootstrap=True, metrics_port=0)
+        src.args, ManagerConfig(engine=ENGINE, run_bootstrap=True, metrics_port=0)
     )
     decode = DecodeManager(
         dst.args,
-        ManagerConfig(engine="loopback", bootstrap_url=prefill.bootstrap_url, metrics_port=0),
+        ManagerConfig(engine=ENGINE, bootstrap_url=prefill.bootstrap_url, metrics_port=0),
     )
     try:
         for room, pages in ((1, [0, 1]), (2, [2])):
