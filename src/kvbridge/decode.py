@@ -479,6 +479,8 @@ class KVReceiver:
         self._status = state.status
         for prefill_rank, message in requests:
             self.manager.channel.send(self._endpoints[prefill_rank], message)
+        log.debug("room %d: asked prefill rank(s) %s for %d page(s)", self.room,
+                  sorted(rank for rank, _ in requests), pages.size)  # fmt: skip
 
     def poll(self) -> KVPoll:
         with self.manager._lock:
@@ -518,3 +520,5 @@ class KVReceiver:
                     self._status.poll.name,
                     self._status.failure_reason,
                 )
+                log.debug("room %d: cleared (%s)", self.room,
+                          self._status.failure_reason or self._status.poll.name)  # fmt: skip

@@ -29,6 +29,7 @@ import numpy.typing as npt
 from kvbridge.cache import KVArgs, TransferPlan, kv_heads_on_rank
 from kvbridge.cache.topology import HeadRange, rank_heads
 from kvbridge.config import ManagerConfig
+from kvbridge.logs import configure as configure_logging
 from kvbridge.wire import KVLayout, KVPoll
 
 GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -59,6 +60,7 @@ class ModelShape:
 MODELS = {
     "llama3-8b": ModelShape("Llama-3-8B", 32, 8, 128),
     "qwen3-8b": ModelShape("Qwen3-8B", 36, 8, 128),
+    "qwen2.5-7b": ModelShape("Qwen2.5-7B", 28, 4, 128),  # GQA with few KV heads
     "llama3-70b": ModelShape("Llama-3-70B", 80, 8, 128),
     "deepseek-v3": ModelShape("DeepSeek-V3", 61, 1, 576, KVLayout.MLA),
 }
@@ -83,6 +85,8 @@ class DemoConfig:
     measure_raw: bool = False
     # Use the staging path where the TP sizes differ (off: per-token blocks).
     staging: bool = True
+    # kvbridge's log level in the rank processes (logging.WARNING: problems only).
+    log_level: int = 30
 
     @property
     def shape(self) -> ModelShape:
@@ -282,7 +286,8 @@ def run_prefill(
         report.blocks_written = manager.stats.blocks_written
         stats = manager.stats
         report.timings = {"staging_wait_s": stats.staging_wait_s, "gather_s": stats.gather_s,
-                          "write_s": stats.write_s}  # fmt: skip
+                          "plan_s": stats.plan_s, "write_s": stats.write_s,
+                          "control_cpu_s": manager.channel.stats.cpu_seconds}  # fmt: skip
         report.ok = not report.failed_rooms
         if config.measure_raw and report.ok:
             _replay_raw(manager, config, events, report)
@@ -379,7 +384,8 @@ def run_decode(
                 report.mismatched_rooms.append(room)
             report.bytes += tokens * args.token_bytes * len(kv) + AUX_BYTES
         report.rooms = len(receivers)
-        report.timings = {"scatter_s": manager.stats.scatter_s}
+        report.timings = {"scatter_s": manager.stats.scatter_s,
+                          "control_cpu_s": manager.channel.stats.cpu_seconds}  # fmt: skip
         report.ok = not report.failed_rooms and not report.mismatched_rooms
     except Exception as exc:
         report.error = f"{type(exc).__name__}: {exc}"
@@ -430,15 +436,18 @@ class DemoResult:
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
-def _rank_process(target: Callable[..., None], parent_pid: int, *args: Any) -> None:
+def _rank_process(
+    target: Callable[..., None], parent_pid: int, config: DemoConfig, *args: Any
+) -> None:
     """Entry of every rank process. Interrupts are the parent's to handle (it stops the ranks
     at once); a rank never outlives its parent, even one killed with SIGKILL."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    configure_logging(config.log_level)
     if sys.platform == "linux":
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent_pid:  # the parent died before the line above took effect
         os._exit(1)
-    target(*args)
+    target(config, *args)
 
 
 def _stop(processes: list[Any], grace_s: float) -> None:

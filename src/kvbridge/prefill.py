@@ -84,9 +84,11 @@ class PrefillStats:
     staged_chunks: int = 0
     staging_fallbacks: int = 0
     watermarks: int = 0
-    # Where the worker's time goes (seconds): waiting for ring space, gathering, writing.
+    # Where the worker's time goes (seconds): waiting for ring space, gathering, planning,
+    # writing.
     blocks_written: int = 0
     staging_wait_s: float = 0.0
+    plan_s: float = 0.0
     gather_s: float = 0.0
     write_s: float = 0.0
 
@@ -198,6 +200,7 @@ class PrefillManager:
             if state is not None:
                 status = state.status
                 count_finished(self.stats.rooms_finished, status.poll.name, status.failure_reason)
+                log.debug("room %d: cleared (%s)", room, status.failure_reason or status.poll.name)
             if self._rooms.pop(room, None) is not None:
                 if len(self._finished) == self._finished.maxlen:
                     self._finished_set.discard(self._finished[0])
@@ -234,6 +237,9 @@ class PrefillManager:
                     return
                 state.on_request(message)
                 self._schedule_locked(state)
+            log.debug("room %d: %s from decode %s, %d page(s)", message.room,
+                      "dummy request" if message.is_dummy else "request", message.peer_id,
+                      len(message.dst_kv_indices))  # fmt: skip
         elif isinstance(message, StagingResponse):
             with self._staging_answered:
                 key = (message.session_id, message.room, message.chunk_idx)
@@ -516,7 +522,9 @@ class PrefillManager:
                     raise EngineError(self.engine.name, "write", peer.error or "not connected")
                 staged = self._stage(job, peer) if peer.pairing.stageable else None
                 kv_plan = staged[0] if staged else None
+                started = time.perf_counter()
                 plan = self._plan(job, peer.kv_args, peer.pairing, kv_plan)
+                self.stats.plan_s += time.perf_counter() - started
                 notify = notification_for(room, self.rank) if job.last else b""
                 if len(plan):
                     started = time.perf_counter()
@@ -526,6 +534,9 @@ class PrefillManager:
                     self.stats.write_s += elapsed
                     self.stats.blocks_written += len(plan)
                     self.metrics.observe_write(elapsed, len(plan), plan.total_bytes)
+                    log.debug("room %d: %d block(s), %d bytes to %s in %.2f ms%s", room,
+                              len(plan), plan.total_bytes, job.peer_id, elapsed * 1e3,
+                              " (last chunk)" if job.last else "")  # fmt: skip
                     if self.config.keep_plans:
                         self.written_plans.append((peer.engine_peer, plan))
                 elif notify and self.engine.delivers_notifications:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import http.client
+import json
 import signal
 import subprocess
 import sys
@@ -127,3 +128,26 @@ def test_the_bootstrap_service_stops_cleanly(start: object, signum: signal.Signa
     stdout, stderr = service.communicate(timeout=10)
     assert service.returncode == 0, stderr.decode()
     assert f"{signum.name}: bootstrap service stopped" in stdout.decode()
+
+
+@pytest.mark.parametrize(("flags", "logged"), [((), False), (("-v",), True)])
+def test_the_bootstrap_service_logs_registrations_only_when_asked(
+    start: object, flags: tuple[str, ...], logged: bool
+) -> None:
+    service = start(*flags, "bootstrap", "--port", "0")  # type: ignore[operator]
+    assert service.stdout is not None
+    url = service.stdout.readline().decode().split(" on ")[1].strip()
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    body = json.dumps(
+        {"rank": 0, "attn_tp_size": 1, "host": "127.0.0.1", "port": 5555, "engine": "nixl"}
+    )
+    connection = http.client.HTTPConnection(host, int(port), timeout=5)
+    try:
+        connection.request("PUT", "/prefill", body, {"Content-Type": "application/json"})
+        assert connection.getresponse().status == 200
+    finally:
+        connection.close()
+    service.send_signal(signal.SIGTERM)
+    _, stderr = service.communicate(timeout=10)
+    line = "INFO MainProcess kvbridge.bootstrap: prefill rank 0 of 1 registered at 127.0.0.1:5555"
+    assert (line in stderr.decode()) is logged

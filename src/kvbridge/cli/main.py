@@ -14,9 +14,12 @@ from rich.table import Table
 
 import kvbridge
 from kvbridge import samples
+from kvbridge.bench import ENGINES, PRESETS, CellResult, cells, plot, run_matrix, write_json
 from kvbridge.control.bootstrap import BootstrapServer
 from kvbridge.demo import MODELS, DemoConfig, run_demo
 from kvbridge.engines import unavailable_reason
+from kvbridge.logs import configure as configure_logging
+from kvbridge.logs import level_for
 from kvbridge.wire import PROFILES, WireError, inspect_frames
 from kvbridge.wire.auth import secret_from_env
 from kvbridge.wire.framefile import FrameFileError, load_frames, parse_hex_frame
@@ -29,8 +32,13 @@ error_console = Console(stderr=True)
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(kvbridge.__version__, prog_name="kvbridge")
-def app() -> None:
+@click.option("-v", "--verbose", count=True,
+              help="Log more: -v rooms and peers (INFO), -vv every message (DEBUG).")  # fmt: skip
+@click.pass_context
+def app(context: click.Context, verbose: int) -> None:
     """kvbridge: the KV-cache transfer plane between prefill and decode workers."""
+    context.obj = level_for(verbose)
+    configure_logging(context.obj)
 
 
 class Terminated(KeyboardInterrupt):
@@ -191,7 +199,9 @@ def protocol_doc_command(output: Path | None, check: Path | None) -> None:
               help="Staging path where the TP sizes differ.")  # fmt: skip
 @click.option("--chunks", type=click.IntRange(1), default=2, show_default=True,
               help="Chunks each request is sent in (chunked prefill).")  # fmt: skip
+@click.pass_obj
 def demo_command(
+    log_level: int,
     model: str,
     requests: int,
     tokens: int,
@@ -209,7 +219,7 @@ def demo_command(
     config = DemoConfig(
         model=model, requests=requests, tokens=tokens, page_size=page_size,
         prefill_tp=prefill_tp or tp, decode_tp=decode_tp or tp, engine=engine, chunks=chunks,
-        staging=staging, dcp=dcp,
+        staging=staging, dcp=dcp, log_level=log_level,
     )  # fmt: skip
     reason = unavailable_reason(engine)
     if reason is not None:
@@ -256,6 +266,62 @@ def demo_command(
         if report.error:
             console.print(f"[red]{report.role} {report.rank}: {report.error}[/red]")
     if not result.ok:
+        raise click.exceptions.Exit(1)
+
+
+@app.command("bench")
+@click.option("--preset", type=click.Choice(sorted(PRESETS)), default="quick", show_default=True,
+              help="smoke: seconds; quick: ~1 min per engine; full: all of it.")  # fmt: skip
+@click.option("--engine", "engines", multiple=True, type=click.Choice(ENGINES),
+              help="Engines to measure (repeatable; default: every installed one).")  # fmt: skip
+@click.option("--output", type=click.Path(file_okay=False, path_type=Path),
+              default=Path("bench-results"), show_default=True,
+              help="Folder for bench.json and bench.png.")  # fmt: skip
+@click.pass_obj
+def bench_command(log_level: int, preset: str, engines: tuple[str, ...], output: Path) -> None:
+    """Benchmark matrix: for each cell, kvbridge end to end (separate processes, bytes
+    verified) against the raw engine moving the identical blocks. Prints a table, writes
+    JSON and PNG plots. Exits 1 if any cell failed."""
+    chosen = engines or tuple(e for e in ENGINES if unavailable_reason(e) is None)
+    if not chosen:
+        raise _fail("no transfer engine is installed (pip install nixl-cu12 or mooncake)")
+    planned = len(cells(PRESETS[preset], chosen))
+    rows: list[CellResult] = []
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("cells", total=planned)
+
+        def done(row: CellResult) -> None:
+            progress.update(task, advance=1, description=row.cell.label)
+
+        try:
+            rows.extend(run_matrix(preset, chosen, done, log_level))
+        except KeyboardInterrupt as exc:
+            raise _interrupted(exc, "bench stopped, rank processes ended") from None
+    table = Table(title=f"kvbridge bench ({preset})", title_justify="left")
+    columns = ("engine", "model", "tokens", "page", "TP", "req", "GB/s", "raw GB/s", "ratio",
+               "p50 ms", "p99 ms", "desc/req", "plan ms/req", "ctrl CPU ms/req")  # fmt: skip
+    for column in columns:
+        table.add_column(column, justify="left" if column in ("engine", "model") else "right")
+    for row in rows:
+        cell = row.cell
+        head = (cell.engine, cell.model, str(cell.tokens), str(cell.page_size),
+                f"{cell.prefill_tp}→{cell.decode_tp}")  # fmt: skip
+        if row.skipped or row.error:
+            why = f"[yellow]skipped: {row.skipped}[/yellow]" if row.skipped else (
+                f"[red]failed: {row.error}[/red]")  # fmt: skip
+            table.add_row(*head, "", why)
+            continue
+        table.add_row(
+            *head, str(row.requests), f"{row.kvbridge_gbps:.2f}", f"{row.raw_gbps:.2f}",
+            f"{row.ratio:.2f}" if row.ratio is not None else "-", f"{row.p50_ms:.1f}",
+            f"{row.p99_ms:.1f}", f"{row.descriptors_per_request:g}",
+            f"{row.plan_ms_per_request:.3f}", f"{row.control_cpu_ms_per_request:.2f}",
+        )  # fmt: skip
+    console.print(table)
+    write_json(rows, preset, output / "bench.json")
+    plot(rows, output / "bench.png")
+    console.print(f"wrote {output / 'bench.json'} and {output / 'bench.png'}", highlight=False)
+    if any(row.error for row in rows):
         raise click.exceptions.Exit(1)
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import logging
 import threading
 import time
 import urllib.error
@@ -26,6 +27,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 MAX_BODY = 64 * 1024
+
+log = logging.getLogger("kvbridge.bootstrap")
 
 
 class BootstrapError(RuntimeError):
@@ -99,8 +102,10 @@ class PrefillGroup:
 class _Handler(BaseHTTPRequestHandler):
     server: _BootstrapHTTPServer
 
-    def log_message(self, format: str, *args: Any) -> None:  # quiet by default
-        pass
+    def log_message(self, format: str, *args: Any) -> None:
+        # The standard library writes each request to stderr; route it to the logger, at
+        # DEBUG (quiet unless asked for).
+        log.debug("%s %s", self.client_address[0], format % args)
 
     def _reply(self, status: HTTPStatus, document: dict[str, Any]) -> None:
         body = json.dumps(document).encode()
@@ -128,6 +133,7 @@ class _Handler(BaseHTTPRequestHandler):
         offered = self.headers.get("Authorization", "")
         if token is not None and not hmac.compare_digest(offered, f"Bearer {token}"):
             self.server.unauthorized += 1
+            log.warning("refused a registration from %s without the token", self.client_address[0])
             self._reply(HTTPStatus.UNAUTHORIZED, {"error": "registration needs the token"})
             return
         try:
@@ -136,12 +142,16 @@ class _Handler(BaseHTTPRequestHandler):
                 raise ValueError(f"body of {length} bytes (1 to {MAX_BODY} accepted)")
             rank = PrefillRank.parse(json.loads(self.rfile.read(length)))
         except (ValueError, UnicodeDecodeError) as exc:
+            log.warning("refused a malformed registration from %s: %s", self.client_address[0], exc)
             self._reply(HTTPStatus.BAD_REQUEST, {"error": str(exc)})
             return
         conflict = self.server.group.register(rank)
         if conflict is not None:
+            log.warning("refused prefill rank %d: %s", rank.rank, conflict)
             self._reply(HTTPStatus.CONFLICT, {"error": conflict})
         else:
+            log.info("prefill rank %d of %d registered at %s:%d", rank.rank, rank.attn_tp_size,
+                     rank.host, rank.port)  # fmt: skip
             self._reply(HTTPStatus.OK, {"registered": asdict(rank)})
 
 

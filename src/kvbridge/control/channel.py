@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -36,6 +37,9 @@ class ChannelStats:
     unauthenticated: int = 0
     handler_errors: int = 0
     send_failures: int = 0
+    # CPU seconds the channel's thread used (receiving, decoding, handling, encoding, sending,
+    # ticks): the control plane's cost, kept up to date by the thread itself.
+    cpu_seconds: float = 0.0
 
 
 class ControlChannel:
@@ -93,6 +97,7 @@ class ControlChannel:
                 except Exception:
                     self.stats.handler_errors += 1
                     log.exception("control tick failed; the channel keeps serving")
+                self.stats.cpu_seconds = time.thread_time()
         except BaseException as exc:  # the channel itself broke: report, never vanish
             self.failure = exc
             log.exception("control channel stopped")

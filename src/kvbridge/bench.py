@@ -1,0 +1,350 @@
+"""`kvbridge bench`: the benchmark matrix — engines × model shapes × request lengths × page
+sizes × TP pairs — each cell a full demo run (separate processes, a real engine, every byte
+verified) followed, in the same processes, by the raw engine replaying the identical
+(src, dst, len) blocks.
+
+Per cell: kvbridge GB/s and per-request latency (p50/p99), raw engine GB/s and the ratio,
+descriptors (blocks) per request, planning time and control-plane CPU time per request. Cells
+are sized to the machine's memory; a cell that cannot fit even one request is skipped with the
+reason. Mooncake binds wildcard listeners, so its cells run in a private network namespace
+(root only; otherwise they are skipped with that reason).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvbridge.demo import DemoConfig, DemoResult, run_demo
+from kvbridge.engines import unavailable_reason
+from kvbridge.wire import KVLayout
+
+ENGINES = ("nixl", "mooncake")
+TP_PAIRS = ((1, 1), (2, 4), (4, 2))
+
+
+@dataclass(frozen=True)
+class Preset:
+    """The axes of a matrix; every combination is a cell."""
+
+    models: tuple[str, ...]
+    tokens: tuple[int, ...]
+    page_sizes: tuple[int, ...]
+    tp_pairs: tuple[tuple[int, int], ...]
+    # KV bytes one cell moves: requests are scaled to it, within [min_requests, max_requests]
+    # and what the memory budget fits (at least one request, or the cell is skipped).
+    cell_bytes: int
+    min_requests: int
+    max_requests: int
+    # Keep the quick preset quick: page sizes and TP pairs other than the first of each are
+    # measured only for this model at this request length (None: everywhere).
+    sweep_model: str | None = None
+    sweep_tokens: int | None = None
+
+
+PRESETS = {
+    # Seconds: the bench itself works here (one short cell per TP pair).
+    "smoke": Preset(
+        models=("llama3-8b",),
+        tokens=(128,),
+        page_sizes=(16,),
+        tp_pairs=((1, 1), (2, 4)),
+        cell_bytes=32 << 20,
+        min_requests=2,
+        max_requests=4,
+    ),
+    # About a minute per engine on a 2-core host: every shape at three lengths (page 16,
+    # equal TP), plus the other page sizes and TP pairs of the MHA shape at 1k tokens.
+    "quick": Preset(
+        models=("llama3-8b", "qwen2.5-7b", "deepseek-v3"),
+        tokens=(128, 1024, 8192),
+        page_sizes=(16, 1, 64),
+        tp_pairs=TP_PAIRS,
+        cell_bytes=256 << 20,
+        min_requests=4,
+        max_requests=32,
+        sweep_model="llama3-8b",
+        sweep_tokens=1024,
+    ),
+    "full": Preset(
+        models=("llama3-8b", "qwen2.5-7b", "deepseek-v3"),
+        tokens=(128, 1024, 8192, 32768),
+        page_sizes=(1, 16, 64),
+        tp_pairs=TP_PAIRS,
+        cell_bytes=1 << 30,
+        min_requests=8,
+        max_requests=64,
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Cell:
+    engine: str
+    model: str
+    tokens: int
+    page_size: int
+    prefill_tp: int
+    decode_tp: int
+
+    @property
+    def label(self) -> str:
+        return (
+            f"{self.engine} {self.model} {self.tokens} tok page {self.page_size} "
+            f"TP {self.prefill_tp}→{self.decode_tp}"
+        )
+
+
+@dataclass
+class CellResult:
+    cell: Cell
+    requests: int = 0
+    skipped: str | None = None
+    error: str | None = None
+    transport: str = ""
+    bytes: int = 0
+    kvbridge_gbps: float = 0.0
+    raw_gbps: float = 0.0
+    p50_ms: float = 0.0
+    p99_ms: float = 0.0
+    descriptors_per_request: float = 0.0
+    plan_ms_per_request: float = 0.0
+    control_cpu_ms_per_request: float = 0.0
+    latencies_ms: list[float] = field(default_factory=list)
+
+    @property
+    def ratio(self) -> float | None:
+        return self.kvbridge_gbps / self.raw_gbps if self.raw_gbps else None
+
+    def as_json(self) -> dict[str, Any]:
+        row = asdict(self)
+        row["ratio"] = None if self.ratio is None else round(self.ratio, 3)
+        return row
+
+
+def cells(preset: Preset, engines: tuple[str, ...]) -> list[Cell]:
+    """The preset's cells in run order: engine, model, length, then page size and TP pair."""
+    found = []
+    for engine in engines:
+        for model in preset.models:
+            for tokens in preset.tokens:
+                for page_size in preset.page_sizes:
+                    for prefill_tp, decode_tp in preset.tp_pairs:
+                        default = (page_size, (prefill_tp, decode_tp)) == (
+                            preset.page_sizes[0],
+                            preset.tp_pairs[0],
+                        )
+                        swept = preset.sweep_model in (None, model) and preset.sweep_tokens in (
+                            None,
+                            tokens,
+                        )
+                        if not (default or swept):
+                            continue
+                        found.append(Cell(engine, model, tokens, page_size, prefill_tp, decode_tp))
+    return found
+
+
+def memory_budget() -> int:
+    """Bytes of KV a cell may allocate across all its processes: a quarter of what the
+    machine has available (prefill and decode copies, the decode pool's slack, staging)."""
+    with open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024 // 4
+    return 4 << 30
+
+
+def demo_config(
+    cell: Cell, preset: Preset, budget: int, log_level: int = logging.WARNING
+) -> DemoConfig | str:
+    """The demo run of a cell, with requests scaled to the preset and the memory budget; or
+    why the cell cannot run on this machine."""
+    config = DemoConfig(
+        model=cell.model, tokens=cell.tokens, page_size=cell.page_size,
+        prefill_tp=cell.prefill_tp, decode_tp=cell.decode_tp, engine=cell.engine,
+        requests=1, measure_raw=True, decode_pool_factor=1.0, timeout_s=600.0,
+        log_level=log_level,
+    )  # fmt: skip
+    per_request = cell.tokens * config.shape.bytes_per_token()  # one full copy of the cache
+    # Both groups hold a copy; a replicated (MLA) cache is held by every rank.
+    copies = 2 if config.shape.kv_layout == KVLayout.MHA else cell.prefill_tp + cell.decode_tp
+    if per_request * copies > budget:
+        return (
+            f"one request needs {per_request * copies / 2**30:.1f} GiB, "
+            f"over this machine's budget of {budget / 2**30:.1f} GiB"
+        )
+    fits = budget // (per_request * copies)
+    wanted = max(preset.min_requests, preset.cell_bytes // per_request)
+    requests = int(min(wanted, fits, preset.max_requests))
+    return DemoConfig(**{**asdict(config), "requests": requests})
+
+
+def summarize(cell: Cell, result: DemoResult) -> CellResult:
+    config = result.config
+    row = CellResult(cell, requests=config.requests)
+    failed = [r for r in result.reports if not r.ok]
+    if failed:
+        row.error = "; ".join(
+            f"{r.role} {r.rank}: {r.error or r.failed_rooms or r.mismatched_rooms}" for r in failed
+        )
+        return row
+    prefill = [r for r in result.reports if r.role == "prefill"]
+    row.transport = sorted({r.transport for r in result.reports if r.transport})[0]
+    row.bytes = result.total_bytes
+    row.kvbridge_gbps = round(result.gbps, 3)
+    row.raw_gbps = round(result.raw_gbps, 3)
+    row.p50_ms = round(result.latency_ms(0.5), 2)
+    row.p99_ms = round(result.latency_ms(0.99), 2)
+    row.latencies_ms = [round(v, 2) for r in result.decode_reports for v in r.latencies_ms]
+    requests = config.requests
+    row.descriptors_per_request = round(sum(r.blocks_written for r in prefill) / requests, 1)
+    plan_s = sum(r.timings.get("plan_s", 0.0) for r in prefill)
+    row.plan_ms_per_request = round(plan_s * 1e3 / requests, 3)
+    control_s = sum(r.timings.get("control_cpu_s", 0.0) for r in result.reports)
+    row.control_cpu_ms_per_request = round(control_s * 1e3 / requests, 3)
+    return row
+
+
+def run_cell(
+    cell: Cell, preset: Preset, budget: int, log_level: int = logging.WARNING
+) -> CellResult:
+    """One cell, in this process's network namespace."""
+    config = demo_config(cell, preset, budget, log_level)
+    if isinstance(config, str):
+        return CellResult(cell, skipped=config)
+    return summarize(cell, run_demo(config))
+
+
+def _run_in_private_netns(cell: Cell, preset_name: str, budget: int, log_level: int) -> CellResult:
+    name = f"kvbridge-bench-{uuid.uuid4().hex[:8]}"
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    try:
+        subprocess.run(["ip", "-n", name, "link", "set", "lo", "up"], check=True)
+        output = subprocess.run(
+            ["ip", "netns", "exec", name, sys.executable, "-m", "kvbridge.bench",
+             json.dumps({"cell": asdict(cell), "preset": preset_name, "budget": budget,
+                         "log_level": log_level})],
+            check=True, capture_output=True, text=True,
+        ).stdout  # fmt: skip
+    except subprocess.CalledProcessError as exc:
+        return CellResult(cell, error=f"the cell's process failed: {exc.stderr[-500:]}")
+    finally:
+        subprocess.run(["ip", "netns", "delete", name], check=False)
+    row = json.loads(output.strip().splitlines()[-1])
+    row.pop("ratio")
+    return CellResult(**{**row, "cell": cell})
+
+
+def engine_unavailable(engine: str) -> str | None:
+    reason = unavailable_reason(engine)
+    if reason is None and engine == "mooncake" and (os.geteuid() != 0 or not shutil.which("ip")):
+        reason = "its wildcard listeners need a private network namespace: run as root"
+    return reason
+
+
+def run_matrix(
+    preset_name: str,
+    engines: tuple[str, ...],
+    on_cell: Callable[[CellResult], None] = lambda row: None,
+    log_level: int = logging.WARNING,
+) -> Iterator[CellResult]:
+    preset, budget = PRESETS[preset_name], memory_budget()
+    unavailable = {engine: engine_unavailable(engine) for engine in engines}
+    for cell in cells(preset, engines):
+        reason = unavailable[cell.engine]
+        if reason is not None:
+            row = CellResult(cell, skipped=f"{cell.engine}: {reason}")
+        elif cell.engine == "mooncake":
+            row = _run_in_private_netns(cell, preset_name, budget, log_level)
+        else:
+            row = run_cell(cell, preset, budget, log_level)
+        on_cell(row)
+        yield row
+
+
+def plot(rows: list[CellResult], path: Path) -> None:
+    """Throughput against request length per engine (the raw engine beside it), one panel
+    per model shape at page 16 (or the preset's first page size) and equal TP; and the
+    per-request latency distribution of those cells."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    measured = [r for r in rows if r.kvbridge_gbps and r.cell.prefill_tp == r.cell.decode_tp]
+    if not measured:
+        return
+    page = 16 if any(r.cell.page_size == 16 for r in measured) else measured[0].cell.page_size
+    measured = [r for r in measured if r.cell.page_size == page]
+    models = sorted({r.cell.model for r in measured})
+    figure, axes = plt.subplots(2, len(models), figsize=(5 * len(models), 8), squeeze=False)
+    for column, model in enumerate(models):
+        top, bottom = axes[0][column], axes[1][column]
+        for engine in sorted({r.cell.engine for r in measured}):
+            line = sorted(
+                (r for r in measured if r.cell.model == model and r.cell.engine == engine),
+                key=lambda r: r.cell.tokens,
+            )
+            if not line:
+                continue
+            lengths = [r.cell.tokens for r in line]
+            drawn = top.plot(lengths, [r.kvbridge_gbps for r in line], "o-",
+                             label=f"kvbridge ({engine})")  # fmt: skip
+            top.plot(lengths, [r.raw_gbps for r in line], "s--", color=drawn[0].get_color(),
+                     alpha=0.6, label=f"raw {engine}, same blocks")  # fmt: skip
+        top.set_xscale("log", base=2)
+        top.set_ylim(bottom=0)
+        top.set_xlabel("tokens per request")
+        top.set_ylabel("GB/s")
+        top.set_title(f"{model}, page {page}, equal TP")
+        top.grid(True, alpha=0.3)
+        top.legend(fontsize=8)
+        boxes = sorted(
+            (r for r in measured if r.cell.model == model and r.latencies_ms),
+            key=lambda r: (r.cell.engine, r.cell.tokens),
+        )
+        if boxes:
+            bottom.boxplot([r.latencies_ms for r in boxes], showfliers=True)
+            bottom.set_xticks(range(1, len(boxes) + 1))
+            bottom.set_xticklabels([f"{r.cell.engine}\n{r.cell.tokens}" for r in boxes],
+                                   fontsize=8)  # fmt: skip
+            bottom.set_yscale("log")
+            bottom.set_ylabel("per-request latency, ms")
+            bottom.set_title(f"{model}: latency distribution")
+            bottom.grid(True, alpha=0.3)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def write_json(rows: list[CellResult], preset_name: str, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    document = {
+        "preset": preset_name,
+        "machine": {"cpus": os.cpu_count(), "memory_budget_bytes": memory_budget()},
+        "cells": [row.as_json() for row in rows],
+    }
+    path.write_text(json.dumps(document, indent=1) + "\n")
+
+
+def _main() -> None:
+    """`python -m kvbridge.bench CELL_JSON`: one cell, its row as JSON on the last line (how
+    Mooncake cells run inside their network namespace)."""
+    spec = json.loads(sys.argv[1])
+    cell = Cell(**spec["cell"])
+    row = run_cell(cell, PRESETS[spec["preset"]], spec["budget"], spec["log_level"])
+    print(json.dumps(row.as_json()))
+
+
+if __name__ == "__main__":
+    _main()

@@ -1,0 +1,46 @@
+"""`kvbridge bench` as a real process: the smoke preset through a real engine."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from real_engine import ENGINE, require_engine
+
+ROOT = Path(__file__).resolve().parents[2]
+require_engine()
+
+
+def test_bench_measures_each_cell_and_writes_json_and_plots(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "kvbridge", "bench", "--preset", "smoke", "--engine", ENGINE,
+         "--output", str(tmp_path)],
+        capture_output=True, text=True, timeout=240, cwd=ROOT,
+        env={"COLUMNS": "250", "PATH": "/usr/bin:/bin"},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "kvbridge bench (smoke)" in result.stdout
+    document = json.loads((tmp_path / "bench.json").read_text())
+    assert document["preset"] == "smoke"
+    rows = document["cells"]
+    assert [(r["cell"]["prefill_tp"], r["cell"]["decode_tp"]) for r in rows] == [(1, 1), (2, 4)]
+    for row in rows:
+        assert row["error"] is None
+        assert row["skipped"] is None
+        assert row["kvbridge_gbps"] > 0
+        assert row["raw_gbps"] > 0
+        assert row["ratio"] == round(row["kvbridge_gbps"] / row["raw_gbps"], 3)
+        assert row["bytes"] >= row["requests"] * 128 * 128 * 1024  # 128 KiB per token
+        assert row["descriptors_per_request"] > 0
+        assert len(row["latencies_ms"]) == row["requests"] * row["cell"]["decode_tp"]
+        assert row["p50_ms"] <= row["p99_ms"]
+        assert row["plan_ms_per_request"] > 0
+        assert row["control_cpu_ms_per_request"] > 0
+    equal, staged = rows
+    # Equal TP at page 16: one block per page and buffer (8 pages × 64 buffers), plus the
+    # aux and state slots; TP 2→4 with staging: a few ring writes instead.
+    assert equal["descriptors_per_request"] >= 8 * 64
+    assert staged["descriptors_per_request"] < equal["descriptors_per_request"]
+    assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
