@@ -5,6 +5,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvbridge-installed
+EXAMPLES_STAMP := $(VENV)/.kvbridge-examples-installed
 
 .PHONY: demo test lint format docs bench mooncake clean
 
@@ -16,6 +17,11 @@ $(STAMP): requirements/dev.txt requirements/engines.txt pyproject.toml
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
 	@touch $@
 
+# torch for examples/ (the test suite runs the disaggregated-generation example).
+$(EXAMPLES_STAMP): requirements/examples.txt $(STAMP)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps -r requirements/examples.txt
+	@touch $@
+
 # The Mooncake engine: installs its system library as root, else stops with the command.
 mooncake: $(STAMP)
 	scripts/install-mooncake.sh $(BIN)/python
@@ -23,20 +29,20 @@ mooncake: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/kvbridge demo
 
-test: $(STAMP)
+test: $(STAMP) $(EXAMPLES_STAMP)
 	scripts/install-mooncake.sh $(BIN)/python --optional
-	$(BIN)/ruff check src tests benchmarks scripts
-	$(BIN)/ruff format --check src tests benchmarks scripts
+	$(BIN)/ruff check src tests benchmarks scripts examples
+	$(BIN)/ruff format --check src tests benchmarks scripts examples
 	$(BIN)/mypy --strict src
 	$(BIN)/python -m pytest
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests benchmarks scripts
+	$(BIN)/ruff check src tests benchmarks scripts examples
 	$(BIN)/mypy --strict src
 
 format: $(STAMP)
-	$(BIN)/ruff check --fix src tests benchmarks scripts
-	$(BIN)/ruff format src tests benchmarks scripts
+	$(BIN)/ruff check --fix src tests benchmarks scripts examples
+	$(BIN)/ruff format src tests benchmarks scripts examples
 
 # Benchmarks print numbers; nothing here is a timed assertion.
 bench: $(STAMP)
@@ -45,6 +51,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/wire_codec.py
 	$(BIN)/python benchmarks/e2e.py
 	$(BIN)/python benchmarks/hetero.py
+	$(BIN)/kvbridge bench --preset quick
 
 docs: $(STAMP)
 	$(BIN)/kvbridge protocol-doc --output docs/PROTOCOL.md
