@@ -12,7 +12,7 @@ from kvbridge.wire.auth import secret_from_env
 class ManagerConfig:
     """What a manager needs beyond its KV geometry.
 
-    engine: transfer engine name (nixl, mooncake; loopback for tests in one process).
+    engine: transfer engine name (nixl, mooncake; loopback for unit tests in one process).
     host: address this rank's control socket binds and advertises.
     bootstrap_url: the prefill group's bootstrap service (prefill registers there; decode
         receivers use it unless given another).

@@ -65,6 +65,7 @@ def _in_pairs(pairs: set[tuple[int, int]], rank: int, room: int) -> bool:
 @dataclass
 class DecodeStats:
     peers_declared_dead: int = 0
+    rooms_started: int = 0
     rooms_finished: dict[tuple[str, str], int] = field(default_factory=dict)
     scattered_chunks: int = 0
     unexpected_chunks: int = 0
@@ -134,6 +135,7 @@ class DecodeManager:
         counters = {
             **{f"channel_{k}": v for k, v in asdict(self.channel.stats).items()},
             "peers_declared_dead": self.stats.peers_declared_dead,
+            "rooms_started": self.stats.rooms_started,
             "scattered_chunks": self.stats.scattered_chunks,
             "unexpected_chunks": self.stats.unexpected_chunks,
         }
@@ -476,6 +478,7 @@ class KVReceiver:
         state.status.advance(KVPoll.Transferring)
         with self.manager._lock:
             self.manager._rooms[self.room] = state
+            self.manager.stats.rooms_started += 1
         self._status = state.status
         for prefill_rank, message in requests:
             self.manager.channel.send(self._endpoints[prefill_rank], message)

@@ -80,6 +80,7 @@ def _sender_of(message: Message) -> str | None:
 @dataclass
 class PrefillStats:
     peers_declared_dead: int = 0
+    rooms_started: int = 0
     rooms_finished: dict[tuple[str, str], int] = field(default_factory=dict)
     staged_chunks: int = 0
     staging_fallbacks: int = 0
@@ -178,6 +179,7 @@ class PrefillManager:
         state = self._rooms.get(room)
         if state is None and create and room not in self._finished_set:
             state = self._rooms[room] = PrefillRoom(room, created_at=time.monotonic())
+            self.stats.rooms_started += 1
         return state
 
     def _metrics_snapshot(self) -> Snapshot:
@@ -187,6 +189,7 @@ class PrefillManager:
         counters = {
             **{f"channel_{k}": v for k, v in asdict(self.channel.stats).items()},
             "peers_declared_dead": self.stats.peers_declared_dead,
+            "rooms_started": self.stats.rooms_started,
             "staged_chunks": self.stats.staged_chunks,
             "staging_fallbacks": self.stats.staging_fallbacks,
             "blocks_written": self.stats.blocks_written,

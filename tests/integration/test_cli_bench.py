@@ -44,3 +44,6 @@ def test_bench_measures_each_cell_and_writes_json_and_plots(tmp_path: Path) -> N
     assert equal["descriptors_per_request"] >= 8 * 64
     assert staged["descriptors_per_request"] < equal["descriptors_per_request"]
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    table = (tmp_path / "bench.md").read_text().splitlines()
+    assert table[0].startswith("| engine | model | tokens |")
+    assert len(table) == 2 + len(rows)

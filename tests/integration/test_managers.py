@@ -372,6 +372,8 @@ def test_metrics_are_served_and_scraped() -> None:
     assert prefill_metrics[("kvbridge_write_blocks_count", on_prefill)] == 1
     success = frozenset({**on_decode, "outcome": "Success", "kind": ""}.items())
     aborted = frozenset({**on_decode, "outcome": "Failed", "kind": "aborted"}.items())
+    assert decode_metrics[("kvbridge_rooms_started_total", frozenset(on_decode.items()))] == 2
+    assert prefill_metrics[("kvbridge_rooms_started_total", on_prefill)] == 2
     assert decode_metrics[("kvbridge_rooms_finished_total", success)] == 1
     assert decode_metrics[("kvbridge_rooms_finished_total", aborted)] == 1
     decode_labels = frozenset(on_decode.items())

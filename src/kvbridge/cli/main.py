@@ -14,7 +14,17 @@ from rich.table import Table
 
 import kvbridge
 from kvbridge import samples
-from kvbridge.bench import ENGINES, PRESETS, CellResult, cells, plot, run_matrix, write_json
+from kvbridge.bench import (
+    ENGINES,
+    PRESETS,
+    CellResult,
+    cells,
+    default_engines,
+    markdown,
+    plot,
+    run_matrix,
+    write_json,
+)
 from kvbridge.control.bootstrap import BootstrapServer
 from kvbridge.demo import MODELS, DemoConfig, run_demo
 from kvbridge.engines import unavailable_reason
@@ -273,16 +283,17 @@ def demo_command(
 @click.option("--preset", type=click.Choice(sorted(PRESETS)), default="quick", show_default=True,
               help="smoke: seconds; quick: ~1 min per engine; full: all of it.")  # fmt: skip
 @click.option("--engine", "engines", multiple=True, type=click.Choice(ENGINES),
-              help="Engines to measure (repeatable; default: every installed one).")  # fmt: skip
+              help="Engines to measure (repeatable). Default: every installed one for "
+                   "full, the first installed (NIXL) for smoke and quick.")  # fmt: skip
 @click.option("--output", type=click.Path(file_okay=False, path_type=Path),
               default=Path("bench-results"), show_default=True,
-              help="Folder for bench.json and bench.png.")  # fmt: skip
+              help="Folder for bench.json, bench.md and bench.png.")  # fmt: skip
 @click.pass_obj
 def bench_command(log_level: int, preset: str, engines: tuple[str, ...], output: Path) -> None:
     """Benchmark matrix: for each cell, kvbridge end to end (separate processes, bytes
     verified) against the raw engine moving the identical blocks. Prints a table, writes
     JSON and PNG plots. Exits 1 if any cell failed."""
-    chosen = engines or tuple(e for e in ENGINES if unavailable_reason(e) is None)
+    chosen = engines or default_engines(preset)
     if not chosen:
         raise _fail("no transfer engine is installed (pip install nixl-cu12 or mooncake)")
     planned = len(cells(PRESETS[preset], chosen))
@@ -319,8 +330,9 @@ def bench_command(log_level: int, preset: str, engines: tuple[str, ...], output:
         )  # fmt: skip
     console.print(table)
     write_json(rows, preset, output / "bench.json")
+    (output / "bench.md").write_text(markdown(rows))
     plot(rows, output / "bench.png")
-    console.print(f"wrote {output / 'bench.json'} and {output / 'bench.png'}", highlight=False)
+    console.print(f"wrote {output}/bench.json, bench.md and bench.png", highlight=False)
     if any(row.error for row in rows):
         raise click.exceptions.Exit(1)
 
