@@ -29,6 +29,8 @@ class ManagerConfig:
     staging_bytes: decode's ring, and prefill's local staging buffer, in bytes; a chunk that
         does not fit falls back to the per-token path.
     staging_timeout_s: how long prefill waits for ring space for one chunk.
+    staging_kernels: gather/scatter kernels of the staging path: "auto" (numpy on host memory,
+        torch on GPU memory), "numpy" or "torch" (torch needs KVArgs.from_torch).
     heartbeat_interval_s: how often a rank tells each peer it is alive.
     peer_timeout_s: a peer silent this long is declared dead and its rooms fail (both sides).
     metrics_port: serve Prometheus metrics on (host, this port); 0 picks a free port (see
@@ -50,6 +52,7 @@ class ManagerConfig:
     staging: bool = True
     staging_bytes: int = 64 << 20
     staging_timeout_s: float = 30.0
+    staging_kernels: str = "auto"
     heartbeat_interval_s: float = 0.5
     peer_timeout_s: float = 3.0
     metrics_port: int | None = None

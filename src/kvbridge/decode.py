@@ -38,7 +38,8 @@ from kvbridge.engines import create_engine
 from kvbridge.liveness import Liveness
 from kvbridge.metrics import ManagerMetrics, Snapshot, count_finished
 from kvbridge.room import DecodeRoom, RoomStatus, parse_notification
-from kvbridge.staging import Allocation, StagingRing, buffer_rows, scatter
+from kvbridge.staging import Allocation, StagingRing
+from kvbridge.staging.buffer import StagingBuffer, StagingUnavailable, open_staging
 from kvbridge.wire import (
     STAGING_NEVER_FITS,
     Abort,
@@ -46,7 +47,6 @@ from kvbridge.wire import (
     ChunkReady,
     Heartbeat,
     KVPoll,
-    MemoryKind,
     Message,
     StagingRequest,
     StagingResponse,
@@ -81,21 +81,21 @@ class DecodeManager:
             config.engine, f"decode-{self.rank}-{uuid.uuid4().hex[:8]}", config.host
         )
         self.stats = DecodeStats()
-        # The staging ring prefill writes staged chunks into (heterogeneous TP, CPU memory).
+        # The staging ring prefill writes staged chunks into (heterogeneous TP).
         self._ring: StagingRing | None = None
-        self._ring_bytes: npt.NDArray[np.uint8] | None = None
-        if config.staging and kv_args.memory_kind == MemoryKind.DRAM:
-            self._ring_bytes = np.empty(config.staging_bytes, dtype=np.uint8)
-            self._ring_bytes.fill(0)  # touch it: no page faults inside a transfer
-            ring = BufferSpec(int(self._ring_bytes.ctypes.data), config.staging_bytes, 1)
-            kv_args = dataclasses.replace(kv_args, staging_buffer=ring)
-            self.kv_args = kv_args
-            self._ring = StagingRing(config.staging_bytes)
-        self._kv_rows = (
-            [buffer_rows(b, kv_args.token_bytes) for b in kv_args.kv_buffers]
-            if self._ring is not None
-            else []
-        )
+        self._ring_buffer: StagingBuffer | None = None
+        if config.staging:
+            try:
+                self._ring_buffer = open_staging(
+                    kv_args, config.staging_bytes, config.staging_kernels
+                )
+            except StagingUnavailable as exc:
+                log.warning("no staging ring, prefill sends token by token: %s", exc)
+            else:
+                ring = BufferSpec(self._ring_buffer.ptr, self._ring_buffer.length, 1)
+                kv_args = dataclasses.replace(kv_args, staging_buffer=ring)
+                self.kv_args = kv_args
+                self._ring = StagingRing(config.staging_bytes)
         # Ring bookkeeping, shared by the channel thread (grants) and the scatter thread.
         self._ring_lock = threading.Lock()
         self._staged: dict[tuple[int, int, int], Allocation] = {}  # (rank, room, chunk)
@@ -278,7 +278,7 @@ class DecodeManager:
             self._release(ready, allocation)
 
     def _scatter_chunk(self, ready: ChunkReady, allocation: Allocation) -> None:
-        assert self._ring_bytes is not None
+        assert self._ring_buffer is not None
         with self._lock:
             state = self._rooms.get(ready.room)
         source = state.sources.get(ready.prefill_rank) if state is not None else None
@@ -291,9 +291,10 @@ class DecodeManager:
         )  # fmt: skip
         head_bytes = args.head_dim * args.dtype_size
         started = time.perf_counter()
-        staged = self._ring_bytes[allocation.offset : allocation.end]
-        scatter(staged, self._kv_rows, rows, source.dst_head_offset * head_bytes,
-                source.heads.count * head_bytes)  # fmt: skip
+        self._ring_buffer.scatter(
+            allocation.offset, allocation.end, rows, source.dst_head_offset * head_bytes,
+            source.heads.count * head_bytes,
+        )  # fmt: skip
         self.stats.scattered_chunks += 1
         self.stats.scatter_s += time.perf_counter() - started
 

@@ -31,18 +31,18 @@ from kvbridge.cache.plan import Pairing, pair, plan_state_slices, token_rows
 from kvbridge.config import ManagerConfig
 from kvbridge.control.bootstrap import BootstrapServer, PrefillRank, register_prefill
 from kvbridge.control.channel import ControlChannel
-from kvbridge.engines import EngineError, MemoryRegion, create_engine
+from kvbridge.engines import EngineError, create_engine
 from kvbridge.liveness import Liveness
 from kvbridge.metrics import ManagerMetrics, Snapshot, count_finished
 from kvbridge.room import Chunk, ChunkJob, PrefillRoom, notification_for
-from kvbridge.staging import buffer_rows, gather, staged_size
+from kvbridge.staging import staged_size
+from kvbridge.staging.buffer import StagingBuffer, StagingUnavailable, open_staging
 from kvbridge.wire import (
     Abort,
     AbortAck,
     ChunkReady,
     Heartbeat,
     KVPoll,
-    MemoryKind,
     Message,
     Registration,
     StagingRequest,
@@ -117,18 +117,14 @@ class PrefillManager:
         self.engine.register(memory_regions(kv_args))
         self.stats = PrefillStats()
         # The local staging buffer: the worker gathers one chunk at a time into it.
-        self._staging: npt.NDArray[np.uint8] | None = None
-        if config.staging and kv_args.memory_kind == MemoryKind.DRAM:
-            self._staging = np.empty(config.staging_bytes, dtype=np.uint8)
-            self._staging.fill(0)  # touch it: no page faults inside a transfer
-            staging_ptr = int(self._staging.ctypes.data)
-            self.engine.register([MemoryRegion(staging_ptr, config.staging_bytes)])
-        # Host views of the KV buffers for the gather kernel (CPU memory only).
-        self._kv_rows = (
-            [buffer_rows(b, kv_args.token_bytes) for b in kv_args.kv_buffers]
-            if self._staging is not None
-            else []
-        )
+        self._staging: StagingBuffer | None = None
+        if config.staging:
+            try:
+                self._staging = open_staging(kv_args, config.staging_bytes, config.staging_kernels)
+            except StagingUnavailable as exc:
+                log.warning("staging path off, chunks go token by token: %s", exc)
+            else:
+                self.engine.register([self._staging.region])
         self._staging_answers: dict[tuple[str, int, int], StagingResponse] = {}
         self._staging_answered = threading.Condition()
         self._lock = threading.Lock()
@@ -415,8 +411,8 @@ class PrefillManager:
         )  # fmt: skip
         head_bytes = self.kv_args.head_dim * self.kv_args.dtype_size
         width = source.heads.count * head_bytes
-        nbytes = staged_size(len(self._kv_rows), src_rows.size, width)
-        if nbytes == 0 or nbytes > self._staging.size or nbytes > peer_args.staging_buffer.length:
+        nbytes = staged_size(len(self.kv_args.kv_buffers), src_rows.size, width)
+        if nbytes == 0 or nbytes > self._staging.length or nbytes > peer_args.staging_buffer.length:
             self.stats.staging_fallbacks += 1
             return None
         request = StagingRequest(
@@ -431,10 +427,10 @@ class PrefillManager:
             self.stats.staging_fallbacks += 1
             return None
         started = time.perf_counter()
-        gather(self._kv_rows, src_rows, source.src_head_offset * head_bytes, width, self._staging)
+        self._staging.gather(src_rows, source.src_head_offset * head_bytes, width)
         self.stats.gather_s += time.perf_counter() - started
         plan = TransferPlan(
-            np.array([self._staging.ctypes.data], dtype=np.uint64),
+            np.array([self._staging.ptr], dtype=np.uint64),
             np.array([peer_args.staging_buffer.ptr + answer.offset], dtype=np.uint64),
             np.array([nbytes], dtype=np.uint64),
         )

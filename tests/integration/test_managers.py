@@ -3,6 +3,7 @@ with a real engine (NIXL): the state machine, chunking, slots and the failure pa
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -11,7 +12,7 @@ from contextlib import contextmanager
 import numpy as np
 import pytest
 import zmq
-from kv_cache import RankCache, rank_cache
+from kv_cache import RankCache, as_torch, rank_cache
 from prometheus_client.parser import text_string_to_metric_families
 from real_engine import ENGINE, require_engine
 
@@ -176,11 +177,12 @@ def test_two_prefill_groups_feed_one_decode_rank() -> None:
             assert np.array_equal(got[room * 8 : room * 8 + 4], want[4:8])
 
 
+@pytest.mark.parametrize("kernels", ["numpy", "torch"])
 @pytest.mark.parametrize(
     ("ring_bytes", "staged", "fallbacks"), [(1 << 20, 2, 0), (1024, 1, 1), (512, 0, 2)]
 )
 def test_two_prefill_ranks_into_one_decode_rank_through_the_ring(
-    ring_bytes: int, staged: int, fallbacks: int
+    ring_bytes: int, staged: int, fallbacks: int, kernels: str
 ) -> None:
     """TP 2 → 1: each prefill rank sends its heads; staged through decode's ring, or, when a
     chunk cannot fit the ring, token by token (counted)."""
@@ -190,10 +192,14 @@ def test_two_prefill_ranks_into_one_decode_rank_through_the_ring(
         for rank in range(2)
     ]
     dst = rank_cache(num_pages=24, seed=None, attn_tp_size=1, **geometry)
-    first = PrefillManager(sources[0].args, ManagerConfig(engine=ENGINE, run_bootstrap=True))
+    if kernels == "torch":  # the same memory, described by torch tensors: torch kernels
+        pytest.importorskip("torch", reason="torch staging kernels need torch")
+        sources, dst = [as_torch(cache) for cache in sources], as_torch(dst)
+    config = ManagerConfig(engine=ENGINE, staging_kernels=kernels)
+    first = PrefillManager(sources[0].args, dataclasses.replace(config, run_bootstrap=True))
     url = first.bootstrap_url
-    second = PrefillManager(sources[1].args, ManagerConfig(engine=ENGINE, bootstrap_url=url))
-    decode_config = ManagerConfig(engine=ENGINE, bootstrap_url=url, staging_bytes=ring_bytes)
+    second = PrefillManager(sources[1].args, dataclasses.replace(config, bootstrap_url=url))
+    decode_config = dataclasses.replace(config, bootstrap_url=url, staging_bytes=ring_bytes)
     decode = DecodeManager(dst.args, decode_config)
     try:
         receiver = decode.receiver(1)

@@ -3,6 +3,8 @@ gather/scatter kernels against the per-token planner."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -12,8 +14,9 @@ from kv_cache import rank_cache
 from kvbridge.cache.plan import plan_tokens, token_rows
 from kvbridge.cache.topology import topology
 from kvbridge.engines.loopback import LoopbackEngine
-from kvbridge.staging import RingError, StagingRing, buffer_rows, gather, scatter
-from kvbridge.wire import KVLayout
+from kvbridge.staging import RingError, StagingRing, buffer_rows, gather, host_bytes, scatter
+from kvbridge.staging.buffer import HostStaging, StagingUnavailable, open_staging
+from kvbridge.wire import KVLayout, MemoryKind
 
 
 def test_allocation_wraps_to_the_next_round_and_waits_for_frees() -> None:
@@ -113,3 +116,34 @@ def test_gather_then_scatter_equals_the_per_token_plan(
     for staged, planned in zip(by_staging.kv, by_tokens.kv, strict=True):
         assert planned.any()
         assert np.array_equal(staged, planned)
+
+
+def test_open_staging_picks_the_kernels_for_the_memory_or_says_why_not() -> None:
+    host = rank_cache(num_pages=4, seed=None)
+    assert isinstance(open_staging(host.args, 4096, "auto"), HostStaging)
+    assert isinstance(open_staging(host.args, 4096, "numpy"), HostStaging)
+    gpu = dataclasses.replace(host.args, memory_kind=MemoryKind.VRAM)  # raw pointers only
+    with pytest.raises(StagingUnavailable, match="need the cache's tensors"):
+        open_staging(gpu, 4096, "auto")
+    with pytest.raises(StagingUnavailable, match="numpy staging kernels cannot reach GPU"):
+        open_staging(gpu, 4096, "numpy")
+    with pytest.raises(StagingUnavailable, match="need the cache's tensors"):
+        open_staging(host.args, 4096, "torch")
+    with pytest.raises(StagingUnavailable, match="one of auto, numpy, torch"):
+        open_staging(host.args, 4096, "cuda")
+
+
+def test_host_staging_gathers_and_scatters_through_its_own_buffer() -> None:
+    src = rank_cache(num_pages=4, seed=5)
+    dst = rank_cache(num_pages=4, seed=None)
+    rows = np.array([4, 5, 6, 7, 12], dtype=np.int64)  # page 1 and the first token of page 3
+    width = src.args.token_bytes
+    gathered, landed = open_staging(src.args, 4096, "numpy"), open_staging(dst.args, 4096, "auto")
+    size = gathered.gather(rows, 0, width)
+    assert size == len(src.kv) * rows.size * width
+    host_bytes(landed.ptr, size)[:] = host_bytes(gathered.ptr, size)  # what the engine does
+    landed.scatter(0, size, rows, 0, width)
+    for got, want in zip(dst.kv, src.kv, strict=True):
+        flat_got, flat_want = got.reshape(16, -1), want.reshape(16, -1)
+        assert np.array_equal(flat_got[rows], flat_want[rows])
+        assert not np.delete(flat_got, rows, axis=0).any()

@@ -102,6 +102,9 @@ class KVArgs:
     state_dims: tuple[int, ...] = ()
     # Decode's staging ring (heterogeneous TP): prefill writes staged chunks here.
     staging_buffer: BufferSpec | None = None
+    # The torch tensors behind `kv_buffers` (from_torch only): what torch staging kernels run
+    # on. Not part of the geometry (never compared, sent or printed).
+    kv_tensors: tuple[Any, ...] = field(default=(), compare=False, repr=False)
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -269,6 +272,7 @@ class KVArgs:
             dtype=str(first.dtype).removeprefix("torch."),
             page_size=int(page_size),
             kv_buffers=tuple(_torch_buffer(tensor, "KV") for tensor in kv),
+            kv_tensors=tuple(kv),
             attn_tp_rank=attn_tp_rank,
             attn_tp_size=attn_tp_size,
             aux_buffers=tuple(_torch_buffer(tensor, "aux") for tensor in aux),

@@ -29,6 +29,13 @@ def byte_rows(buffer: Tensor, token_bytes: int) -> Tensor:
     return buffer.view(torch.uint8).view(-1, token_bytes)
 
 
+def side_stream(device: Any) -> Any:
+    """A CUDA stream of its own for a GPU device's staging copies; None on CPU."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call,unused-ignore]
+
+
 @contextlib.contextmanager
 def _ordered(device: Any, stream: Any) -> Iterator[None]:
     """Run the block on `stream` (CUDA tensors), after the caller's queued work, and wait
@@ -36,7 +43,7 @@ def _ordered(device: Any, stream: Any) -> Iterator[None]:
     if device.type != "cuda":
         yield
         return
-    side = stream if stream is not None else torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call,unused-ignore]
+    side = stream if stream is not None else side_stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
         yield
