@@ -87,10 +87,18 @@ class DemoConfig:
     staging: bool = True
     # kvbridge's log level in the rank processes (logging.WARNING: problems only).
     log_level: int = 30
+    # Where the KV cache lives: "host" (numpy arrays), "torch-cpu" (torch tensors sharing
+    # that memory: from_torch and torch staging kernels), "cuda" (torch tensors on the GPU).
+    memory: str = "host"
 
     @property
     def shape(self) -> ModelShape:
         return MODELS[self.model]
+
+    @property
+    def staging_kernels(self) -> str:
+        """torch kernels on torch memory (forced on CPU tensors, chosen by `auto` on a GPU)."""
+        return "torch" if self.memory == "torch-cpu" else "auto"
 
     @property
     def with_state(self) -> bool:
@@ -179,9 +187,44 @@ def rank_head_range(config: DemoConfig, rank: int, tp: int) -> HeadRange:
     return rank_heads(rank, tp, config.shape.kv_heads)
 
 
-def allocate_rank(
-    config: DemoConfig, rank: int, tp: int, pool_pages: int
-) -> tuple[list[np.ndarray], np.ndarray, np.ndarray | None, KVArgs]:
+MEMORY_KINDS = ("host", "torch-cpu", "cuda")
+
+
+@dataclass
+class RankMemory:
+    """A rank's KV pages, aux and state slots as host numpy arrays (what the demo fills and
+    verifies), the `KVArgs` kvbridge is given, and for GPU memory the device tensors the
+    arrays are copied to and from around the transfer."""
+
+    kv: list[np.ndarray]
+    aux: np.ndarray
+    state: np.ndarray | None
+    args: KVArgs
+    device_tensors: list[Any] = field(default_factory=list)
+
+    @property
+    def _host_arrays(self) -> list[np.ndarray]:
+        return [*self.kv, self.aux, *([self.state] if self.state is not None else [])]
+
+    def to_device(self) -> None:
+        if not self.device_tensors:  # host memory, or torch tensors sharing it
+            return
+        import torch  # type: ignore[import-not-found,unused-ignore]
+
+        for host, device in zip(self._host_arrays, self.device_tensors, strict=True):
+            device.view(torch.uint8).copy_(torch.from_numpy(host.view(np.uint8)))
+        torch.cuda.synchronize()
+
+    def to_host(self) -> None:
+        if not self.device_tensors:
+            return
+        import torch  # type: ignore[import-not-found,unused-ignore]
+
+        for host, device in zip(self._host_arrays, self.device_tensors, strict=True):
+            host.view(np.uint8)[...] = device.view(torch.uint8).cpu().numpy()
+
+
+def allocate_rank(config: DemoConfig, rank: int, tp: int, pool_pages: int) -> RankMemory:
     """KV pages, aux slots and (MHA models, TP dividing the state rows) state slots."""
     shape = config.shape
     heads = rank_head_range(config, rank, tp).count
@@ -198,17 +241,29 @@ def allocate_rank(
     state = None
     if config.with_state:
         state = np.zeros((config.requests, STATE_ROWS // tp, STATE_ROW_BYTES), dtype=np.uint8)
-    args = KVArgs.from_numpy(
-        kv,
-        kv_layout=shape.kv_layout,
-        total_kv_heads=shape.kv_heads,
-        attn_tp_rank=rank,
-        attn_tp_size=tp,
-        aux=[aux],
-        state=[state] if state is not None else [],
-        state_dims=[STATE_ROWS // tp] if state is not None else [],
-    )
-    return kv, aux, state, args
+    geometry: dict[str, Any] = dict(
+        kv_layout=shape.kv_layout, total_kv_heads=shape.kv_heads, attn_tp_rank=rank,
+        attn_tp_size=tp, state_dims=[STATE_ROWS // tp] if state is not None else [],
+    )  # fmt: skip
+    if config.memory == "host":
+        args = KVArgs.from_numpy(
+            kv, aux=[aux], state=[state] if state is not None else [], **geometry
+        )
+        return RankMemory(kv, aux, state, args)
+    import torch  # type: ignore[import-not-found,unused-ignore]
+
+    slots = [aux, *([state] if state is not None else [])]
+    if config.memory == "torch-cpu":  # the same memory, seen through torch
+        kv_tensors = [torch.from_numpy(array).view(torch.bfloat16) for array in kv]
+        slot_tensors = [torch.from_numpy(array) for array in slots]
+        device_tensors = []
+    else:
+        kv_tensors = [torch.zeros(array.shape, dtype=torch.bfloat16, device="cuda") for array in kv]
+        slot_tensors = [torch.zeros(array.shape, dtype=torch.uint8, device="cuda")
+                        for array in slots]  # fmt: skip
+        device_tensors = [*kv_tensors, *slot_tensors]
+    args = KVArgs.from_torch(kv_tensors, aux=slot_tensors[:1], state=slot_tensors[1:], **geometry)
+    return RankMemory(kv, aux, state, args, device_tensors)
 
 
 def state_content(room: int, rows: range) -> npt.NDArray[np.uint8]:
@@ -238,13 +293,15 @@ def run_prefill(
     try:
         pages_per_request = config.pages_per_request
         tp, shape = config.prefill_tp, config.shape
-        kv, aux, state, args = allocate_rank(config, rank, tp, config.requests * pages_per_request)
+        memory = allocate_rank(config, rank, tp, config.requests * pages_per_request)
+        kv, aux, state, args = memory.kv, memory.aux, memory.state, memory.args
         heads = rank_head_range(config, rank, tp)
         manager_config = ManagerConfig(
             engine=config.engine,
             bootstrap_url=bootstrap_url,
             keep_plans=config.measure_raw,
             staging=config.staging,
+            staging_kernels=config.staging_kernels,
         )
         manager = PrefillManager(args, manager_config)
         report.transport = manager.engine.transport
@@ -262,6 +319,7 @@ def run_prefill(
                 rows = STATE_ROWS // tp
                 state[room] = state_content(room, range(rank * rows, (rank + 1) * rows))
             rooms.append((room, pages))
+        memory.to_device()
         events.filled[rank].set()
         active = []
         for room, pages in rooms:
@@ -333,11 +391,15 @@ def run_decode(
         pages_per_request = math.ceil(tokens / config.page_size)
         tp, shape = config.decode_tp, config.shape
         pool = math.ceil(config.requests * pages_per_request * config.decode_pool_factor)
-        kv, aux, state, args = allocate_rank(config, tp_rank, tp, pool)
+        memory = allocate_rank(config, tp_rank, tp, pool)
+        kv, aux, state, args = memory.kv, memory.aux, memory.state, memory.args
         args = dataclasses.replace(args, dcp_rank=dcp_rank, dcp_size=config.dcp)
         heads = rank_head_range(config, tp_rank, tp)
         manager_config = ManagerConfig(
-            engine=config.engine, bootstrap_url=bootstrap_url, staging=config.staging
+            engine=config.engine,
+            bootstrap_url=bootstrap_url,
+            staging=config.staging,
+            staging_kernels=config.staging_kernels,
         )
         manager = DecodeManager(args, manager_config)
         report.transport = manager.engine.transport
@@ -360,6 +422,7 @@ def run_decode(
                     results.put({"progress": room})
             time.sleep(0.0005)
         report.seconds = max(done.values(), default=started) - started
+        memory.to_host()
         for room, receiver in enumerate(receivers):
             if receiver.poll() != KVPoll.Success:
                 report.failed_rooms[room] = receiver.failure_reason or f"state {receiver.poll()}"

@@ -12,6 +12,14 @@ from kvbridge.demo import DemoConfig, run_demo
 from kvbridge.engines import unavailable_reason
 
 
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
 def require(engine: str) -> None:
     reason = unavailable_reason(engine)
     if reason is not None:
@@ -47,6 +55,24 @@ def test_nixl_requests_arrive_byte_exact(
     assert sum(report.rooms for report in result.decode_reports) == 6 * decode_tp
     expected = decode_tp * 6 * (300 * config.shape.bytes_per_token(decode_tp) + 64)
     assert result.total_bytes == expected
+
+
+@pytest.mark.parametrize("memory", ["torch-cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not _cuda_available(), reason="no CUDA device here"))])  # fmt: skip
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(1, 1), (2, 4), (4, 2)])
+def test_torch_tensors_arrive_byte_exact(memory: str, prefill_tp: int, decode_tp: int) -> None:
+    """KVArgs from torch tensors; where TP differs, the torch staging kernels gather and
+    scatter (on CPU tensors here, on the GPU's own stream with `cuda`)."""
+    require("nixl")
+    pytest.importorskip("torch", reason="torch memory needs torch")
+    config = DemoConfig(
+        requests=4, tokens=200, page_size=16, prefill_tp=prefill_tp, decode_tp=decode_tp,
+        engine="nixl", memory=memory,
+    )  # fmt: skip
+    result = run_demo(config)
+    assert result.ok, [report for report in result.reports if not report.ok]
+    staged = sum(report.staged_chunks for report in result.reports)
+    assert (staged > 0) == (prefill_tp != decode_tp)
 
 
 @pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(1, 1), (4, 2), (1, 2)])

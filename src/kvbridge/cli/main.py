@@ -26,7 +26,7 @@ from kvbridge.bench import (
     write_json,
 )
 from kvbridge.control.bootstrap import BootstrapServer
-from kvbridge.demo import MODELS, DemoConfig, run_demo
+from kvbridge.demo import MEMORY_KINDS, MODELS, DemoConfig, run_demo
 from kvbridge.engines import unavailable_reason
 from kvbridge.logs import configure as configure_logging
 from kvbridge.logs import level_for
@@ -209,6 +209,8 @@ def protocol_doc_command(output: Path | None, check: Path | None) -> None:
               help="Staging path where the TP sizes differ.")  # fmt: skip
 @click.option("--chunks", type=click.IntRange(1), default=2, show_default=True,
               help="Chunks each request is sent in (chunked prefill).")  # fmt: skip
+@click.option("--memory", type=click.Choice(MEMORY_KINDS), default="host", show_default=True,
+              help="Where the KV cache lives: numpy arrays, torch CPU tensors, a GPU.")  # fmt: skip
 @click.pass_obj
 def demo_command(
     log_level: int,
@@ -223,13 +225,14 @@ def demo_command(
     dcp: int,
     staging: bool,
     chunks: int,
+    memory: str,
 ) -> None:
     """Move the KV cache of N requests from a prefill group to a decode group (separate
     processes, a real engine) and verify every byte. Exits 1 on any failure or mismatch."""
     config = DemoConfig(
         model=model, requests=requests, tokens=tokens, page_size=page_size,
         prefill_tp=prefill_tp or tp, decode_tp=decode_tp or tp, engine=engine, chunks=chunks,
-        staging=staging, dcp=dcp, log_level=log_level,
+        staging=staging, dcp=dcp, log_level=log_level, memory=memory,
     )  # fmt: skip
     reason = unavailable_reason(engine)
     if reason is not None:

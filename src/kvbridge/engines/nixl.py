@@ -10,6 +10,7 @@ descriptors; its notification reaches the peer after the data is in place.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 import os
 import sys
@@ -39,14 +40,19 @@ _RDMA_UCX_MODULES = "^ib,ib_efa,ib_mlx5,ib_mlx5_ext,ib_mlx5_gda,ib_mlx5_gdp"
 def _import_nixl() -> Any:
     if not rdma_device_present():
         os.environ.setdefault("UCX_MODULES", _RDMA_UCX_MODULES)
-    try:
-        from nixl_cu12 import _api  # type: ignore[import-not-found,import-untyped,unused-ignore]
-    except ImportError as exc:
-        raise EngineError(
-            NAME, "import", f"{exc}; install it with: pip install --no-deps nixl-cu12"
-        ) from None
-    _quiet_nixl_logging()
-    return _api
+    # The CUDA 12 build (what CPU hosts and CUDA 12 machines install), or the CUDA 13 one.
+    for package in ("nixl_cu12", "nixl_cu13"):
+        try:
+            api = importlib.import_module(f"{package}._api")
+        except ImportError as exc:
+            failure = exc
+            continue
+        _quiet_nixl_logging()
+        return api
+    raise EngineError(
+        NAME, "import",
+        f"{failure}; install it with: pip install --no-deps nixl-cu12 (or nixl-cu13 with CUDA 13)",
+    )  # fmt: skip
 
 
 def _quiet_nixl_logging() -> None:
