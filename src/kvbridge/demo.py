@@ -352,6 +352,7 @@ def run_prefill(
     except Exception as exc:
         report.error = f"{type(exc).__name__}: {exc}"
     finally:
+        events.filled[rank].set()  # (also after an error: decode's rooms then fail fast)
         events.prefill_done[rank].set()
         results.put(asdict(report))
         if manager is not None:
