@@ -196,14 +196,14 @@ class RankMemory:
     verifies), the `KVArgs` kvbridge is given, and for GPU memory the device tensors the
     arrays are copied to and from around the transfer."""
 
-    kv: list[np.ndarray]
-    aux: np.ndarray
-    state: np.ndarray | None
+    kv: list[npt.NDArray[Any]]
+    aux: npt.NDArray[Any]
+    state: npt.NDArray[Any] | None
     args: KVArgs
     device_tensors: list[Any] = field(default_factory=list)
 
     @property
-    def _host_arrays(self) -> list[np.ndarray]:
+    def _host_arrays(self) -> list[npt.NDArray[Any]]:
         return [*self.kv, self.aux, *([self.state] if self.state is not None else [])]
 
     def to_device(self) -> None:
@@ -229,7 +229,7 @@ def allocate_rank(config: DemoConfig, rank: int, tp: int, pool_pages: int) -> Ra
     shape = config.shape
     heads = rank_head_range(config, rank, tp).count
     per_layer = 2 if shape.kv_layout == KVLayout.MHA else 1
-    kv = [
+    kv: list[npt.NDArray[Any]] = [
         np.empty((pool_pages, config.page_size, heads, shape.head_dim), dtype=np.uint16)
         for _ in range(per_layer * shape.layers)
     ]
@@ -274,12 +274,12 @@ def state_content(room: int, rows: range) -> npt.NDArray[np.uint8]:
     return content
 
 
-def token_words(array: np.ndarray, pages: np.ndarray, tokens: int) -> np.ndarray:
+def token_words(array: npt.NDArray[Any], pages: npt.NDArray[Any], tokens: int) -> npt.NDArray[Any]:
     """The request's tokens in a [pages, page_size, heads, head_dim] uint16 buffer, as
     [tokens, heads, head_dim // 4] uint64 words (a copy when `pages` scatter)."""
     _, page_size, heads, head_dim = array.shape
     flat = array[pages].reshape(pages.size * page_size, heads, head_dim)[:tokens]
-    words: np.ndarray = flat.view(np.uint64)
+    words: npt.NDArray[Any] = flat.view(np.uint64)
     return words
 
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from kvbridge.wire.messages import KVLayout, MemoryKind
 
@@ -198,15 +199,15 @@ class KVArgs:
 
     @staticmethod
     def from_numpy(
-        kv: Sequence[np.ndarray],
+        kv: Sequence[npt.NDArray[Any]],
         *,
         kv_layout: KVLayout,
         layer_ids: Sequence[int] | None = None,
         total_kv_heads: int,
         attn_tp_rank: int = 0,
         attn_tp_size: int = 1,
-        aux: Sequence[np.ndarray] = (),
-        state: Sequence[np.ndarray] = (),
+        aux: Sequence[npt.NDArray[Any]] = (),
+        state: Sequence[npt.NDArray[Any]] = (),
         state_dims: Sequence[int] = (),
     ) -> KVArgs:
         """From contiguous arrays shaped ``[pages, page_size, heads, head_dim]`` (KV) and
@@ -283,7 +284,7 @@ class KVArgs:
         )
 
 
-def _numpy_dtype_name(array: np.ndarray) -> str:
+def _numpy_dtype_name(array: npt.NDArray[Any]) -> str:
     # numpy has no bfloat16: callers keep bf16 caches as uint16/int16 (same bytes).
     if array.dtype in (np.uint16, np.int16):
         return "bfloat16"
@@ -293,7 +294,7 @@ def _numpy_dtype_name(array: np.ndarray) -> str:
     return name
 
 
-def _numpy_buffer(array: np.ndarray, kind: str) -> BufferSpec:
+def _numpy_buffer(array: npt.NDArray[Any], kind: str) -> BufferSpec:
     if not array.flags.c_contiguous:
         raise GeometryError(f"{kind} array of shape {array.shape} is not C-contiguous")
     if array.shape[0] == 0:

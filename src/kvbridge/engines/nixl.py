@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from kvbridge.cache.plan import TransferPlan
 from kvbridge.engines.base import (
@@ -164,7 +165,9 @@ class NixlEngine(TransferEngine):
         except Exception as exc:
             raise EngineError(NAME, "remove remote agent", str(exc)) from None
 
-    def _descriptors(self, addresses: np.ndarray, lengths: np.ndarray, kind: MemoryKind) -> Any:
+    def _descriptors(
+        self, addresses: npt.NDArray[Any], lengths: npt.NDArray[Any], kind: MemoryKind
+    ) -> Any:
         table = np.empty((addresses.size, 3), dtype=np.uint64)
         table[:, 0] = addresses
         table[:, 1] = lengths

@@ -54,8 +54,8 @@ class RegionMap:
                 merged[-1][1] = max(merged[-1][1], end)
             else:
                 merged.append([start, end])
-        self._starts = np.array([span[0] for span in merged], dtype=np.uint64)
-        self._ends = np.array([span[1] for span in merged], dtype=np.uint64)
+        self._starts = np.array([span[0] for span in merged], dtype=np.uint64).reshape(-1)
+        self._ends = np.array([span[1] for span in merged], dtype=np.uint64).reshape(-1)
 
     def outside(
         self, addresses: npt.NDArray[np.uint64], lengths: npt.NDArray[np.uint64]
