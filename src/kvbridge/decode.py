@@ -135,6 +135,7 @@ class DecodeManager:
         counters = {
             **{f"channel_{k}": v for k, v in asdict(self.channel.stats).items()},
             "peers_declared_dead": self.stats.peers_declared_dead,
+            "heartbeats_missed": self._liveness.missed_heartbeats,
             "rooms_started": self.stats.rooms_started,
             "scattered_chunks": self.stats.scattered_chunks,
             "unexpected_chunks": self.stats.unexpected_chunks,

@@ -16,7 +16,11 @@ class Liveness:
     timeout_s: float
     _last_seen: dict[str, float] = field(default_factory=dict)
     _dead: set[str] = field(default_factory=set)
+    _heard: set[str] = field(default_factory=set)  # seen at least once (not only watched)
     _last_beat: float = float("-inf")
+    # Heartbeat intervals that passed without a sign of life from a peer that did come back
+    # (one interval of jitter tolerated): the early warning before a peer is declared dead.
+    missed_heartbeats: int = 0
 
     def watch(self, peer: str, now: float) -> None:
         """Start watching a peer, as if just heard from (a grace period of one timeout)."""
@@ -24,6 +28,10 @@ class Liveness:
 
     def seen(self, peer: str, now: float) -> bool:
         """Record a sign of life; True if the peer had been declared dead."""
+        last = self._last_seen.get(peer)
+        if peer in self._heard and last is not None and now - last > 2 * self.interval_s:
+            self.missed_heartbeats += int((now - last) // self.interval_s) - 1
+        self._heard.add(peer)
         self._last_seen[peer] = now
         if peer in self._dead:
             self._dead.discard(peer)
@@ -56,3 +64,4 @@ class Liveness:
     def forget(self, peer: str) -> None:
         self._last_seen.pop(peer, None)
         self._dead.discard(peer)
+        self._heard.discard(peer)

@@ -185,6 +185,7 @@ class PrefillManager:
         counters = {
             **{f"channel_{k}": v for k, v in asdict(self.channel.stats).items()},
             "peers_declared_dead": self.stats.peers_declared_dead,
+            "heartbeats_missed": self._liveness.missed_heartbeats,
             "rooms_started": self.stats.rooms_started,
             "staged_chunks": self.stats.staged_chunks,
             "staging_fallbacks": self.stats.staging_fallbacks,

@@ -384,6 +384,7 @@ def test_metrics_are_served_and_scraped() -> None:
     assert decode_metrics[("kvbridge_rooms_finished_total", aborted)] == 1
     decode_labels = frozenset(on_decode.items())
     assert decode_metrics[("kvbridge_channel_malformed_total", decode_labels)] == 0
+    assert decode_metrics[("kvbridge_heartbeats_missed_total", decode_labels)] == 0
     assert decode_metrics[("kvbridge_channel_received_total", decode_labels)] >= 2
 
 

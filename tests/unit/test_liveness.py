@@ -21,3 +21,18 @@ def test_silent_peers_are_reported_once_and_may_come_back() -> None:
     assert liveness.alive("a")
     liveness.forget("b")
     assert liveness.peers == ["a"]
+
+
+def test_late_heartbeats_count_the_intervals_missed() -> None:
+    liveness = Liveness(interval_s=0.5, timeout_s=3.0)
+    liveness.watch("a", 0.0)
+    liveness.seen("a", 2.0)  # first sign of life after watching: nothing was due yet
+    assert liveness.missed_heartbeats == 0
+    liveness.seen("a", 2.5)
+    liveness.seen("a", 3.4)  # within two intervals: jitter, not a miss
+    assert liveness.missed_heartbeats == 0
+    liveness.seen("a", 5.0)  # 1.6 s of silence: three intervals, one of them expected
+    assert liveness.missed_heartbeats == 2
+    liveness.forget("a")
+    liveness.seen("a", 9.0)  # a new acquaintance starts clean
+    assert liveness.missed_heartbeats == 2
