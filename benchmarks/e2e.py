@@ -14,18 +14,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
-import subprocess
-import sys
-import uuid
 from pathlib import Path
 from typing import Any
 
 from plan_128k import destination_patterns, plan_128k
 
+from kvbridge.bench import engine_unavailable, json_in_private_netns
 from kvbridge.demo import DemoConfig, run_demo
-from kvbridge.engines import unavailable_reason
 
 RESULTS = Path("bench-results") / "e2e.json"
 
@@ -62,20 +57,6 @@ def measure(engine: str, requests: int, tokens: int, repeats: int) -> dict[str, 
     return best
 
 
-def in_private_netns(arguments: list[str]) -> dict[str, Any]:
-    name = f"kvbridge-bench-{uuid.uuid4().hex[:8]}"
-    subprocess.run(["ip", "netns", "add", name], check=True)
-    try:
-        subprocess.run(["ip", "-n", name, "link", "set", "lo", "up"], check=True)
-        output = subprocess.run(
-            ["ip", "netns", "exec", name, sys.executable, __file__, *arguments],
-            check=True, capture_output=True, text=True,
-        ).stdout  # fmt: skip
-        return json.loads(output.strip().splitlines()[-1])
-    finally:
-        subprocess.run(["ip", "netns", "delete", name], check=False)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=32)
@@ -91,7 +72,7 @@ def main() -> None:
     plan_ms, _ = plan_128k(destination_patterns()["scattered"])
     rows = []
     for engine in ("nixl", "mooncake"):
-        reason = unavailable_reason(engine)
+        reason = engine_unavailable(engine)
         if reason is not None:
             print(f"{engine}: skipped ({reason})")
             continue
@@ -100,12 +81,7 @@ def main() -> None:
             *("--tokens", str(options.tokens), "--repeats", str(options.repeats)),
         ]
         if engine == "mooncake":
-            if os.geteuid() != 0 or shutil.which("ip") is None:
-                print(
-                    "mooncake: skipped (its wildcard listeners need a private netns: run as root)"
-                )
-                continue
-            row = in_private_netns(arguments)
+            row = json_in_private_netns([__file__, *arguments])
         else:
             row = measure(engine, options.requests, options.tokens, options.repeats)
         row["plan_ms_128k"] = round(plan_ms, 1)

@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from processes import children_of
 
 SETTLE_S = 5.0  # closing is asynchronous in places (ZMQ's I/O thread, a child's exit)
 
@@ -47,22 +48,8 @@ def _open_sockets() -> set[str]:
 
 
 def _children() -> set[str]:
-    """Live (not yet reaped) child processes of this process, as `pid command`."""
-    found = set()
-    for children in Path("/proc/self/task").glob("*/children"):
-        try:
-            pids = children.read_text().split()
-        except OSError:
-            continue
-        for pid in pids:
-            try:
-                command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
-            except OSError:
-                continue
-            if b"multiprocessing.resource_tracker" in command:
-                continue  # Python's own helper, started once per process by `spawn`
-            found.add(f"{pid} {command.decode(errors='replace').strip()[:120]}")
-    return found
+    """Live child processes of this process, as `pid command`."""
+    return {f"{pid} {command[:120]}" for pid, command in children_of("self").items()}
 
 
 LEAK_CHECKS: dict[str, Callable[[], set[str]]] = {

@@ -224,27 +224,35 @@ def run_cell(
     return summarize(cell, run_demo(config))
 
 
-def _run_in_private_netns(cell: Cell, preset_name: str, budget: int, log_level: int) -> CellResult:
+def json_in_private_netns(arguments: list[str]) -> Any:
+    """Run `python ARGUMENTS` in a network namespace of its own (loopback up; root only) and
+    return the JSON on its last line of output: how Mooncake, which binds wildcard
+    listeners, is measured without touching the host's network."""
     name = f"kvbridge-bench-{uuid.uuid4().hex[:8]}"
     subprocess.run(["ip", "netns", "add", name], check=True)
     try:
         subprocess.run(["ip", "-n", name, "link", "set", "lo", "up"], check=True)
         output = subprocess.run(
-            ["ip", "netns", "exec", name, sys.executable, "-m", "kvbridge.bench",
-             json.dumps({"cell": asdict(cell), "preset": preset_name, "budget": budget,
-                         "log_level": log_level})],
+            ["ip", "netns", "exec", name, sys.executable, *arguments],
             check=True, capture_output=True, text=True,
         ).stdout  # fmt: skip
-    except subprocess.CalledProcessError as exc:
-        return CellResult(cell, error=f"the cell's process failed: {exc.stderr[-500:]}")
     finally:
         subprocess.run(["ip", "netns", "delete", name], check=False)
-    row = json.loads(output.strip().splitlines()[-1])
+    return json.loads(output.strip().splitlines()[-1])
+
+
+def _run_in_private_netns(cell: Cell, preset_name: str, budget: int, log_level: int) -> CellResult:
+    spec = {"cell": asdict(cell), "preset": preset_name, "budget": budget, "log_level": log_level}
+    try:
+        row = json_in_private_netns(["-m", "kvbridge.bench", json.dumps(spec)])
+    except subprocess.CalledProcessError as exc:
+        return CellResult(cell, error=f"the cell's process failed: {exc.stderr[-500:]}")
     row.pop("ratio")
     return CellResult(**{**row, "cell": cell})
 
 
 def engine_unavailable(engine: str) -> str | None:
+    """Why an engine cannot be benchmarked here (Mooncake also needs a private netns)."""
     reason = unavailable_reason(engine)
     if reason is None and engine == "mooncake" and (os.geteuid() != 0 or not shutil.which("ip")):
         reason = "its wildcard listeners need a private network namespace: run as root"

@@ -95,10 +95,16 @@ class DemoConfig:
     def shape(self) -> ModelShape:
         return MODELS[self.model]
 
-    @property
-    def staging_kernels(self) -> str:
-        """torch kernels on torch memory (forced on CPU tensors, chosen by `auto` on a GPU)."""
-        return "torch" if self.memory == "torch-cpu" else "auto"
+    def manager_config(self, bootstrap_url: str) -> ManagerConfig:
+        """Either side's manager settings (only prefill keeps its plans: the raw replay). Torch
+        memory gets torch staging kernels: forced on CPU tensors, chosen by `auto` on a GPU."""
+        return ManagerConfig(
+            engine=self.engine,
+            bootstrap_url=bootstrap_url,
+            keep_plans=self.measure_raw,
+            staging=self.staging,
+            staging_kernels="torch" if self.memory == "torch-cpu" else "auto",
+        )
 
     @property
     def with_state(self) -> bool:
@@ -296,14 +302,7 @@ def run_prefill(
         memory = allocate_rank(config, rank, tp, config.requests * pages_per_request)
         kv, aux, state, args = memory.kv, memory.aux, memory.state, memory.args
         heads = rank_head_range(config, rank, tp)
-        manager_config = ManagerConfig(
-            engine=config.engine,
-            bootstrap_url=bootstrap_url,
-            keep_plans=config.measure_raw,
-            staging=config.staging,
-            staging_kernels=config.staging_kernels,
-        )
-        manager = PrefillManager(args, manager_config)
+        manager = PrefillManager(args, config.manager_config(bootstrap_url))
         report.transport = manager.engine.transport
         rooms = []
         for room in range(config.requests):
@@ -396,13 +395,7 @@ def run_decode(
         kv, aux, state, args = memory.kv, memory.aux, memory.state, memory.args
         args = dataclasses.replace(args, dcp_rank=dcp_rank, dcp_size=config.dcp)
         heads = rank_head_range(config, tp_rank, tp)
-        manager_config = ManagerConfig(
-            engine=config.engine,
-            bootstrap_url=bootstrap_url,
-            staging=config.staging,
-            staging_kernels=config.staging_kernels,
-        )
-        manager = DecodeManager(args, manager_config)
+        manager = DecodeManager(args, config.manager_config(bootstrap_url))
         report.transport = manager.engine.transport
         scattered = np.random.default_rng(rank).permutation(pool)
         if not wait_all(events.filled, config.timeout_s):

@@ -3,7 +3,6 @@ status and leaves no process behind, whichever way it is stopped."""
 
 from __future__ import annotations
 
-import contextlib
 import http.client
 import json
 import signal
@@ -14,20 +13,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from processes import children_of
 
 from kvbridge.engines import unavailable_reason
 
 ROOT = Path(__file__).resolve().parents[2]
 # Enough rooms that the demo is still running when the signal arrives (≈1.3 GiB per rank).
 LONG_DEMO = ("demo", "--requests", "10000", "--tokens", "1", "--page-size", "1", "--chunks", "1")
-
-
-def children_of(pid: int) -> set[int]:
-    found: set[int] = set()
-    for listing in Path(f"/proc/{pid}/task").glob("*/children"):
-        with contextlib.suppress(OSError):  # the process is exiting
-            found.update(int(child) for child in listing.read_text().split())
-    return found
 
 
 def gone(pid: int) -> bool:
@@ -75,12 +67,7 @@ def demo_with_ranks(start: object) -> tuple[subprocess.Popen[bytes], set[int]]:
     ranks: set[int] = set()
 
     def ranks_started() -> bool:
-        # Two rank processes (Python's resource tracker is a third child).
-        ranks.update(
-            pid
-            for pid in children_of(demo.pid)
-            if b"resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_bytes()
-        )
+        ranks.update(children_of(demo.pid))  # the two rank processes
         return len(ranks) >= 2
 
     wait_until(ranks_started, 30)

@@ -1,0 +1,22 @@
+"""Child processes, read from /proc (Linux)."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+
+def children_of(pid: int | str) -> dict[int, str]:
+    """Live (not yet reaped) children of `pid` ("self": this process) as {pid: command line},
+    leaving out Python's multiprocessing resource tracker (started once per process by
+    `spawn`, and gone with it)."""
+    found: dict[int, str] = {}
+    for listing in Path(f"/proc/{pid}/task").glob("*/children"):
+        with contextlib.suppress(OSError):  # the process is exiting
+            for child in listing.read_text().split():
+                with contextlib.suppress(OSError):  # the child is exiting
+                    raw = Path(f"/proc/{child}/cmdline").read_bytes()
+                    command = raw.replace(b"\0", b" ").decode(errors="replace").strip()
+                    if "multiprocessing.resource_tracker" not in command:
+                        found[int(child)] = command
+    return found
