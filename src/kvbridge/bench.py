@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvbridge.demo import DemoConfig, DemoResult, run_demo
+from kvbridge.demo import DemoConfig, DemoResult, available_memory, run_demo
 from kvbridge.engines import unavailable_reason
 from kvbridge.wire import KVLayout
 
@@ -156,11 +156,7 @@ def cells(preset: Preset, engines: tuple[str, ...]) -> list[Cell]:
 def memory_budget() -> int:
     """Bytes of KV a cell may allocate across all its processes: a quarter of what the
     machine has available (prefill and decode copies, the decode pool's slack, staging)."""
-    with open("/proc/meminfo") as meminfo:
-        for line in meminfo:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024 // 4
-    return 4 << 30
+    return available_memory() // 4
 
 
 def demo_config(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ipaddress
+import logging
 from dataclasses import dataclass, field
 
 from kvbridge.engines import DEFAULT_ENGINE
@@ -57,3 +59,21 @@ class ManagerConfig:
     peer_timeout_s: float = 3.0
     metrics_port: int | None = None
     secret: bytes | None = field(default_factory=secret_from_env, repr=False)
+
+    @property
+    def exposed_without_secret(self) -> bool:
+        """Whether this rank binds beyond loopback with no secret: then anyone who can reach
+        its ports is trusted (the README's trust model)."""
+        if self.secret:
+            return False
+        try:
+            return not ipaddress.ip_address(self.host.strip("[]")).is_loopback
+        except ValueError:
+            return self.host != "localhost"
+
+    def warn_if_exposed(self, logger: logging.Logger, role: str) -> None:
+        if self.exposed_without_secret:
+            logger.warning(
+                "%s rank binds %s without a secret: anyone who can reach its ports is trusted "
+                "(set KVBRIDGE_SECRET or ManagerConfig.secret)", role, self.host,
+            )  # fmt: skip

@@ -54,6 +54,7 @@ from kvbridge.wire import (
     TransferStatus,
     Watermark,
 )
+from kvbridge.wire.address import tcp_endpoint
 
 log = logging.getLogger("kvbridge.decode")
 
@@ -81,6 +82,7 @@ class DecodeManager:
             config.engine, f"decode-{self.rank}-{uuid.uuid4().hex[:8]}", config.host
         )
         self.stats = DecodeStats()
+        config.warn_if_exposed(log, "decode")
         # The staging ring prefill writes staged chunks into (heterogeneous TP).
         self._ring: StagingRing | None = None
         self._ring_buffer: StagingBuffer | None = None
@@ -150,14 +152,14 @@ class DecodeManager:
         with self._lock:
             group = self._groups.get(url)
         if group is None:
-            group = lookup_prefill_group(url, self.config.bootstrap_timeout_s)
+            group = lookup_prefill_group(url, self.config.bootstrap_timeout_s, self.config.secret)
             with self._lock:
                 self._groups[url] = group
         return group
 
     def _ensure_registered(self, target: PrefillRank) -> str:
         """Send this rank's registration to a prefill rank once; its control endpoint."""
-        endpoint = f"tcp://{target.host}:{target.port}"
+        endpoint = tcp_endpoint(target.host, target.port)
         with self._lock:
             if endpoint in self._registered:
                 return endpoint
@@ -176,9 +178,18 @@ class DecodeManager:
 
     # --- control thread --------------------------------------------------------------------
 
+    def _ignore(self, why: str, *args: object) -> None:
+        """A well-formed message this rank does not act on: counted, logged at DEBUG."""
+        self.channel.stats.ignored += 1
+        log.debug("ignored: " + why, *args)
+
     def _on_message(self, message: Message) -> None:
         if isinstance(message, Heartbeat):
-            if self._liveness.seen(message.sender_id, time.monotonic()):
+            with self._lock:
+                known = message.sender_id in self._registered
+            if not known:  # only prefill ranks this rank registered with are watched
+                self._ignore("heartbeat from unknown prefill %s", message.sender_id[:100])
+            elif self._liveness.seen(message.sender_id, time.monotonic()):
                 log.info("prefill %s is heard from again", message.sender_id)
             return
         if isinstance(message, AbortAck):
@@ -186,11 +197,19 @@ class DecodeManager:
                 state = self._rooms.get(message.room)
                 if state is not None:
                     state.on_abort_ack(message.prefill_rank)
+            if state is None:
+                self._ignore("abort ack for unknown room %d", message.room)
             return
-        if isinstance(message, StagingRequest):
-            self._allocate(message)
-        elif isinstance(message, ChunkReady):
-            self._scatter(message)
+        if isinstance(message, (StagingRequest, ChunkReady)):
+            with self._lock:
+                known = message.session_id in self._registered
+            if not known:
+                self._ignore("%s from unknown prefill %s", type(message).__name__,
+                             message.session_id)  # fmt: skip
+            elif isinstance(message, StagingRequest):
+                self._allocate(message)
+            else:
+                self._scatter(message)
         elif isinstance(message, TransferStatus):
             if message.status == KVPoll.Failed:
                 # Prefill reports a failure only once nothing of the room is in flight: ring
@@ -199,10 +218,10 @@ class DecodeManager:
                                                                   message.room))  # fmt: skip
             with self._lock:
                 state = self._rooms.get(message.room)
-                if state is None:
-                    log.info("status for unknown or cleared room %d, ignored", message.room)
-                    return
-                state.on_status(message.prefill_rank, message.status, message.reason)
+                if state is not None:
+                    state.on_status(message.prefill_rank, message.status, message.reason)
+            if state is None:
+                self._ignore("status for unknown or cleared room %d", message.room)
         else:
             log.warning("unexpected %s on a decode rank, ignored", type(message).__name__)
 
@@ -241,6 +260,7 @@ class DecodeManager:
             allocation = self._staged.pop(key, None)
         if allocation is None:
             self.stats.unexpected_chunks += 1
+            self.channel.stats.ignored += 1
             log.warning("chunk %d of room %d from prefill rank %d has no ring space here",
                         ready.chunk_idx, ready.room, ready.prefill_rank)  # fmt: skip
             return
@@ -345,8 +365,24 @@ class DecodeManager:
                             state.on_rank_dead(rank, f"room {state.room}: {reason}")
                             dead.add((rank, state.room))
             self._reclaim(partial(_in_pairs, dead))
+            self._forget_prefill(endpoint)
             if affected:
                 log.warning("%s: %d room(s) failed", reason, len(affected))
+
+    def _forget_prefill(self, endpoint: str) -> None:
+        """A prefill rank was declared dead: forget it and every cached group it was in, so
+        the next room looks its group up again (a restarted rank has a new endpoint) and
+        registers anew."""
+        self._liveness.forget(endpoint)
+        with self._lock:
+            self._registered.discard(endpoint)
+            stale = [
+                url
+                for url, group in self._groups.items()
+                if any(tcp_endpoint(rank.host, rank.port) == endpoint for rank in group)
+            ]
+            for url in stale:
+                del self._groups[url]
 
     def _on_tick(self) -> bool:
         notifications = self.engine.notifications()
@@ -393,6 +429,22 @@ class DecodeManager:
         return self.channel.alive and self._scatter_thread.is_alive()
 
     def close(self) -> None:
+        """Stop: rooms that a prefill rank may still write into are aborted first, and their
+        writers heard (or declared dead) before the memory is deregistered, within about one
+        peer timeout."""
+        with self._lock:
+            unsafe = [state for state in self._rooms.values() if not state.pages_safe]
+            for state in unsafe:
+                state.status.fail(f"room {state.room}: decode rank {self.rank} is closing")
+        for state in unsafe:
+            self._abort_unsettled(state, "decode rank closing")
+        deadline = time.monotonic() + self.config.peer_timeout_s + self.config.heartbeat_interval_s
+        while unsafe and self.channel.alive and time.monotonic() < deadline:
+            time.sleep(0.01)
+            with self._lock:
+                unsafe = [state for state in unsafe if not state.pages_safe]
+        if unsafe:
+            log.warning("closing with %d room(s) whose writers were not heard from", len(unsafe))
         self._scatters.put(None)
         self._scatter_thread.join(timeout=10.0)
         self.channel.close()
@@ -504,6 +556,11 @@ class KVReceiver:
             state = self.manager._rooms.get(self.room)
         if failed and state is not None:
             self.manager._abort_unsettled(state, reason)
+        elif failed:  # before init(): the prefill ranks hear it now, not at their deadline
+            message = Abort(self.room, self.manager.channel.host, self.manager.channel.port,
+                            reason)  # fmt: skip
+            for endpoint in sorted(set(self._endpoints.values())):
+                self.manager.channel.send(endpoint, message)
 
     @property
     def pages_safe(self) -> bool:

@@ -27,7 +27,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvbridge.cache import KVArgs, TransferPlan, kv_heads_on_rank
-from kvbridge.cache.topology import HeadRange, rank_heads
+from kvbridge.cache.topology import HeadRange, TopologyError, rank_heads, topology
 from kvbridge.config import ManagerConfig
 from kvbridge.logs import configure as configure_logging
 from kvbridge.wire import KVLayout, KVPoll
@@ -64,6 +64,23 @@ MODELS = {
     "llama3-70b": ModelShape("Llama-3-70B", 80, 8, 128),
     "deepseek-v3": ModelShape("DeepSeek-V3", 61, 1, 576, KVLayout.MLA),
 }
+
+
+# A rank process's own memory beyond its KV (interpreter, numpy, the engine), about.
+PROCESS_BYTES = 256 << 20
+
+
+class DemoConfigError(ValueError):
+    """A demo run that cannot work on this machine; the message says why."""
+
+
+def available_memory() -> int:
+    """Bytes of memory this machine has available now (MemAvailable)."""
+    with open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 16 << 30
 
 
 @dataclass(frozen=True)
@@ -131,6 +148,39 @@ class DemoConfig:
     def kv_bytes_per_rank(self, tp: int) -> int:
         """KV bytes the requests occupy on one rank of a group of attention-TP `tp`."""
         return self.requests * self.tokens * self.shape.bytes_per_token(tp)
+
+    def memory_needed(self) -> int:
+        """Bytes of host memory the run takes, about: both groups' KV (decode's pool with its
+        slack), the staging buffers where the TP sizes differ, each process's own."""
+        prefill = self.prefill_tp * self.kv_bytes_per_rank(self.prefill_tp)
+        decode = self.decode_tp * self.kv_bytes_per_rank(self.decode_tp) * self.decode_pool_factor
+        processes = self.prefill_tp + self.decode_ranks
+        staging = 2 * (64 << 20) * processes if self.prefill_tp != self.decode_tp else 0
+        return int(prefill + decode + staging + PROCESS_BYTES * processes)
+
+    def check(self) -> None:
+        """Refuse, at once and in words, a run that cannot work here (`DemoConfigError`)."""
+        shape = self.shape
+        try:
+            topology(self.prefill_tp, self.decode_tp, shape.kv_heads, shape.kv_layout)
+        except TopologyError as exc:
+            raise DemoConfigError(
+                f"TP {self.prefill_tp}→{self.decode_tp} cannot move {shape.name}'s "
+                f"{shape.kv_heads} KV heads: {exc}"
+            ) from None
+        if self.memory == "cuda":
+            try:
+                import torch  # type: ignore[import-not-found,unused-ignore]
+            except ImportError:
+                raise DemoConfigError("--memory cuda needs torch, which is not installed") from None
+            if not torch.cuda.is_available():
+                raise DemoConfigError("--memory cuda needs a CUDA GPU; torch sees none here")
+        needed, available = self.memory_needed(), available_memory()
+        if needed > available:
+            raise DemoConfigError(
+                f"the run needs about {needed / 2**30:.1f} GiB of memory and "
+                f"{available / 2**30:.1f} GiB is available: ask for fewer --requests or --tokens"
+            )
 
 
 @dataclass
@@ -523,8 +573,11 @@ def _stop(processes: list[Any], grace_s: float) -> None:
 
 
 def run_demo(config: DemoConfig, on_progress: Any = None) -> DemoResult:
-    """Run the whole demo; `on_progress(rooms_done)` is called as decode completes rooms."""
+    """Run the whole demo; `on_progress(rooms_done)` is called as decode completes rooms.
+    `DemoConfigError` at once for a run that cannot work here."""
     from kvbridge.control.bootstrap import BootstrapServer
+
+    config.check()
 
     context = multiprocessing.get_context("spawn")
     results = context.Queue()

@@ -29,7 +29,12 @@ from kvbridge.cache import GeometryError, KVArgs, PlanError, TransferPlan, plan_
 from kvbridge.cache.peer import kv_args_of, memory_regions
 from kvbridge.cache.plan import Pairing, pair, plan_state_slices, token_rows
 from kvbridge.config import ManagerConfig
-from kvbridge.control.bootstrap import BootstrapServer, PrefillRank, register_prefill
+from kvbridge.control.bootstrap import (
+    BootstrapServer,
+    LeaseRenewer,
+    PrefillRank,
+    register_prefill,
+)
 from kvbridge.control.channel import ControlChannel
 from kvbridge.engines import EngineError, create_engine
 from kvbridge.liveness import Liveness
@@ -51,10 +56,15 @@ from kvbridge.wire import (
     TransferStatus,
     Watermark,
 )
+from kvbridge.wire.address import tcp_endpoint
 
 log = logging.getLogger("kvbridge.prefill")
 # Rooms that ended are remembered this long (by count) so late messages never re-create them.
 FINISHED_ROOMS_KEPT = 65536
+# Without a secret anyone who reaches the port can send requests: rooms that requests create
+# before the scheduler claims them, and registered decode peers, are capped.
+MAX_UNCLAIMED_ROOMS = 16384
+MAX_DECODE_PEERS = 1024
 
 
 @dataclass(frozen=True)
@@ -116,6 +126,7 @@ class PrefillManager:
         )
         self.engine.register(memory_regions(kv_args))
         self.stats = PrefillStats()
+        config.warn_if_exposed(log, "prefill")
         # The local staging buffer: the worker gathers one chunk at a time into it.
         self._staging: StagingBuffer | None = None
         if config.staging:
@@ -126,9 +137,12 @@ class PrefillManager:
             else:
                 self.engine.register([self._staging.region])
         self._staging_answers: dict[tuple[str, int, int], StagingResponse] = {}
+        self._staging_awaited: set[tuple[str, int, int]] = set()
         self._staging_answered = threading.Condition()
         self._lock = threading.Lock()
         self._rooms: dict[int, PrefillRoom] = {}
+        # Rooms created by a request with no sender yet, oldest first (a dict keeps the order).
+        self._unclaimed: dict[int, None] = {}
         self._finished: deque[int] = deque(maxlen=FINISHED_ROOMS_KEPT)
         self._finished_set: set[int] = set()
         self._peers: dict[str, _DecodePeer] = {}
@@ -143,6 +157,7 @@ class PrefillManager:
         )  # fmt: skip
         self.written_plans: list[tuple[str, TransferPlan]] = []
         self.bootstrap: BootstrapServer | None = None
+        self._lease: LeaseRenewer | None = None
         self.metrics = ManagerMetrics("prefill", self.rank, self._metrics_snapshot)
         self._worker.start()
         self.channel.start()
@@ -157,10 +172,11 @@ class PrefillManager:
             rank = PrefillRank(
                 self.rank, kv_args.attn_tp_size, config.host, self.channel.port, config.engine
             )
-            register_prefill(
+            lease_s = register_prefill(
                 self.bootstrap_url, rank, timeout_s=config.bootstrap_timeout_s,
-                secret=config.secret,
+                secret=config.secret, wait_out_conflicts=True,
             )  # fmt: skip
+            self._lease = LeaseRenewer(self.bootstrap_url, rank, lease_s, config.secret)
         except BaseException:
             self.close()  # no thread, socket or registration left behind
             raise
@@ -170,13 +186,23 @@ class PrefillManager:
     def sender(self, room: int) -> KVSender:
         return KVSender(self, room)
 
-    def _room(self, room: int, create: bool) -> PrefillRoom | None:
-        """The room's state; created on first use unless it already ended here."""
+    def _room(self, room: int, create: bool, claim: bool = False) -> PrefillRoom | None:
+        """The room's state; created on first use unless it already ended here. `claim`: the
+        scheduler's sender owns it (a room only a request created is unclaimed)."""
         state = self._rooms.get(room)
         if state is None and create and room not in self._finished_set:
             state = self._rooms[room] = PrefillRoom(room, created_at=time.monotonic())
             self.stats.rooms_started += 1
+            self._unclaimed[room] = None
+        if state is not None and claim:
+            state.claimed = True
+            self._unclaimed.pop(room, None)
         return state
+
+    def _ignore(self, why: str, *args: object) -> None:
+        """A well-formed message this rank does not act on: counted, logged at DEBUG."""
+        self.channel.stats.ignored += 1
+        log.debug("ignored: " + why, *args)
 
     def _metrics_snapshot(self) -> Snapshot:
         with self._lock:
@@ -196,16 +222,20 @@ class PrefillManager:
     def _clear(self, room: int) -> None:
         """The one cleanup path of a room (idempotent)."""
         with self._lock:
-            state = self._rooms.get(room)
-            if state is not None:
-                status = state.status
-                count_finished(self.stats.rooms_finished, status.poll.name, status.failure_reason)
-                log.debug("room %d: cleared (%s)", room, status.failure_reason or status.poll.name)
-            if self._rooms.pop(room, None) is not None:
-                if len(self._finished) == self._finished.maxlen:
-                    self._finished_set.discard(self._finished[0])
-                self._finished.append(room)
-                self._finished_set.add(room)
+            self._clear_locked(room)
+
+    def _clear_locked(self, room: int) -> None:
+        state = self._rooms.pop(room, None)
+        if state is None:
+            return
+        status = state.status
+        count_finished(self.stats.rooms_finished, status.poll.name, status.failure_reason)
+        log.debug("room %d: cleared (%s)", room, status.failure_reason or status.poll.name)
+        self._unclaimed.pop(room, None)
+        if len(self._finished) == self._finished.maxlen:
+            self._finished_set.discard(self._finished[0])
+        self._finished.append(room)
+        self._finished_set.add(room)
 
     # --- control thread --------------------------------------------------------------------
 
@@ -221,45 +251,89 @@ class PrefillManager:
         if isinstance(message, Registration):
             self._on_registration(message)
         elif isinstance(message, TransferRequest):
-            with self._lock:
-                state = self._room(message.room, create=True)
-                peer = self._peers.get(message.peer_id)
-                if state is None:
-                    log.info("room %d: request after the room ended", message.room)
-                    if peer is not None:
-                        reason = f"room {message.room} already ended on prefill rank {self.rank}"
-                        failed = TransferStatus(message.room, KVPoll.Failed, self.rank, reason)
-                        self.channel.send(peer.endpoint, failed)
-                    return
-                if peer is None or peer.error:
-                    why = peer.error if peer else f"decode {message.peer_id} never registered"
-                    self._fail_locked(state, f"room {message.room}: {why}", message.peer_id)
-                    return
-                state.on_request(message)
-                self._schedule_locked(state)
-            log.debug("room %d: %s from decode %s, %d page(s)", message.room,
-                      "dummy request" if message.is_dummy else "request", message.peer_id,
-                      len(message.dst_kv_indices))  # fmt: skip
+            self._on_request(message)
         elif isinstance(message, StagingResponse):
             with self._staging_answered:
                 key = (message.session_id, message.room, message.chunk_idx)
-                self._staging_answers[key] = message
-                self._staging_answered.notify_all()
+                awaited = key in self._staging_awaited
+                if awaited:  # an answer nobody waits for is never kept
+                    self._staging_answers[key] = message
+                    self._staging_answered.notify_all()
+            if not awaited:
+                self._ignore("staging answer for room %d chunk %d that nobody awaits",
+                             message.room, message.chunk_idx)  # fmt: skip
         elif isinstance(message, Watermark):
             self.stats.watermarks += 1
         elif isinstance(message, Abort):
-            endpoint = f"tcp://{message.decode_ip}:{message.decode_port}"
-            with self._lock:
-                state = self._room(message.room, create=False)
-                if state is None or state.status.poll == KVPoll.Success:
-                    # Nothing of this room can be in flight: confirm at once.
-                    self.channel.send(endpoint, AbortAck(message.room, self.rank))
-                    return
-                state.pending_acks.add(endpoint)
-                why = message.reason or "no reason given"
-                self._fail_locked(state, f"room {message.room}: aborted by decode: {why}")
+            self._on_abort(message)
         else:
             log.warning("unexpected %s on a prefill rank, ignored", type(message).__name__)
+
+    def _room_for_peer_locked(self, room: int, peer: _DecodePeer) -> PrefillRoom | None:
+        """The room a decode peer's message is about, created if new (within the cap of rooms
+        that no sender claimed); None, after telling the peer why, if there is none."""
+        state = self._rooms.get(room)
+        if state is not None:
+            return state
+        if room in self._finished_set:
+            reason = f"room {room} already ended on prefill rank {self.rank}"
+        elif len(self._unclaimed) >= MAX_UNCLAIMED_ROOMS:
+            reason = (f"prefill rank {self.rank} holds {MAX_UNCLAIMED_ROOMS} rooms that no "
+                      "scheduler started; refused")  # fmt: skip
+        else:
+            return self._room(room, create=True)
+        self.channel.send(peer.endpoint, TransferStatus(room, KVPoll.Failed, self.rank, reason))
+        self._ignore("%s", reason)
+        return None
+
+    def _on_request(self, message: TransferRequest) -> None:
+        with self._lock:
+            peer = self._peers.get(message.peer_id)
+            if peer is None:  # creates nothing: anyone can send a request
+                self._ignore("request for room %d from unregistered decode %s",
+                             message.room, message.peer_id[:100])  # fmt: skip
+                return
+            state = self._room_for_peer_locked(message.room, peer)
+            if state is None:
+                return
+            if state.status.finished:
+                # A room id is used once: a second request for an ended room gets the answer
+                # at once rather than silence until decode's deadline.
+                ended = state.status.failure_reason or f"it ended ({state.status.poll})"
+                reason = f"room {message.room} already ended on prefill rank {self.rank}: {ended}"
+                failed = TransferStatus(message.room, KVPoll.Failed, self.rank, reason)
+                self.channel.send(peer.endpoint, failed)
+                return
+            if peer.error:
+                self._fail_locked(state, f"room {message.room}: {peer.error}", message.peer_id)
+                return
+            state.on_request(message)
+            self._schedule_locked(state)
+        log.debug("room %d: %s from decode %s, %d page(s)", message.room,
+                  "dummy request" if message.is_dummy else "request", message.peer_id,
+                  len(message.dst_kv_indices))  # fmt: skip
+
+    def _on_abort(self, message: Abort) -> None:
+        endpoint = tcp_endpoint(message.decode_ip, message.decode_port)
+        with self._lock:
+            state = self._rooms.get(message.room)
+            # Only a decode peer of this room (or, before its request, any registered peer)
+            # may end it.
+            askers = {self._peers[p].endpoint for p in state.requests} if state else set()
+            peer = next((peer for peer in self._peers.values() if peer.endpoint == endpoint), None)
+            if peer is None or (askers and endpoint not in askers):
+                self._ignore("abort of room %d from %s, not a decode peer of it",
+                             message.room, endpoint)  # fmt: skip
+                return
+            if state is None:  # aborted before its request (or its sender): it starts failed
+                state = self._room_for_peer_locked(message.room, peer)
+            if state is None or state.status.poll == KVPoll.Success:
+                # Nothing of this room can be in flight: confirm at once.
+                self.channel.send(endpoint, AbortAck(message.room, self.rank))
+                return
+            state.pending_acks.add(endpoint)
+            why = message.reason or "no reason given"
+            self._fail_locked(state, f"room {message.room}: aborted by decode: {why}")
 
     def _on_tick(self) -> bool:
         """Heartbeats to every decode peer; rooms of peers that fell silent fail."""
@@ -283,6 +357,16 @@ class PrefillManager:
                         f"room {state.room}: {got} of {wanted} transfer request(s) from decode "
                         f"in {timeout_s:g} s",
                     )
+            # Rooms that decode asked for and the scheduler never started: nobody will clear
+            # them, so they fail (decode hears why) and leave the table.
+            while self._unclaimed:
+                room = next(iter(self._unclaimed))
+                if not self._rooms[room].claim_overdue(now, timeout_s):
+                    break
+                reason = (f"room {room}: prefill rank {self.rank} was not given this room "
+                          f"within {timeout_s:g} s of decode's request")  # fmt: skip
+                self._fail_locked(self._rooms[room], reason)
+                self._clear_locked(room)
         for peer_id, silent_s in self._liveness.expired(now):
             self.stats.peers_declared_dead += 1
             reason = (
@@ -304,7 +388,24 @@ class PrefillManager:
         return in_flight
 
     def _on_registration(self, registration: Registration) -> None:
-        endpoint = f"tcp://{registration.host}:{registration.control_port}"
+        endpoint = tcp_endpoint(registration.host, registration.control_port)
+        with self._lock:
+            known = self._peers.get(registration.peer_id)
+            twin = next((other for other in self._peers.values()
+                         if other.registration.engine_descriptor
+                         == registration.engine_descriptor), None)  # fmt: skip
+            full = known is None and len(self._peers) >= MAX_DECODE_PEERS
+        if known is not None:
+            # A decode rank registers once; its peer id names one process. A different
+            # registration under a known id is someone else's.
+            if known.registration != registration:
+                self._ignore("a changed registration for known decode %s", registration.peer_id)
+            return
+        if twin is not None or full:
+            self._ignore("registration of %s: %s", registration.peer_id[:100],
+                         "engine endpoint already registered by " + twin.registration.peer_id
+                         if twin else f"{MAX_DECODE_PEERS} decode peers already")  # fmt: skip
+            return
         peer = _DecodePeer(registration, endpoint)
         try:
             peer.kv_args = kv_args_of(registration)
@@ -421,6 +522,8 @@ class PrefillManager:
             session_id=self.channel.endpoint, prefill_rank=self.rank, nbytes=nbytes,
         )  # fmt: skip
         started = time.perf_counter()
+        with self._staging_answered:
+            self._staging_awaited.add((job.peer_id, job.room, job.chunk_idx))
         self.channel.send(peer.endpoint, request)
         answer = self._await_staging(job.peer_id, job.room, job.chunk_idx)
         self.stats.staging_wait_s += time.perf_counter() - started
@@ -447,14 +550,17 @@ class PrefillManager:
     def _await_staging(self, peer_id: str, room: int, chunk_idx: int) -> StagingResponse:
         key = (peer_id, room, chunk_idx)
         with self._staging_answered:
-            if not self._staging_answered.wait_for(
-                lambda: key in self._staging_answers, timeout=self.config.staging_timeout_s
-            ):
-                raise PlanError(
-                    f"decode {peer_id} gave no staging space for chunk {chunk_idx} in "
-                    f"{self.config.staging_timeout_s:g} s"
-                )
-            return self._staging_answers.pop(key)
+            try:
+                if not self._staging_answered.wait_for(
+                    lambda: key in self._staging_answers, timeout=self.config.staging_timeout_s
+                ):
+                    raise PlanError(
+                        f"decode {peer_id} gave no staging space for chunk {chunk_idx} in "
+                        f"{self.config.staging_timeout_s:g} s"
+                    )
+                return self._staging_answers.pop(key)
+            finally:
+                self._staging_awaited.discard(key)
 
     def _plan(
         self, job: ChunkJob, peer_args: KVArgs, pairing: Pairing, kv_plan: TransferPlan | None
@@ -561,6 +667,8 @@ class PrefillManager:
         return self.channel.alive and self._worker.is_alive()
 
     def close(self) -> None:
+        if self._lease is not None:  # withdrawn first: a restarted rank can register at once
+            self._lease.close()
         self._jobs.put(None)
         self._worker.join(timeout=10.0)
         self.channel.close()
@@ -577,7 +685,7 @@ class KVSender:
         self.manager = manager
         self.room = room
         with manager._lock:
-            state = manager._room(room, create=True)
+            state = manager._room(room, create=True, claim=True)
         if state is None:
             raise ValueError(f"room {room} already ended on this prefill rank")
 

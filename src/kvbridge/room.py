@@ -91,6 +91,9 @@ class PrefillRoom:
     created_at: float = 0.0  # monotonic seconds, for the request deadline
     status: RoomStatus = field(default_factory=RoomStatus)
     requests: dict[str, TransferRequest] = field(default_factory=dict)
+    # Whether the scheduler made a KVSender for the room; a room that only a request created
+    # belongs to nobody until then, and is dropped if nobody claims it in time.
+    claimed: bool = False
     required_requests: int | None = None
     pending: deque[Chunk] = field(default_factory=deque)
     pages_sent: int = 0
@@ -105,6 +108,10 @@ class PrefillRoom:
     def request_overdue(self, now: float, timeout_s: float) -> bool:
         """Still waiting for decode's request(s) after `timeout_s`."""
         return not self.status.finished and not self.ready and now - self.created_at > timeout_s
+
+    def claim_overdue(self, now: float, timeout_s: float) -> bool:
+        """Created by a request, and no sender claimed it within `timeout_s`."""
+        return not self.claimed and now - self.created_at > timeout_s
 
     def on_request(self, request: TransferRequest) -> None:
         if self.status.finished:

@@ -16,18 +16,26 @@ from hypothesis import strategies as st
 
 from kvbridge.wire import PROFILES, KVLayout, Layout, Message, Profile
 from kvbridge.wire import codecs as c
+from kvbridge.wire.address import tcp_endpoint
 from kvbridge.wire.messages import MAX_PORT, Abort
 from kvbridge.wire.native import Registration, TransferRequest
 from kvbridge.wire.sglang import mooncake, nixl
 from kvbridge.wire.sglang.mooncake import CONTROL_TAGS
 
 MAX_ITEMS = 12
+HOSTS = st.ip_addresses().map(str) | st.from_regex(
+    r"[a-z][a-z0-9-]{0,20}[a-z0-9](\.[a-z]{2,8}){0,3}", fullmatch=True
+)
 
 
 def codec_values(codec: c.Codec[Any]) -> st.SearchStrategy[Any]:
     """Every value a codec can carry."""
     if isinstance(codec, c.AsciiText):
         return st.text(alphabet=st.characters(codec="ascii"), max_size=40)
+    if isinstance(codec, c.HostText):
+        return HOSTS
+    if isinstance(codec, c.EndpointText):
+        return st.builds(tcp_endpoint, HOSTS, st.integers(1, MAX_PORT))
     if isinstance(codec, c.Utf8Text):
         return st.text(max_size=40)
     if isinstance(codec, c.OpaqueBytes):

@@ -123,7 +123,8 @@ def test_registration_needs_the_token_when_a_secret_is_set() -> None:
             register_prefill(service.url, rank(0), secret=b"wrong")
         register_prefill(service.url, rank(0), secret=b"s")
         register_prefill(service.url, rank(1), secret=b"s")
-        assert call(f"{service.url}/health")[0] == 200  # lookups need no token
+        assert call(f"{service.url}/health")[0] == 401  # every route needs the token
+        assert lookup_prefill_group(service.url, secret=b"s") == [rank(0), rank(1)]
     finally:
         service.close()
 

@@ -330,6 +330,7 @@ def test_ring_space_of_chunks_that_never_arrive_is_reclaimed() -> None:
             room=3, chunk_idx=0, chunk_num_pages=1, session_id="tcp://127.0.0.1:9",
             prefill_rank=1, nbytes=1000,
         )  # fmt: skip
+        decode._registered.add(request.session_id)  # as if registered with that prefill rank
         decode._on_message(request)
         assert ring.in_use == 1024
         failed = TransferStatus(room=3, status=KVPoll.Failed, prefill_rank=1, reason="gone")

@@ -106,6 +106,9 @@ class KVArgs:
     # The torch tensors behind `kv_buffers` (from_torch only): what torch staging kernels run
     # on. Not part of the geometry (never compared, sent or printed).
     kv_tensors: tuple[Any, ...] = field(default=(), compare=False, repr=False)
+    # Every array or tensor the buffers point into (from_numpy, from_torch): held here so that
+    # registered memory lives as long as this description, whatever the caller keeps.
+    keepalive: tuple[Any, ...] = field(default=(), compare=False, repr=False)
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -153,6 +156,13 @@ class KVArgs:
             )
         if self.kv_layout == KVLayout.MLA and self.total_kv_heads != 1:
             raise GeometryError(f"MLA has one latent head, got {self.total_kv_heads} heads")
+        if self.kv_layout == KVLayout.MHA:
+            heads, tp = self.total_kv_heads, self.attn_tp_size
+            if (heads % tp if tp <= heads else tp % heads) != 0:
+                raise GeometryError(
+                    f"{heads} KV heads cannot be split over attention TP {tp}: TP must divide "
+                    f"the heads, or be a multiple of them (replicas)"
+                )
         if len(set(self.layer_ids)) != len(self.layer_ids):
             raise GeometryError(f"layer_ids repeat: {list(self.layer_ids)}")
         expected = self.buffers_per_layer * len(self.layer_ids)
@@ -236,6 +246,7 @@ class KVArgs:
             aux_buffers=tuple(_numpy_buffer(array, "aux") for array in aux),
             state_buffers=tuple(_numpy_buffer(array, "state") for array in state),
             state_dims=tuple(state_dims),
+            keepalive=(*kv, *aux, *state),
         )
 
     @staticmethod
@@ -274,6 +285,7 @@ class KVArgs:
             page_size=int(page_size),
             kv_buffers=tuple(_torch_buffer(tensor, "KV") for tensor in kv),
             kv_tensors=tuple(kv),
+            keepalive=(*kv, *aux, *state),
             attn_tp_rank=attn_tp_rank,
             attn_tp_size=attn_tp_size,
             aux_buffers=tuple(_torch_buffer(tensor, "aux") for tensor in aux),

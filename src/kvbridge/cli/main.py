@@ -26,7 +26,7 @@ from kvbridge.bench import (
     write_json,
 )
 from kvbridge.control.bootstrap import BootstrapServer
-from kvbridge.demo import MEMORY_KINDS, MODELS, DemoConfig, run_demo
+from kvbridge.demo import MEMORY_KINDS, MODELS, DemoConfig, DemoConfigError, run_demo
 from kvbridge.engines import unavailable_reason
 from kvbridge.logs import configure as configure_logging
 from kvbridge.logs import level_for
@@ -237,6 +237,10 @@ def demo_command(
     reason = unavailable_reason(engine)
     if reason is not None:
         raise _fail(f"engine {engine} cannot be used here: {reason}")
+    try:
+        config.check()
+    except DemoConfigError as exc:
+        raise _fail(str(exc)) from None
     footprint = config.kv_bytes_per_rank(config.prefill_tp) / 2**30
     console.print(
         f"{config.shape.name}: {requests} requests × {tokens} tokens, page {page_size}, "

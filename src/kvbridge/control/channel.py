@@ -4,20 +4,29 @@ ZMQ sockets are not thread-safe, so every socket operation happens on the channe
 thread; other threads hand it messages through a queue. Incoming messages are decoded (native
 profile) and given to the manager's handler on that thread; a malformed message or a failing
 handler is logged and counted, and the listener keeps serving.
+
+Nothing a peer sends can stop the loop: a destination that is not a control endpoint is
+refused before ZMQ sees it, sockets to peers are a bounded cache (least recently used closed
+first, idle ones closed after `PEER_IDLE_S`), and a ZMQ error on one message (a full context,
+no file descriptors) is counted and survived. Only a loop that keeps failing on its own gives
+up; `failure` then says why, and the manager reports itself unhealthy.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import queue
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import zmq
 
 from kvbridge.wire import NATIVE, Message, WireError
+from kvbridge.wire.address import endpoint_problem, tcp_endpoint
 from kvbridge.wire.auth import ReplayGuard
 
 log = logging.getLogger("kvbridge.control")
@@ -27,6 +36,13 @@ log = logging.getLogger("kvbridge.control")
 IDLE_POLL_MS = 20
 BUSY_POLL_MS = 1
 MAX_RECEIVE_BATCH = 256
+# Sockets to peers kept open at once (ZMQ's context allows 1023 sockets in all), and how long
+# an unused one stays open: peers that restart or go away leave no socket behind.
+MAX_PEER_SOCKETS = 128
+PEER_IDLE_S = 60.0
+# Loop iterations in a row that fail outside any one message before the channel gives up.
+MAX_LOOP_FAILURES = 100
+CLOSE_TIMEOUT_S = 5.0
 
 
 @dataclass
@@ -37,6 +53,15 @@ class ChannelStats:
     unauthenticated: int = 0
     handler_errors: int = 0
     send_failures: int = 0
+    # Destinations refused before any socket was made (not tcp://host:port).
+    bad_endpoints: int = 0
+    # Peer sockets closed because the cache was full, or idle.
+    sockets_evicted: int = 0
+    # ZMQ errors survived (no file descriptor, context full, ...), in the loop or per message.
+    zmq_errors: int = 0
+    # Well-formed messages the manager did not act on: from a peer it does not know, for a
+    # room or chunk it has no record of, or over a limit (forged or stale traffic).
+    ignored: int = 0
     # CPU seconds the channel's thread used (receiving, decoding, handling, encoding, sending,
     # ticks): the control plane's cost, kept up to date by the thread itself.
     cpu_seconds: float = 0.0
@@ -59,13 +84,14 @@ class ControlChannel:
         self._pull.setsockopt(zmq.LINGER, 0)
         self.port = self._pull.bind_to_random_port(f"tcp://{host}")
         self.host = host
-        self.endpoint = f"tcp://{host}:{self.port}"
+        self.endpoint = tcp_endpoint(host, self.port)
         self._on_message = on_message
         self._on_tick = on_tick
         self._secret = secret
         self._guard = ReplayGuard() if secret else None
         self._outgoing: queue.SimpleQueue[tuple[str, Message]] = queue.SimpleQueue()
-        self._push: dict[str, zmq.Socket[bytes]] = {}
+        # endpoint → (socket, last use), least recently used first
+        self._push: OrderedDict[str, tuple[zmq.Socket[bytes], float]] = OrderedDict()
         self._stop = threading.Event()
         self.stats = ChannelStats()
         self.failure: BaseException | None = None
@@ -86,12 +112,23 @@ class ControlChannel:
         poller = zmq.Poller()
         poller.register(self._pull, zmq.POLLIN)
         busy = False
+        failures_in_a_row = 0
         try:
             while not self._stop.is_set():
-                events = dict(poller.poll(BUSY_POLL_MS if busy else IDLE_POLL_MS))
-                if self._pull in events:
-                    self._receive()
-                self._flush()
+                try:
+                    events = dict(poller.poll(BUSY_POLL_MS if busy else IDLE_POLL_MS))
+                    if self._pull in events:
+                        self._receive()
+                    self._flush()
+                    self._close_idle(time.monotonic())
+                    failures_in_a_row = 0
+                except zmq.ZMQError as exc:
+                    self.stats.zmq_errors += 1
+                    failures_in_a_row += 1
+                    if failures_in_a_row >= MAX_LOOP_FAILURES:
+                        raise
+                    log.warning("control loop: %s; it keeps serving", exc)
+                    time.sleep(IDLE_POLL_MS / 1000)
                 try:
                     busy = self._on_tick()
                 except Exception:
@@ -102,14 +139,20 @@ class ControlChannel:
             self.failure = exc
             log.exception("control channel stopped")
         finally:
-            for socket in (*self._push.values(), self._pull):
+            for socket, _ in self._push.values():
                 socket.close(linger=0)
+            self._push.clear()
+            self._pull.close(linger=0)
 
     def _receive(self) -> None:
         for _ in range(MAX_RECEIVE_BATCH):
             try:
                 frames = self._pull.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
+                return
+            except zmq.ZMQError as exc:
+                self.stats.zmq_errors += 1
+                log.warning("receive failed: %s", exc)
                 return
             self.stats.received += 1
             try:
@@ -134,27 +177,76 @@ class ControlChannel:
                 endpoint, message = self._outgoing.get_nowait()
             except queue.Empty:
                 return
-            socket = self._push.get(endpoint)
-            if socket is None:
-                socket = self._context.socket(zmq.PUSH)
-                socket.setsockopt(zmq.LINGER, 1000)
-                socket.connect(endpoint)
-                self._push[endpoint] = socket
+            kind = type(message).__name__
+            problem = endpoint_problem(endpoint)
+            if problem is not None:
+                self.stats.bad_endpoints += 1
+                log.warning("dropped %s to a bad endpoint: %s", kind, problem)
+                continue
             try:
-                socket.send_multipart(NATIVE.encode(message, secret=self._secret), zmq.NOBLOCK)
+                frames = NATIVE.encode(message, secret=self._secret)
+                self._socket_to(endpoint).send_multipart(frames, zmq.NOBLOCK)
                 self.stats.sent += 1
             except zmq.Again:
                 self.stats.send_failures += 1
-                kind = type(message).__name__
                 log.error("peer %s is not accepting control messages; dropped %s", endpoint, kind)
+            except zmq.ZMQError as exc:
+                self.stats.send_failures += 1
+                self.stats.zmq_errors += 1
+                log.error("could not send %s to %s: %s", kind, endpoint, exc)
+                if exc.errno in (errno.EMFILE, errno.ENFILE):
+                    self._evict(len(self._push) // 2 or 1)  # give descriptors back
             except WireError:
                 self.stats.send_failures += 1
-                log.exception("could not encode %s for %s", type(message).__name__, endpoint)
+                log.exception("could not encode %s for %s", kind, endpoint)
+
+    def _socket_to(self, endpoint: str) -> zmq.Socket[bytes]:
+        """The PUSH socket to a peer, from the cache or new (the cache stays bounded)."""
+        now = time.monotonic()
+        cached = self._push.pop(endpoint, None)
+        if cached is not None:
+            self._push[endpoint] = (cached[0], now)
+            return cached[0]
+        if len(self._push) >= MAX_PEER_SOCKETS:
+            self._evict(len(self._push) - MAX_PEER_SOCKETS + 1)
+        socket = self._context.socket(zmq.PUSH)
+        try:
+            socket.setsockopt(zmq.LINGER, 1000)
+            socket.connect(endpoint)
+        except BaseException:
+            socket.close(linger=0)
+            raise
+        self._push[endpoint] = (socket, now)
+        return socket
+
+    def _evict(self, count: int) -> None:
+        for _ in range(min(count, len(self._push))):
+            endpoint, (socket, _) = self._push.popitem(last=False)
+            socket.close(linger=0)
+            self.stats.sockets_evicted += 1
+            log.debug("closed the control socket to %s", endpoint)
+
+    def _close_idle(self, now: float) -> None:
+        while self._push:
+            _, (_, last_used) = next(iter(self._push.items()))
+            if now - last_used < PEER_IDLE_S:
+                return
+            self._evict(1)
+
+    @property
+    def peer_sockets(self) -> int:
+        return len(self._push)
 
     def close(self) -> None:
+        """Stop the loop and release every socket, in bounded time: a loop that does not stop
+        is left to die with the process rather than hanging here (`Context.term` waits for
+        every socket, and the loop's sockets are only its own to close)."""
         self._stop.set()
         if self._thread.is_alive():
-            self._thread.join(timeout=5.0)
-        else:
+            self._thread.join(timeout=CLOSE_TIMEOUT_S)
+        elif self._thread.ident is None:  # never started
             self._pull.close(linger=0)
+        if self._thread.is_alive():
+            log.error("control channel did not stop within %g s; left running", CLOSE_TIMEOUT_S)
+            return
         self._context.term()

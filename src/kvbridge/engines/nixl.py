@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 import logging
 import os
 import sys
@@ -44,6 +45,7 @@ def _import_nixl() -> Any:
     # The CUDA 12 build (what CPU hosts and CUDA 12 machines install), or the CUDA 13 one.
     for package in ("nixl_cu12", "nixl_cu13"):
         try:
+            _disarm_nixl_logging_setup(package)
             api = importlib.import_module(f"{package}._api")
         except ImportError as exc:
             failure = exc
@@ -56,15 +58,34 @@ def _import_nixl() -> Any:
     )  # fmt: skip
 
 
+def _disarm_nixl_logging_setup(package: str) -> None:
+    """NIXL's first logger calls `logging.config.dictConfig`, which closes every handler of
+    the host process (a FileHandler stops writing) and sets `logging.raiseExceptions`; a
+    library must not reconfigure its host's logging. Its `logging` module is loaded here first
+    and marked as configured, so that the package's import finds it done: NIXL's loggers then
+    propagate to whatever the host set up."""
+    name = f"{package}.logging"
+    if name in sys.modules:
+        return
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        return  # not installed: the import below says so
+    path = os.path.join(next(iter(spec.submodule_search_locations)), "logging.py")
+    module_spec = importlib.util.spec_from_file_location(name, path)
+    if module_spec is None or module_spec.loader is None or not os.path.exists(path):
+        return
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    module._logging_configured = True  # type: ignore[attr-defined]
+    sys.modules[name] = module
+
+
 def _quiet_nixl_logging() -> None:
-    """NIXL logs INFO lines to stdout at import; a library must not write to its host's
-    stdout. Keep its warnings, on stderr, unless NIXL_LOG_LEVEL asks for more."""
+    """NIXL would log INFO lines; keep its warnings unless NIXL_LOG_LEVEL asks for more."""
     nixl_logger = logging.getLogger("nixl")
-    if not os.environ.get("NIXL_LOG_LEVEL"):
-        nixl_logger.setLevel(logging.WARNING)
-    for handler in nixl_logger.handlers:
-        if isinstance(handler, logging.StreamHandler) and handler.stream is sys.stdout:
-            handler.setStream(sys.stderr)
+    level = os.environ.get("NIXL_LOG_LEVEL", "").upper()
+    levels = {"TRACE": logging.DEBUG, "DEBUG": logging.DEBUG, "INFO": logging.INFO}
+    nixl_logger.setLevel(levels.get(level, logging.WARNING))
 
 
 def _mem_type(kind: MemoryKind) -> str:

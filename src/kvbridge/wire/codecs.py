@@ -20,6 +20,7 @@ from typing import Any, ClassVar, Generic, TypeVar
 import numpy as np
 import numpy.typing as npt
 
+from kvbridge.wire.address import endpoint_problem, host_problem
 from kvbridge.wire.errors import CodecError, describe_bytes
 
 T = TypeVar("T")
@@ -120,6 +121,48 @@ class Utf8Text(Codec[str]):
             return raw.decode("utf-8")
         except UnicodeDecodeError:
             raise CodecError("UTF-8 text", describe_bytes(raw)) from None
+
+
+class _CheckedText(Utf8Text):
+    """UTF-8 text that must pass a rule of `kvbridge.wire.address` (checked both ways)."""
+
+    expected: str
+
+    def encode(self, value: str) -> bytes:
+        raw = super().encode(value)
+        self._check(value)
+        return raw
+
+    def decode(self, raw: bytes) -> str:
+        value = super().decode(raw)
+        self._check(value)
+        return value
+
+    def _check(self, value: str) -> None:
+        problem = self.problem(value)
+        if problem is not None:
+            raise CodecError(self.expected, problem)
+
+    @abstractmethod
+    def problem(self, value: str) -> str | None: ...
+
+
+class HostText(_CheckedText):
+    name = "host"
+    doc = "UTF-8 text: an IPv4/IPv6 address or a host name (no wildcard)"
+    expected = "an IP address or a host name"
+
+    def problem(self, value: str) -> str | None:
+        return host_problem(value)
+
+
+class EndpointText(_CheckedText):
+    name = "endpoint"
+    doc = "UTF-8 text: a control endpoint, tcp://host:port"
+    expected = "tcp://host:port"
+
+    def problem(self, value: str) -> str | None:
+        return endpoint_problem(value)
 
 
 class OpaqueBytes(Codec[bytes]):
@@ -453,6 +496,8 @@ ASCII = AsciiText()
 ASCII_UINT = AsciiInt()
 ASCII_INT = AsciiInt(signed=True)
 UTF8 = Utf8Text()
+HOST = HostText()
+ENDPOINT = EndpointText()
 BYTES = OpaqueBytes()
 POINTER = Pointer()
 POINTERS = PackedInts("Q", hex_render=True)

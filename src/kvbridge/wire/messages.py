@@ -22,6 +22,13 @@ class KVPoll(enum.IntEnum):
     Transferring = 3
     Success = 4
 
+    # Printed by name ("Failed", not "0"); the wire carries the number.
+    def __str__(self) -> str:
+        return self.name
+
+    def __format__(self, spec: str) -> str:
+        return format(self.name, spec)
+
 
 class KVLayout(enum.IntEnum):
     """How a rank stores KV: MHA keeps K and V buffers per layer, MLA one latent buffer."""

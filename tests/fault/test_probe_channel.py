@@ -1,0 +1,164 @@
+"""Issue 11, finding 1: one message must not kill a control channel.
+
+An attacker process sends what killed main's channels from outside: a heartbeat whose sender
+is not an address, an abort whose return address is a wildcard, a registration whose host is
+`*`, thousands of distinct return endpoints; the bootstrap is offered a host of `*`. The
+channels keep serving, every such message is counted, a real room still moves its bytes, and
+`close()` returns promptly.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import time
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+from kv_cache import rank_cache
+from real_engine import ENGINE, require_engine
+
+from kvbridge.config import ManagerConfig
+from kvbridge.control import channel as channel_module
+from kvbridge.control.channel import ControlChannel
+from kvbridge.decode import DecodeManager
+from kvbridge.prefill import PrefillManager
+from kvbridge.wire import KVPoll
+
+require_engine()
+GEOMETRY = dict(layer_ids=(0, 1), page_size=4, total_kv_heads=2, head_dim=8)
+ENDPOINTS = 1200  # more than ZMQ's 1023 sockets per context
+
+ATTACKER = textwrap.dedent(
+    """
+    import sys, zmq
+    import numpy as np
+    from kvbridge.wire import NATIVE, Abort, Heartbeat, KVLayout, Registration, TransferRequest
+
+    prefill, decode, decode_host, decode_port = sys.argv[1:5]
+    context = zmq.Context()
+
+    def send(endpoint, frames):
+        push = context.socket(zmq.PUSH)
+        push.connect(endpoint)
+        push.send_multipart(frames)
+        push.close(linger=5000)
+
+    def swap(frames, old, new):  # a text frame the encoder would refuse, put in by hand
+        return [new if frame == old else frame for frame in frames]
+
+    send(decode, NATIVE.encode(Heartbeat("not a zmq address", 1, 3000)))
+    abort = NATIVE.encode(Abort(7, "127.0.0.9", 5555, "probe"))
+    send(prefill, swap(abort, b"127.0.0.9", b"*"))
+    registration = NATIVE.encode(Registration(
+        peer_id="intruder", host="127.0.0.9", control_port=5555, engine="nixl",
+        engine_descriptor=b"x", tp_rank=0, attn_tp_size=1, dcp_rank=0, dcp_size=1,
+        kv_layout=KVLayout.MHA, total_kv_heads=2, head_dim=8, dtype="uint8", page_size=4,
+        kv_layer_ids=[0], kv_ptrs=[4096, 8192], kv_item_lens=[64, 64], kv_lengths=[64, 64],
+        aux_ptrs=[], aux_item_lens=[], aux_lengths=[]))
+    send(prefill, swap(registration, b"127.0.0.9", b"*"))
+    # Aborts and requests from thousands of return endpoints, none of them a peer.
+    push = context.socket(zmq.PUSH)
+    push.setsockopt(zmq.SNDHWM, 0)
+    push.connect(prefill)
+    for index in range({endpoints}):
+        push.send_multipart(NATIVE.encode(Abort(index, "127.0.0.1", 20000 + index, "probe")))
+        push.send_multipart(NATIVE.encode(TransferRequest(
+            index, f"forged-{{index}}", False, np.arange(2, dtype=np.int32), None, [], 1)))
+    push.close(linger=60000)
+    context.term()
+    """
+).format(endpoints=ENDPOINTS)
+
+
+def wait_for(condition, timeout_s: float) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "not reached in time"
+        time.sleep(0.02)
+
+
+def test_hostile_messages_are_counted_and_both_channels_keep_serving() -> None:
+    src, dst = rank_cache(seed=1, **GEOMETRY), rank_cache(seed=None, **GEOMETRY)
+    config = ManagerConfig(engine=ENGINE, run_bootstrap=True, transfer_timeout_s=20)
+    prefill = PrefillManager(src.args, config)
+    decode = DecodeManager(
+        dst.args, ManagerConfig(engine=ENGINE, bootstrap_url=prefill.bootstrap_url)
+    )
+    try:
+        # A first room, so that decode knows its prefill peer.
+        sender, receiver = prefill.sender(1), decode.receiver(1)
+        receiver.init([2, 3])
+        sender.send([4, 5], last=True)
+        wait_for(lambda: receiver.poll() == KVPoll.Success, 10)
+        receiver.clear()
+        sender.clear()
+        before = prefill.channel.stats.received
+        subprocess.run(
+            [sys.executable, "-c", ATTACKER, prefill.channel.endpoint, decode.channel.endpoint,
+             decode.channel.host, str(decode.channel.port)],
+            check=True, timeout=120,
+        )  # fmt: skip
+        wait_for(lambda: prefill.channel.stats.received >= before + 2 + 2 * ENDPOINTS, 60)
+        wait_for(lambda: decode.channel.stats.ignored >= 1, 10)
+        # The wildcard abort and registration are malformed (frame and field named, dropped);
+        # the forged aborts and requests come from no peer: ignored, counted, no room made.
+        assert prefill.channel.stats.malformed >= 2
+        assert prefill.channel.stats.ignored >= 2 * ENDPOINTS
+        assert prefill.open_rooms == 0
+        # The bootstrap refuses a wildcard host with 400 and stays complete.
+        body = json.dumps(
+            {"rank": 0, "attn_tp_size": 1, "host": "*", "port": 5555, "engine": ENGINE}
+        ).encode()
+        put = urllib.request.Request(f"{prefill.bootstrap_url}/prefill", body, method="PUT")
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(put, timeout=5)
+        assert refused.value.code == 400
+        assert "host" in refused.value.read().decode()
+        assert prefill.healthy
+        assert decode.healthy
+        # Real work still goes through, both ways (heartbeats, deadlines, statuses).
+        sender, receiver = prefill.sender(2), decode.receiver(2)
+        receiver.init([6, 7])
+        sender.send([8, 9], last=True)
+        wait_for(lambda: receiver.poll() == KVPoll.Success, 10)
+        np.testing.assert_array_equal(dst.kv[0][[6, 7]], src.kv[0][[8, 9]])
+        receiver.clear()
+        sender.clear()
+    finally:
+        started = time.monotonic()
+        decode.close()
+        prefill.close()
+        assert time.monotonic() - started < 15
+
+
+def test_a_channel_sending_to_more_peers_than_zmq_has_sockets_keeps_serving() -> None:
+    """Decode restarts over time (or forged return addresses) leave many endpoints: the
+    channel keeps a bounded socket cache instead of running out of ZMQ sockets."""
+    got: list[object] = []
+    channel = ControlChannel("127.0.0.1", got.append, name="kvbridge-probe")
+    channel.start()
+    peer = ControlChannel("127.0.0.1", got.append, name="kvbridge-probe-peer")
+    peer.start()
+    try:
+        from kvbridge.wire import Heartbeat
+
+        for index in range(ENDPOINTS):
+            channel.send(f"tcp://127.0.0.1:{20000 + index}", Heartbeat("probe", index, 1000))
+        channel.send("tcp://*:5555", Heartbeat("probe", 0, 1000))
+        channel.send(peer.endpoint, Heartbeat("probe", 1, 1000))
+        wait_for(lambda: len(got) == 1, 30)
+        assert channel.alive
+        assert channel.failure is None
+        assert channel.peer_sockets <= channel_module.MAX_PEER_SOCKETS
+        assert channel.stats.sockets_evicted >= ENDPOINTS - channel_module.MAX_PEER_SOCKETS
+        assert channel.stats.bad_endpoints == 1
+    finally:
+        started = time.monotonic()
+        channel.close()
+        peer.close()
+        assert time.monotonic() - started < 10
