@@ -162,3 +162,28 @@ def test_a_channel_sending_to_more_peers_than_zmq_has_sockets_keeps_serving() ->
         channel.close()
         peer.close()
         assert time.monotonic() - started < 10
+
+
+def test_rooms_that_no_scheduler_claims_expire_and_decode_hears_why() -> None:
+    """Requests from a registered peer (trusted without a secret) for rooms the scheduler
+    never starts leave nothing behind after `request_timeout_s`."""
+    src, dst = rank_cache(seed=1, **GEOMETRY), rank_cache(seed=None, **GEOMETRY)
+    prefill = PrefillManager(
+        src.args, ManagerConfig(engine=ENGINE, run_bootstrap=True, request_timeout_s=1.0)
+    )
+    decode = DecodeManager(
+        dst.args, ManagerConfig(engine=ENGINE, bootstrap_url=prefill.bootstrap_url)
+    )
+    try:
+        receivers = [decode.receiver(room) for room in range(100, 150)]
+        for receiver in receivers:
+            receiver.init([1])
+        wait_for(lambda: prefill.open_rooms == 50, 10)
+        wait_for(lambda: all(r.poll() == KVPoll.Failed for r in receivers), 10)
+        assert prefill.open_rooms == 0
+        assert "was not given this room within 1 s" in str(receivers[0].failure_reason)
+        for receiver in receivers:
+            receiver.clear()
+    finally:
+        decode.close()
+        prefill.close()
