@@ -20,6 +20,7 @@ import zmq
 from kv_cache import rank_cache
 from prometheus_client.parser import text_string_to_metric_families
 from real_engine import require_engine
+from waiting import wait_for
 
 from kvbridge.cache.peer import registration_for
 from kvbridge.config import ManagerConfig
@@ -61,13 +62,6 @@ def peer() -> Iterator[Callable[..., Peer]]:
     for each in started:
         each.process.kill()
         each.process.communicate()
-
-
-def wait_for(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.01)
 
 
 def test_abort_during_an_in_flight_write_holds_the_pages_until_prefill_drains(

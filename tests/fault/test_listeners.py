@@ -6,13 +6,12 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
-import time
-from collections.abc import Callable
 
 import numpy as np
 import zmq
 from kv_cache import rank_cache
 from real_engine import ENGINE, require_engine
+from waiting import wait_for
 
 from kvbridge.config import ManagerConfig
 from kvbridge.control.bootstrap import BootstrapServer
@@ -44,13 +43,6 @@ THROWER = textwrap.dedent(
     context.term()
     """
 ).format(count=GARBAGE)
-
-
-def wait_for(condition: Callable[[], bool], timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "not reached in time"
-        time.sleep(0.02)
 
 
 def test_random_messages_are_counted_and_the_listeners_keep_serving() -> None:

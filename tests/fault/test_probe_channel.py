@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 from kv_cache import rank_cache
 from real_engine import ENGINE, require_engine
+from waiting import wait_for
 
 from kvbridge.config import ManagerConfig
 from kvbridge.control import channel as channel_module
@@ -73,13 +74,6 @@ ATTACKER = textwrap.dedent(
     context.term()
     """
 ).format(endpoints=ENDPOINTS)
-
-
-def wait_for(condition, timeout_s: float) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "not reached in time"
-        time.sleep(0.02)
 
 
 def test_hostile_messages_are_counted_and_both_channels_keep_serving() -> None:

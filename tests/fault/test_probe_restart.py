@@ -13,11 +13,11 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 
 import numpy as np
 from kv_cache import rank_cache
 from real_engine import ENGINE, require_engine
+from waiting import wait_for
 
 from kvbridge.config import ManagerConfig
 from kvbridge.control.bootstrap import BootstrapServer, PrefillRank, register_prefill
@@ -28,13 +28,6 @@ from kvbridge.wire import KVPoll
 require_engine()
 GEOMETRY = dict(layer_ids=(0, 1), page_size=4, total_kv_heads=2, head_dim=8)
 FAST = dict(engine=ENGINE, heartbeat_interval_s=0.1, peer_timeout_s=1.0)
-
-
-def wait_for(condition: Callable[[], bool], timeout_s: float = 10) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "not reached in time"
-        time.sleep(0.02)
 
 
 def move(prefill: PrefillManager, decode: DecodeManager, room: int) -> None:

@@ -4,7 +4,6 @@ with a real engine (NIXL): the state machine, chunking, slots and the failure pa
 from __future__ import annotations
 
 import dataclasses
-import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -15,6 +14,7 @@ import zmq
 from kv_cache import RankCache, as_torch, rank_cache
 from prometheus_client.parser import text_string_to_metric_families
 from real_engine import ENGINE, require_engine
+from waiting import wait_for
 
 from kvbridge.config import ManagerConfig
 from kvbridge.decode import DecodeManager, KVReceiver
@@ -40,13 +40,6 @@ def pair(
     finally:
         decode.close()
         prefill.close()
-
-
-def wait_for(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.005)
 
 
 def finished(*rooms: KVSender | KVReceiver) -> Callable[[], bool]:
