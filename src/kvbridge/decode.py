@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import queue
 import threading
 import time
@@ -57,6 +58,9 @@ from kvbridge.wire import (
 from kvbridge.wire.address import tcp_endpoint
 
 log = logging.getLogger("kvbridge.decode")
+# Slack on top of a dead prefill rank's write lease before its rooms' pages count as safe:
+# its last check of the lease and the write step after it, clock rates.
+FENCE_MARGIN_S = 0.5
 
 
 def _in_pairs(pairs: set[tuple[int, int]], rank: int, room: int) -> bool:
@@ -116,6 +120,10 @@ class DecodeManager:
         self._registered: set[str] = set()
         self._liveness = Liveness(config.heartbeat_interval_s, config.peer_timeout_s)
         self._heartbeats = 0
+        # Sent in this rank's registrations; prefill echoes it, and statuses, acks and
+        # heartbeats without it are not from a prefill rank this rank registered with.
+        self._session_token = os.urandom(16)
+        self._heard_sequence: dict[str, int] = {}  # prefill endpoint → last heartbeat heard
         self.channel = ControlChannel(
             config.host, self._on_message, self._on_tick, name="kvbridge-decode",
             secret=config.secret,
@@ -172,6 +180,7 @@ class DecodeManager:
             control_port=self.channel.port,
             engine=self.config.engine,
             engine_descriptor=self.engine.endpoint(),
+            session_token=self._session_token,
         )
         self.channel.send(endpoint, registration)
         return endpoint
@@ -183,14 +192,35 @@ class DecodeManager:
         self.channel.stats.ignored += 1
         log.debug("ignored: " + why, *args)
 
+    def _lease_ms(self) -> int:
+        return int(self.config.peer_timeout_s * 1000)
+
+    def _on_heartbeat(self, message: Heartbeat) -> None:
+        endpoint = message.sender_id
+        with self._lock:
+            known = endpoint in self._registered
+        if not known:  # only prefill ranks this rank registered with are watched
+            self._ignore("heartbeat from unknown prefill %s", endpoint[:100])
+            return
+        if message.session_token != self._session_token:
+            self._ignore("heartbeat from %s without this rank's token", endpoint)
+            return
+        if self._liveness.seen(endpoint, time.monotonic()):
+            log.info("prefill %s is heard from again", endpoint)
+        # Answer at once: the echo is what extends the prefill rank's write lease.
+        self._heard_sequence[endpoint] = message.sequence
+        pong = Heartbeat(self.peer_id, self._heartbeats, self._lease_ms(), message.sequence)
+        self.channel.send(endpoint, pong)
+
     def _on_message(self, message: Message) -> None:
         if isinstance(message, Heartbeat):
-            with self._lock:
-                known = message.sender_id in self._registered
-            if not known:  # only prefill ranks this rank registered with are watched
-                self._ignore("heartbeat from unknown prefill %s", message.sender_id[:100])
-            elif self._liveness.seen(message.sender_id, time.monotonic()):
-                log.info("prefill %s is heard from again", message.sender_id)
+            self._on_heartbeat(message)
+            return
+        if isinstance(message, (AbortAck, TransferStatus)) and (
+            message.session_token != self._session_token
+        ):  # only the prefill rank asked to write a room can end it or confirm its drain
+            self._ignore("%s for room %d without this rank's token", type(message).__name__,
+                         message.room)  # fmt: skip
             return
         if isinstance(message, AbortAck):
             with self._lock:
@@ -346,15 +376,22 @@ class DecodeManager:
         that fell silent fail with the reason."""
         if self._liveness.heartbeat_due(now):
             self._heartbeats += 1
-            lease_ms = int(self.config.peer_timeout_s * 1000)
             for endpoint in self._liveness.peers:
-                self.channel.send(endpoint, Heartbeat(self.peer_id, self._heartbeats, lease_ms))
+                beat = Heartbeat(self.peer_id, self._heartbeats, self._lease_ms(),
+                                 self._heard_sequence.get(endpoint))  # fmt: skip
+                self.channel.send(endpoint, beat)
         for endpoint, silent_s in self._liveness.expired(now):
             self.stats.peers_declared_dead += 1
             reason = (
                 f"prefill {endpoint} silent for {silent_s:.1f} s (peer timeout "
                 f"{self.config.peer_timeout_s:g} s)"
             )
+            # The last write lease this rank granted it started before it was last heard; a
+            # rank that is only hung fences itself when that lease runs out (or, with an
+            # engine that moves writes on its own threads, when its last write times out).
+            fenced_at = now - silent_s + self._lease_ms() / 1000 + FENCE_MARGIN_S
+            if self.engine.progresses_on_its_own:
+                fenced_at += self.config.write_timeout_s
             with self._lock:
                 affected = [state for state in self._rooms.values()
                             if state.waits_on(endpoint)]  # fmt: skip
@@ -362,7 +399,7 @@ class DecodeManager:
                 for state in self._rooms.values():
                     for rank, known in state.endpoints.items():
                         if known == endpoint:  # it writes no more: settled, failed if needed
-                            state.on_rank_dead(rank, f"room {state.room}: {reason}")
+                            state.on_rank_dead(rank, f"room {state.room}: {reason}", fenced_at)
                             dead.add((rank, state.room))
             self._reclaim(partial(_in_pairs, dead))
             self._forget_prefill(endpoint)
@@ -374,6 +411,7 @@ class DecodeManager:
         the next room looks its group up again (a restarted rank has a new endpoint) and
         registers anew."""
         self._liveness.forget(endpoint)
+        self._heard_sequence.pop(endpoint, None)
         with self._lock:
             self._registered.discard(endpoint)
             stale = [
@@ -430,19 +468,20 @@ class DecodeManager:
 
     def close(self) -> None:
         """Stop: rooms that a prefill rank may still write into are aborted first, and their
-        writers heard (or declared dead) before the memory is deregistered, within about one
-        peer timeout."""
+        writers heard (or declared dead and fenced) before the memory is deregistered, within
+        about two peer timeouts."""
         with self._lock:
-            unsafe = [state for state in self._rooms.values() if not state.pages_safe]
+            now = time.monotonic()
+            unsafe = [state for state in self._rooms.values() if not state.pages_safe(now)]
             for state in unsafe:
                 state.status.fail(f"room {state.room}: decode rank {self.rank} is closing")
         for state in unsafe:
             self._abort_unsettled(state, "decode rank closing")
-        deadline = time.monotonic() + self.config.peer_timeout_s + self.config.heartbeat_interval_s
+        deadline = time.monotonic() + 2 * self.config.peer_timeout_s + FENCE_MARGIN_S
         while unsafe and self.channel.alive and time.monotonic() < deadline:
             time.sleep(0.01)
             with self._lock:
-                unsafe = [state for state in unsafe if not state.pages_safe]
+                unsafe = [state for state in unsafe if not state.pages_safe(time.monotonic())]
         if unsafe:
             log.warning("closing with %d room(s) whose writers were not heard from", len(unsafe))
         self._scatters.put(None)
@@ -571,7 +610,7 @@ class KVReceiver:
             state = self.manager._rooms.get(self.room)
             if state is None:
                 return self._status.finished or self._status.poll != KVPoll.Transferring
-            return state.pages_safe
+            return state.pages_safe(time.monotonic())
 
     def clear(self) -> None:
         """The one cleanup path of the room on this side (idempotent)."""

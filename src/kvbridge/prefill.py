@@ -18,9 +18,10 @@ import queue
 import threading
 import time
 import uuid
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from functools import partial
 
 import numpy as np
 import numpy.typing as npt
@@ -36,7 +37,7 @@ from kvbridge.control.bootstrap import (
     register_prefill,
 )
 from kvbridge.control.channel import ControlChannel
-from kvbridge.engines import EngineError, create_engine
+from kvbridge.engines import EngineError, WriteFenced, create_engine
 from kvbridge.liveness import Liveness
 from kvbridge.metrics import ManagerMetrics, Snapshot, count_finished
 from kvbridge.room import Chunk, ChunkJob, PrefillRoom, notification_for
@@ -61,6 +62,8 @@ from kvbridge.wire.address import tcp_endpoint
 log = logging.getLogger("kvbridge.prefill")
 # Rooms that ended are remembered this long (by count) so late messages never re-create them.
 FINISHED_ROOMS_KEPT = 65536
+# Heartbeat send times kept for decode's echoes (heartbeats are 0.5 s apart by default).
+MAX_BEATS_REMEMBERED = 64
 # Without a secret anyone who reaches the port can send requests: rooms that requests create
 # before the scheduler claims them, and registered decode peers, are capped.
 MAX_UNCLAIMED_ROOMS = 16384
@@ -112,6 +115,13 @@ class _DecodePeer:
     pairing: Pairing | None = None
     engine_peer: str | None = None
     error: str | None = None
+    # Until when (monotonic) this rank may write to the peer: set from decode's echo of one of
+    # this rank's heartbeats, counted from when that heartbeat was sent; 0: never granted.
+    lease_until: float = 0.0
+
+    @property
+    def token(self) -> bytes:
+        return self.registration.session_token
 
 
 class PrefillManager:
@@ -151,6 +161,7 @@ class PrefillManager:
         self._worker.daemon = True
         self._liveness = Liveness(config.heartbeat_interval_s, config.peer_timeout_s)
         self._heartbeats = 0
+        self._beats_sent: OrderedDict[int, float] = OrderedDict()  # sequence → when sent
         self.channel = ControlChannel(
             config.host, self._on_message, self._on_tick, name="kvbridge-prefill",
             secret=config.secret,
@@ -247,6 +258,7 @@ class PrefillManager:
             if known:
                 self._liveness.seen(sender, time.monotonic())
         if isinstance(message, Heartbeat):
+            self._on_heartbeat(message)
             return
         if isinstance(message, Registration):
             self._on_registration(message)
@@ -282,9 +294,18 @@ class PrefillManager:
                       "scheduler started; refused")  # fmt: skip
         else:
             return self._room(room, create=True)
-        self.channel.send(peer.endpoint, TransferStatus(room, KVPoll.Failed, self.rank, reason))
+        failed = TransferStatus(room, KVPoll.Failed, self.rank, reason, peer.token)
+        self.channel.send(peer.endpoint, failed)
         self._ignore("%s", reason)
         return None
+
+    def _peer_at(self, endpoint: str) -> _DecodePeer | None:
+        """The registered decode peer whose control endpoint this is."""
+        return next((peer for peer in self._peers.values() if peer.endpoint == endpoint), None)
+
+    def _token_at(self, endpoint: str) -> bytes:
+        peer = self._peer_at(endpoint)
+        return peer.token if peer is not None else b""
 
     def _on_request(self, message: TransferRequest) -> None:
         with self._lock:
@@ -301,7 +322,7 @@ class PrefillManager:
                 # at once rather than silence until decode's deadline.
                 ended = state.status.failure_reason or f"it ended ({state.status.poll})"
                 reason = f"room {message.room} already ended on prefill rank {self.rank}: {ended}"
-                failed = TransferStatus(message.room, KVPoll.Failed, self.rank, reason)
+                failed = TransferStatus(message.room, KVPoll.Failed, self.rank, reason, peer.token)
                 self.channel.send(peer.endpoint, failed)
                 return
             if peer.error:
@@ -320,7 +341,7 @@ class PrefillManager:
             # Only a decode peer of this room (or, before its request, any registered peer)
             # may end it.
             askers = {self._peers[p].endpoint for p in state.requests} if state else set()
-            peer = next((peer for peer in self._peers.values() if peer.endpoint == endpoint), None)
+            peer = self._peer_at(endpoint)
             if peer is None or (askers and endpoint not in askers):
                 self._ignore("abort of room %d from %s, not a decode peer of it",
                              message.room, endpoint)  # fmt: skip
@@ -329,24 +350,64 @@ class PrefillManager:
                 state = self._room_for_peer_locked(message.room, peer)
             if state is None or state.status.poll == KVPoll.Success:
                 # Nothing of this room can be in flight: confirm at once.
-                self.channel.send(endpoint, AbortAck(message.room, self.rank))
+                self.channel.send(endpoint, AbortAck(message.room, self.rank, peer.token))
                 return
             state.pending_acks.add(endpoint)
             why = message.reason or "no reason given"
             self._fail_locked(state, f"room {message.room}: aborted by decode: {why}")
 
+    def _on_heartbeat(self, message: Heartbeat) -> None:
+        """Decode's heartbeat echoes the last of ours it heard: the write lease runs from when
+        that one was sent (a heartbeat read late, after a stall, extends nothing)."""
+        with self._lock:
+            peer = self._peers.get(message.sender_id)
+        sent = self._beats_sent.get(message.ack_sequence) if message.ack_sequence else None
+        if peer is None or sent is None:
+            return
+        peer.lease_until = max(peer.lease_until, sent + message.lease_ms / 1000)
+
+    def _send_heartbeats(self, now: float, peers: list[_DecodePeer]) -> None:
+        self._heartbeats += 1
+        self._beats_sent[self._heartbeats] = now
+        while len(self._beats_sent) > MAX_BEATS_REMEMBERED:
+            self._beats_sent.popitem(last=False)
+        lease_ms = int(self.config.peer_timeout_s * 1000)
+        for peer in peers:
+            beat = Heartbeat(self.channel.endpoint, self._heartbeats, lease_ms,
+                             session_token=peer.token)  # fmt: skip
+            self.channel.send(peer.endpoint, beat)
+
+    def _lease_problem(self, peer_id: str, peer: _DecodePeer) -> str | None:
+        """Why this rank may not write to the peer now (its lease ran out), or None."""
+        now = time.monotonic()
+        if now < peer.lease_until:
+            return None
+        if not peer.lease_until:
+            return f"decode {peer_id} has not answered a heartbeat (no write lease)"
+        return (
+            f"the write lease on decode {peer_id} ran out {now - peer.lease_until:.1f} s ago "
+            "(not heard from it): this rank stopped writing to it"
+        )
+
+    def _await_lease(self, peer_id: str, peer: _DecodePeer) -> str | None:
+        """Wait (up to one peer timeout) for a valid write lease: a peer that just registered,
+        or registered again after a partition, answers a heartbeat within a round trip. Why
+        there is none, or None."""
+        deadline = time.monotonic() + self.config.peer_timeout_s
+        while (why := self._lease_problem(peer_id, peer)) is not None:
+            if time.monotonic() >= deadline:
+                return why
+            time.sleep(0.002)
+        return None
+
     def _on_tick(self) -> bool:
         """Heartbeats to every decode peer; rooms of peers that fell silent fail."""
         now = time.monotonic()
         with self._lock:
-            endpoints = {peer_id: peer.endpoint for peer_id, peer in self._peers.items()}
+            peers = list(self._peers.values())
             in_flight = any(not state.status.finished for state in self._rooms.values())
         if self._liveness.heartbeat_due(now):
-            self._heartbeats += 1
-            lease_ms = int(self.config.peer_timeout_s * 1000)
-            for endpoint in endpoints.values():
-                beat = Heartbeat(self.channel.endpoint, self._heartbeats, lease_ms)
-                self.channel.send(endpoint, beat)
+            self._send_heartbeats(now, peers)
         timeout_s = self.config.request_timeout_s
         with self._lock:
             for state in self._rooms.values():
@@ -397,9 +458,12 @@ class PrefillManager:
             full = known is None and len(self._peers) >= MAX_DECODE_PEERS
         if known is not None:
             # A decode rank registers once; its peer id names one process. A different
-            # registration under a known id is someone else's.
+            # registration under a known id is someone else's; the same one again means decode
+            # forgot this rank (it declared it dead): a heartbeat now renews the write lease.
             if known.registration != registration:
                 self._ignore("a changed registration for known decode %s", registration.peer_id)
+            else:
+                self._send_heartbeats(time.monotonic(), [known])
             return
         if twin is not None or full:
             self._ignore("registration of %s: %s", registration.peer_id[:100],
@@ -421,6 +485,7 @@ class PrefillManager:
         with self._lock:
             self._peers[registration.peer_id] = peer
         self._liveness.seen(registration.peer_id, time.monotonic())
+        self._send_heartbeats(time.monotonic(), [peer])  # its echo grants the first lease
         if peer.error is None:
             self._jobs.put(_Connect(registration.peer_id))
 
@@ -447,6 +512,7 @@ class PrefillManager:
                 status=state.status.poll,
                 prefill_rank=self.rank,
                 reason=state.status.failure_reason or "",
+                session_token=peer.token,
             )
             self.channel.send(peer.endpoint, status)
 
@@ -466,7 +532,7 @@ class PrefillManager:
             state.failure_reported = True
             self._report_locked(state)
         for endpoint in sorted(state.pending_acks):
-            self.channel.send(endpoint, AbortAck(state.room, self.rank))
+            self.channel.send(endpoint, AbortAck(state.room, self.rank, self._token_at(endpoint)))
         state.pending_acks.clear()
 
     # --- worker thread: every engine call --------------------------------------------------
@@ -626,16 +692,29 @@ class PrefillManager:
                     return None  # aborted or cleared meanwhile: write nothing more
                 if peer.engine_peer is None or peer.kv_args is None or peer.pairing is None:
                     raise EngineError(self.engine.name, "write", peer.error or "not connected")
+                why = self._await_lease(job.peer_id, peer)
+                if why is not None:
+                    raise WriteFenced(self.engine.name, "write", why)
+                # Engines that move a write on only when polled stop at the fence; others
+                # finish or time out what they were given (decode waits that out).
+                fence = (
+                    partial(self._lease_problem, job.peer_id, peer)
+                    if not self.engine.progresses_on_its_own
+                    else None
+                )
                 staged = self._stage(job, peer) if peer.pairing.stageable else None
                 kv_plan = staged[0] if staged else None
                 started = time.perf_counter()
                 plan = self._plan(job, peer.kv_args, peer.pairing, kv_plan)
                 self.stats.plan_s += time.perf_counter() - started
                 notify = notification_for(room, self.rank) if job.last else b""
+                why = self._lease_problem(job.peer_id, peer)
+                if why is not None:
+                    raise WriteFenced(self.engine.name, "write", why)
                 if len(plan):
                     started = time.perf_counter()
                     handle = self.engine.write(peer.engine_peer, plan, notify)
-                    handle.wait(self.config.write_timeout_s)
+                    handle.wait(self.config.write_timeout_s, fence=fence)
                     elapsed = time.perf_counter() - started
                     self.stats.write_s += elapsed
                     self.stats.blocks_written += len(plan)

@@ -199,20 +199,26 @@ class DecodeRoom:
     reported: set[int] = field(default_factory=set)
     notified: set[int] = field(default_factory=set)
     # Prefill ranks that can no longer write into the room's pages: they reported how the
-    # room ended, acknowledged an abort, or were declared dead.
+    # room ended or acknowledged an abort.
     settled: set[int] = field(default_factory=set)
+    # Ranks declared dead, and from when they cannot write either: one that is hung rather
+    # than dead stops itself when its write lease runs out, and this waits that out.
+    dead_until: dict[int, float] = field(default_factory=dict)
     # Staged chunks that arrived in the ring and are not scattered into pages yet.
     unscattered: int = 0
 
-    @property
-    def pages_safe(self) -> bool:
+    def pages_safe(self, now: float) -> bool:
         """Whether the room's pages may be handed back: no prefill rank can still write."""
-        return self.status.poll == KVPoll.Success or (
-            self.status.poll == KVPoll.Failed and self.settled >= self.expected_ranks
-        )
+        if self.status.poll == KVPoll.Success:
+            return True
+        if self.status.poll != KVPoll.Failed:
+            return False
+        fenced = {rank for rank, until in self.dead_until.items() if now >= until}
+        return self.settled | fenced >= self.expected_ranks
 
     def unsettled(self) -> list[int]:
-        return sorted(self.expected_ranks - self.settled)
+        """Ranks to ask for an abort: neither settled nor declared dead."""
+        return sorted(self.expected_ranks - self.settled - set(self.dead_until))
 
     def on_abort_ack(self, prefill_rank: int) -> None:
         if prefill_rank in self.expected_ranks:
@@ -222,11 +228,11 @@ class DecodeRoom:
         notified = prefill_rank not in self.notifying_ranks or prefill_rank in self.notified
         return prefill_rank in self.reported and notified
 
-    def on_rank_dead(self, prefill_rank: int, reason: str) -> None:
-        """A prefill rank was declared dead: it writes no more; the room fails if it still
-        needed something from it."""
+    def on_rank_dead(self, prefill_rank: int, reason: str, fenced_at: float) -> None:
+        """A prefill rank was declared dead: it cannot write from `fenced_at` on (its lease
+        ran out); the room fails if it still needed something from it."""
         if prefill_rank in self.expected_ranks:
-            self.settled.add(prefill_rank)
+            self.dead_until.setdefault(prefill_rank, fenced_at)
             if not self._rank_done(prefill_rank):
                 self.status.fail(reason)
 

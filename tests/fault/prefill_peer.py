@@ -5,6 +5,10 @@ authentication fault tests; JSON lines on stdout.
         Its engine posts writes only after SIGUSR1 (a write held in flight). Room 1 sends
         pages [0, 1]; when room 1 has ended, room 2 sends pages [6, 7].
         → {"writing": 1}  {"room": 1, "poll": ..., "reason": ...}  {"room": 2, "poll": ...}
+    python prefill_peer.py slow              → {"bootstrap": url}
+        Heartbeats every 0.1 s, peer timeout 1 s. After a line on stdin, rooms 10-13 each
+        send 40 one-page chunks, 50 ms apart (a transfer that takes seconds).
+        → {"sending": 1}  {"room": 10, "poll": ..., "reason": ...} ... (rooms 10-13)
     python prefill_peer.py secret SECRET     → {"bootstrap": url, "control": endpoint,
                                                  "metrics": port}
         Room 6 sends pages [2, 3].            → {"room": 6, "poll": ..., "reason": ...}
@@ -33,6 +37,8 @@ from kvbridge.wire import KVPoll
 
 GEOMETRY = dict(layer_ids=(0, 1), page_size=4, total_kv_heads=2, head_dim=16)
 SEED = 5
+SLOW_ROOMS = (10, 11, 12, 13)
+SLOW_CHUNKS = 40
 
 
 def say(**fields: Any) -> None:
@@ -88,6 +94,20 @@ def main() -> None:
         second = prefill.sender(2)
         second.send([6, 7], last=True)
         finish(second, 2)
+    elif mode == "slow":
+        config = ManagerConfig(engine="nixl", run_bootstrap=True, heartbeat_interval_s=0.1,
+                               peer_timeout_s=1.0)  # fmt: skip
+        prefill = PrefillManager(cache.args, config)
+        say(bootstrap=prefill.bootstrap_url)
+        sys.stdin.readline()
+        senders = {room: prefill.sender(room) for room in SLOW_ROOMS}
+        say(sending=1)
+        for chunk in range(SLOW_CHUNKS):
+            for sender in senders.values():
+                sender.send([chunk % 16], last=chunk == SLOW_CHUNKS - 1)
+            time.sleep(0.05)
+        for room, sender in senders.items():
+            finish(sender, room)
     else:
         secret = sys.argv[2].encode()
         config = ManagerConfig(engine="nixl", run_bootstrap=True, secret=secret, metrics_port=0)

@@ -54,7 +54,9 @@ def two_hosts() -> Iterator[tuple[str, str, str]]:
 
 class Peer:
     def __init__(self, namespace: str, *args: str) -> None:
-        self.command = ["ip", "netns", "exec", namespace, sys.executable, str(PEER), *args]
+        # faulthandler: a peer that crashes inside an engine prints where (stderr).
+        python = [sys.executable, "-X", "faulthandler"]
+        self.command = ["ip", "netns", "exec", namespace, *python, str(PEER), *args]
         self.process = subprocess.Popen(
             self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
         )

@@ -74,7 +74,8 @@ HOST_LOGGING = textwrap.dedent(
     logging.getLogger().setLevel(logging.INFO)
     logging.info("before the engine")
     raise_exceptions = logging.raiseExceptions
-    from kvbridge.engines import create_engine
+    from kvbridge.engines import create_engine, unavailable_reason
+    assert unavailable_reason("{engine}") is None
     engine = create_engine("{engine}", "host-logging", "127.0.0.1")
     logging.info("after the engine")
     engine.close()

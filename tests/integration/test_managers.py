@@ -326,7 +326,10 @@ def test_ring_space_of_chunks_that_never_arrive_is_reclaimed() -> None:
         decode._registered.add(request.session_id)  # as if registered with that prefill rank
         decode._on_message(request)
         assert ring.in_use == 1024
-        failed = TransferStatus(room=3, status=KVPoll.Failed, prefill_rank=1, reason="gone")
+        failed = TransferStatus(
+            room=3, status=KVPoll.Failed, prefill_rank=1, reason="gone",
+            session_token=decode._session_token,  # as a registered prefill rank echoes it
+        )  # fmt: skip
         decode._on_message(failed)
         assert ring.in_use == 0
         assert decode._staged == {}

@@ -105,8 +105,18 @@ def test_newer_minor_may_append_frames_older_minor_may_not() -> None:
     frames[0] = Header(MAJOR, MINOR + 1, 1, 0).pack()
     assert NATIVE.decode([*frames, b"a new field"]) == registration()
     frames[0] = Header(MAJOR, MINOR, 1, 0).pack()
-    with pytest.raises(WireError, match="expected at most 31 frames, got 32"):
+    with pytest.raises(WireError, match="expected at most 32 frames, got 33"):
         NATIVE.decode([*frames, b"a new field"])
+
+
+def test_a_1_0_peer_without_the_1_1_frames_still_decodes() -> None:
+    """1.1 appended session tokens and heartbeat acks; a 1.0 peer's messages lack them."""
+    frames = NATIVE.encode(registration())
+    frames[0] = Header(MAJOR, 0, 1, 0).pack()
+    assert NATIVE.decode(frames[:-1]) == registration()
+    beat = NATIVE.encode(Heartbeat("tcp://127.0.0.1:1", 3, 1000))
+    beat[0] = Header(MAJOR, 0, beat[0][6], 0).pack()
+    assert NATIVE.decode(beat[:-2]) == Heartbeat("tcp://127.0.0.1:1", 3, 1000)
 
 
 def test_registration_rules() -> None:
@@ -147,7 +157,7 @@ def test_auth_tag() -> None:
     secret = b"shared secret"
     status = TransferStatus(room=1, status=KVPoll.Failed, prefill_rank=3, reason="engine: rc -1")
     frames = NATIVE.encode(status, secret=secret)
-    assert len(frames) == 6
+    assert len(frames) == 7  # header, 5 fields, tag
     assert len(frames[-1]) == TAG_SIZE
     assert NATIVE.decode(frames, secret=secret) == status
     # A receiver without a secret still reads the message.
@@ -156,7 +166,7 @@ def test_auth_tag() -> None:
         NATIVE.decode(frames, secret=b"other secret")
     tampered = [*frames]
     tampered[4] = b"engine: rc 0"
-    with pytest.raises(WireError, match=r"frame 5 \(auth_tag\)"):
+    with pytest.raises(WireError, match=r"frame 6 \(auth_tag\)"):
         NATIVE.decode(tampered, secret=secret)
     with pytest.raises(WireError, match="not authenticated"):
         NATIVE.decode(NATIVE.encode(status), secret=secret)

@@ -91,3 +91,24 @@ def test_notifications_round_trip() -> None:
     assert parse_notification(notification_for(42, 3)) == (42, 3)
     assert parse_notification(b"kvbridge:x:1") is None
     assert parse_notification(b"other") is None
+
+
+def test_pages_of_a_dead_rank_are_safe_only_when_its_lease_ran_out() -> None:
+    room = DecodeRoom(1, frozenset({0, 1}), frozenset(), deadline=100.0)
+    room.status.advance(KVPoll.Transferring)
+    assert not room.pages_safe(0.0)  # in flight
+    room.on_rank_dead(0, "prefill 0 silent", fenced_at=10.0)
+    assert room.status.poll == KVPoll.Failed
+    assert room.unsettled() == [1]  # the dead rank gets no abort; the live one does
+    room.on_abort_ack(1)
+    assert not room.pages_safe(9.9)  # rank 0 may be hung, not dead: its lease still runs
+    assert room.pages_safe(10.0)
+    room.on_rank_dead(0, "again", fenced_at=50.0)  # declared dead twice: the first time holds
+    assert room.pages_safe(10.0)
+
+
+def test_a_dead_rank_that_confirms_is_settled_at_once() -> None:
+    room = DecodeRoom(1, frozenset({0}), frozenset(), deadline=100.0)
+    room.on_rank_dead(0, "prefill 0 silent", fenced_at=10.0)
+    room.on_status(0, KVPoll.Failed, "it came back and reported")
+    assert room.pages_safe(0.0)

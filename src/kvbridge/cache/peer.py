@@ -17,6 +17,7 @@ def registration_for(
     engine: str,
     engine_descriptor: bytes,
     capabilities: frozenset[str] = frozenset(),
+    session_token: bytes = b"",
 ) -> Registration:
     """The registration a decode rank sends to each prefill peer."""
     return Registration(
@@ -54,6 +55,7 @@ def registration_for(
         memory_kind=args.memory_kind,
         device_id=args.device_id,
         capabilities=capabilities,
+        session_token=session_token,
     )
 
 

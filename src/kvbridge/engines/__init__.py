@@ -10,6 +10,7 @@ from kvbridge.engines.base import (
     TransferEngine,
     TransferHandle,
     TransferState,
+    WriteFenced,
 )
 from kvbridge.engines.regions import MemoryRegion, RegionMap
 
@@ -17,7 +18,11 @@ DEFAULT_ENGINE = "nixl"
 ENGINES = ("nixl", "mooncake", "loopback")
 
 
-_MODULES = {"nixl": "nixl_cu12._api", "mooncake": "mooncake.engine", "loopback": "ctypes"}
+_MODULES = {
+    "nixl": "nixl_cu12._api or nixl_cu13._api",
+    "mooncake": "mooncake.engine",
+    "loopback": "ctypes",
+}
 
 
 def unavailable_reason(name: str) -> str | None:
@@ -25,9 +30,14 @@ def unavailable_reason(name: str) -> str | None:
     if name not in _MODULES:
         return f"unknown engine {name!r}; choose one of {', '.join(ENGINES)}"
     try:
-        importlib.import_module(_MODULES[name])
-    except (ImportError, OSError) as exc:
-        return str(exc)
+        if name == "nixl":  # through the adapter: either CUDA build, the host's logging kept
+            from kvbridge.engines.nixl import _import_nixl
+
+            _import_nixl()
+        else:
+            importlib.import_module(_MODULES[name])
+    except (ImportError, OSError, EngineError) as exc:
+        return exc.detail if isinstance(exc, EngineError) else str(exc)
     return None
 
 
@@ -59,6 +69,7 @@ __all__ = [
     "TransferEngine",
     "TransferHandle",
     "TransferState",
+    "WriteFenced",
     "create_engine",
     "unavailable_reason",
 ]

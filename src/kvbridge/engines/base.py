@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +37,10 @@ class EngineError(RuntimeError):
 
 class EngineTimeout(EngineError):
     """A write did not complete before its deadline."""
+
+
+class WriteFenced(EngineError):
+    """A write was stopped because the writer may no longer write (its lease ran out)."""
 
 
 class TransferState(enum.Enum):
@@ -69,11 +73,22 @@ class TransferHandle(ABC):
     def release(self) -> None:  # noqa: B027 - engines without per-write resources
         """Give the engine's resources for this write back (idempotent)."""
 
-    def wait(self, timeout_s: float, poll_interval_s: float = 0.0) -> None:
+    def wait(
+        self,
+        timeout_s: float,
+        poll_interval_s: float = 0.0,
+        fence: Callable[[], str | None] | None = None,
+    ) -> None:
         """Block until the write is done; `EngineError` if it failed, `EngineTimeout` if the
-        deadline passed first."""
+        deadline passed first. `fence()` is asked before every poll (which is what moves the
+        write on, for engines that progress only when polled): a reason stops the write there,
+        releases it, and raises `WriteFenced`."""
         deadline = time.monotonic() + timeout_s
         while True:
+            why = fence() if fence is not None else None
+            if why is not None:
+                self.release()
+                raise WriteFenced(self.engine, "write", why)
             state = self.poll()
             if state is TransferState.DONE:
                 return
@@ -146,6 +161,9 @@ class TransferEngine(ABC):
                 )
 
     delivers_notifications: bool = False
+    # Whether a posted write moves on without this process polling it (its own threads): then
+    # a writer cannot stop a write in flight, and a target waits out `write_timeout_s` too.
+    progresses_on_its_own: bool = False
 
     def notify(self, peer: str, message: bytes) -> None:
         """Send a notification to a peer without data (engines that deliver notifications)."""

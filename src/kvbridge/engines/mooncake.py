@@ -62,6 +62,7 @@ class _MooncakeHandle(TransferHandle):
 
 
 class MooncakeEngine(TransferEngine):
+    progresses_on_its_own = True  # its worker threads move a posted batch
     name = NAME
 
     def __init__(self, host: str = "127.0.0.1", protocol: str = "tcp", device: str = "") -> None:
@@ -116,17 +117,17 @@ class MooncakeEngine(TransferEngine):
                 return
             try:
                 for batch in handle.plan.split(MAX_BLOCKS_IN_FLIGHT):
-                    batch_id = self._engine.batch_transfer_async_write(
+                    # The synchronous call opens the peer's segment and checks that it could;
+                    # the asynchronous submit followed by a status query crashed inside
+                    # Mooncake (SIGSEGV) when the peer had become unreachable.
+                    rc = self._engine.batch_transfer_sync_write(
                         handle.session,
                         batch.src.tolist(),
                         batch.dst.tolist(),
                         batch.length.tolist(),
                     )
-                    if batch_id < 0:
-                        raise EngineError(NAME, "write", f"submit rc {batch_id}")
-                    rc = self._engine.get_batch_transfer_status([batch_id])
                     if rc != 0:
-                        raise EngineError(NAME, "write", f"batch status rc {rc}")
+                        raise EngineError(NAME, "write", f"batch rc {rc}")
                 handle.state = TransferState.DONE
             except Exception as exc:  # anything Mooncake raises ends this write, not the worker
                 handle.error = exc.detail if isinstance(exc, EngineError) else str(exc)

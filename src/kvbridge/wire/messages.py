@@ -97,6 +97,9 @@ class TransferStatus(Message):
     prefill_rank: int
     # Why a room failed; only the native profile has a frame for it.
     reason: str = ""
+    # Native profile only: the token the decode rank gave in its registration, echoed so that
+    # only the prefill rank it registered with can end its rooms.
+    session_token: bytes = b""
 
 
 @dataclass(eq=False)
@@ -118,6 +121,8 @@ class AbortAck(Message):
 
     room: int
     prefill_rank: int
+    # Native profile only: the decode rank's registration token, echoed (as in TransferStatus).
+    session_token: bytes = b""
 
 
 @dataclass(eq=False)
@@ -175,8 +180,15 @@ class ChunkReady(Message):
 
 @dataclass(eq=False)
 class Heartbeat(Message):
-    """Either way, native profile only: the sender is alive for another `lease_ms`."""
+    """Either way, native profile only: the sender is alive for another `lease_ms`.
+
+    `ack_sequence` is the last sequence the sender heard from the receiver: a prefill rank's
+    write lease on a decode peer runs `lease_ms` from when it sent that sequence, so only
+    heartbeats decode really answered extend it. Prefill → decode heartbeats carry decode's
+    registration token."""
 
     sender_id: str
     sequence: int
     lease_ms: int
+    ack_sequence: int | None = None
+    session_token: bytes = b""

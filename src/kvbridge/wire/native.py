@@ -50,7 +50,7 @@ from kvbridge.wire.profile import Inspection, Profile, require_frames
 PROFILE = "kvbridge/1"
 MAGIC = b"KVBR"
 MAJOR = 1
-MINOR = 0
+MINOR = 1
 FLAG_TAG = 0x01
 KNOWN_FLAGS = FLAG_TAG
 
@@ -114,6 +114,8 @@ class Registration(Message, StagingRing):
     memory_kind: MemoryKind = MemoryKind.DRAM
     device_id: int = 0
     capabilities: frozenset[str] = frozenset()
+    # Random bytes of the decode rank: prefill echoes them in statuses, acks and heartbeats.
+    session_token: bytes = b""
 
     def check(self) -> None:
         check_port(self.control_port, "control_port")
@@ -238,6 +240,7 @@ _LAYOUT_ROWS: tuple[tuple[int, type[Message], str, tuple[Field, ...]], ...] = (
             Field("memory_kind", c.EnumU8(MemoryKind)),
             Field("device_id", c.U32),
             Field("capabilities", c.STRING_SET),
+            Field("session_token", c.BYTES, "random bytes prefill echoes back (1.1)", default=b""),
         ),
     ),
     (
@@ -264,6 +267,12 @@ _LAYOUT_ROWS: tuple[tuple[int, type[Message], str, tuple[Field, ...]], ...] = (
             Field("status", c.EnumU8(KVPoll)),
             Field("prefill_rank", c.U32),
             Field("reason", c.UTF8, "why the room failed; empty otherwise"),
+            Field(
+                "session_token",
+                c.BYTES,
+                "decode's registration token (1.1; empty from 1.0 peers)",
+                default=b"",
+            ),
         ),
     ),
     (
@@ -281,7 +290,16 @@ _LAYOUT_ROWS: tuple[tuple[int, type[Message], str, tuple[Field, ...]], ...] = (
         5,
         AbortAck,
         "Prefill → decode: no write of the room is in flight from this rank.",
-        (Field("room", c.U64), Field("prefill_rank", c.U32)),
+        (
+            Field("room", c.U64),
+            Field("prefill_rank", c.U32),
+            Field(
+                "session_token",
+                c.BYTES,
+                "decode's registration token (1.1; empty from 1.0 peers)",
+                default=b"",
+            ),
+        ),
     ),
     (
         6,
@@ -334,7 +352,18 @@ _LAYOUT_ROWS: tuple[tuple[int, type[Message], str, tuple[Field, ...]], ...] = (
         10,
         Heartbeat,
         "Either way: the sender is alive for lease_ms more.",
-        (Field("sender_id", c.UTF8), Field("sequence", c.U64), Field("lease_ms", c.U32)),
+        (
+            Field("sender_id", c.UTF8),
+            Field("sequence", c.U64),
+            Field("lease_ms", c.U32),
+            _optional("ack_sequence", c.U64, "last sequence heard from the receiver (1.1)"),
+            Field(
+                "session_token",
+                c.BYTES,
+                "decode's registration token (1.1; empty from 1.0 peers)",
+                default=b"",
+            ),
+        ),
     ),
 )
 
