@@ -275,24 +275,34 @@ def run_matrix(
         yield row
 
 
+# Box plots need enough samples to mean something; fewer are drawn as the samples themselves.
+MIN_BOX_SAMPLES = 5
+
+
 def plot(rows: list[CellResult], path: Path) -> None:
-    """Throughput against request length per engine (the raw engine beside it), one panel
-    per model shape at page 16 (or the preset's first page size) and equal TP; and the
-    per-request latency distribution of those cells."""
+    """Three rows of panels: throughput against request length per model (equal TP, page 16
+    or the preset's first page size; the raw engine beside it), each such cell's per-request
+    latencies, and every measured cell (all page sizes and TP pairs) side by side."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
 
-    measured = [r for r in rows if r.kvbridge_gbps and r.cell.prefill_tp == r.cell.decode_tp]
-    if not measured:
+    every = [r for r in rows if r.kvbridge_gbps]
+    if not every:
         return
-    page = 16 if any(r.cell.page_size == 16 for r in measured) else measured[0].cell.page_size
-    measured = [r for r in measured if r.cell.page_size == page]
-    models = sorted({r.cell.model for r in measured})
-    figure, axes = plt.subplots(2, len(models), figsize=(5 * len(models), 8), squeeze=False)
+    plain = FuncFormatter(lambda value, _: f"{value:g}")
+    equal = [r for r in every if r.cell.prefill_tp == r.cell.decode_tp]
+    page = 16 if any(r.cell.page_size == 16 for r in equal) else (
+        equal[0].cell.page_size if equal else 0)  # fmt: skip
+    measured = [r for r in equal if r.cell.page_size == page]
+    models = sorted({r.cell.model for r in measured}) or ["-"]
+    figure = plt.figure(figsize=(max(10, 5 * len(models)), 13))
+    grid = figure.add_gridspec(3, len(models), height_ratios=(1, 1, 1.2))
     for column, model in enumerate(models):
-        top, bottom = axes[0][column], axes[1][column]
+        top = figure.add_subplot(grid[0, column])
+        lengths_seen: set[int] = set()
         for engine in sorted({r.cell.engine for r in measured}):
             line = sorted(
                 (r for r in measured if r.cell.model == model and r.cell.engine == engine),
@@ -301,30 +311,66 @@ def plot(rows: list[CellResult], path: Path) -> None:
             if not line:
                 continue
             lengths = [r.cell.tokens for r in line]
+            lengths_seen.update(lengths)
             drawn = top.plot(lengths, [r.kvbridge_gbps for r in line], "o-",
                              label=f"kvbridge ({engine})")  # fmt: skip
             top.plot(lengths, [r.raw_gbps for r in line], "s--", color=drawn[0].get_color(),
                      alpha=0.6, label=f"raw {engine}, same blocks")  # fmt: skip
         top.set_xscale("log", base=2)
+        top.xaxis.set_major_locator(FixedLocator(sorted(lengths_seen)))
+        top.xaxis.set_minor_locator(NullLocator())
+        top.xaxis.set_major_formatter(plain)
         top.set_ylim(bottom=0)
         top.set_xlabel("tokens per request")
-        top.set_ylabel("GB/s")
+        top.set_ylabel("GB/s (10^9 B/s)")
         top.set_title(f"{model}, page {page}, equal TP")
         top.grid(True, alpha=0.3)
-        top.legend(fontsize=8)
-        boxes = sorted(
+        if lengths_seen:
+            top.legend(fontsize=8)
+        middle = figure.add_subplot(grid[1, column])
+        cells_drawn = sorted(
             (r for r in measured if r.cell.model == model and r.latencies_ms),
             key=lambda r: (r.cell.engine, r.cell.tokens),
         )
-        if boxes:
-            bottom.boxplot([r.latencies_ms for r in boxes], showfliers=True)
-            bottom.set_xticks(range(1, len(boxes) + 1))
-            bottom.set_xticklabels([f"{r.cell.engine}\n{r.cell.tokens}" for r in boxes],
-                                   fontsize=8)  # fmt: skip
-            bottom.set_yscale("log")
-            bottom.set_ylabel("per-request latency, ms")
-            bottom.set_title(f"{model}: latency distribution")
-            bottom.grid(True, alpha=0.3)
+        for position, row in enumerate(cells_drawn, start=1):
+            if len(row.latencies_ms) >= MIN_BOX_SAMPLES:
+                middle.boxplot([row.latencies_ms], positions=[position], widths=0.5)
+            else:  # too few for a distribution: the samples themselves
+                middle.plot([position] * len(row.latencies_ms), row.latencies_ms, "o",
+                            color="tab:blue", alpha=0.7)  # fmt: skip
+        middle.set_xticks(range(1, len(cells_drawn) + 1))
+        middle.set_xticklabels(
+            [f"{r.cell.engine}\n{r.cell.tokens}\n({len(r.latencies_ms)} req)" for r in cells_drawn],
+            fontsize=8,
+        )
+        samples = [value for r in cells_drawn for value in r.latencies_ms]
+        if samples and max(samples) > 20 * min(samples):  # spans decades: log, plain numbers
+            middle.set_yscale("log")
+            middle.yaxis.set_major_formatter(plain)
+            middle.yaxis.set_minor_formatter(FuncFormatter(
+                lambda value, _: f"{value:g}" if f"{value:.0e}"[0] in "25" else ""))  # fmt: skip
+        else:
+            middle.set_ylim(bottom=0, top=max(samples, default=1) * 1.1)
+        middle.set_ylabel("per-request latency, ms")
+        middle.set_title(f"{model}: latency per request (boxes from {MIN_BOX_SAMPLES}+)")
+        middle.grid(True, alpha=0.3)
+    bottom = figure.add_subplot(grid[2, :])
+    labels = [
+        f"{r.cell.engine} {r.cell.model} {r.cell.tokens}t p{r.cell.page_size} "
+        f"{r.cell.prefill_tp}→{r.cell.decode_tp}"
+        for r in every
+    ]
+    positions = range(len(every))
+    bottom.bar([p - 0.2 for p in positions], [r.kvbridge_gbps for r in every], 0.4,
+               label="kvbridge")  # fmt: skip
+    bottom.bar([p + 0.2 for p in positions], [r.raw_gbps for r in every], 0.4, alpha=0.6,
+               label="raw engine, same blocks")  # fmt: skip
+    bottom.set_xticks(list(positions))
+    bottom.set_xticklabels(labels, rotation=60, ha="right", fontsize=7)
+    bottom.set_ylabel("GB/s (10^9 B/s)")
+    bottom.set_title("every cell: engine, model, tokens, page size, TP prefill→decode")
+    bottom.grid(True, axis="y", alpha=0.3)
+    bottom.legend(fontsize=8)
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=110)
@@ -338,14 +384,18 @@ def default_engines(preset_name: str) -> tuple[str, ...]:
     return installed if preset_name == "full" else installed[:1]
 
 
-def write_json(rows: list[CellResult], preset_name: str, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    document = {
+def bench_document(rows: list[CellResult], preset_name: str) -> dict[str, Any]:
+    """The results as one JSON-ready document (bench.json, `kvbridge bench --json`)."""
+    return {
         "preset": preset_name,
         "machine": {"cpus": os.cpu_count(), "memory_budget_bytes": memory_budget()},
         "cells": [row.as_json() for row in rows],
     }
-    path.write_text(json.dumps(document, indent=1) + "\n")
+
+
+def write_json(rows: list[CellResult], preset_name: str, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(bench_document(rows, preset_name), indent=1) + "\n")
 
 
 MARKDOWN_COLUMNS = (

@@ -521,8 +521,35 @@ class DemoResult:
         return [r for r in self.reports if r.role == "decode"]
 
     @property
+    def requests_verified(self) -> int:
+        """Requests whose every decode rank received and verified its part."""
+        return min((r.rooms for r in self.decode_reports), default=0)
+
+    @property
     def total_bytes(self) -> int:
         return sum(r.bytes for r in self.decode_reports)
+
+    def summary(self) -> dict[str, Any]:
+        """The run as one JSON-ready record (`kvbridge demo --json`)."""
+        config = self.config
+        return {
+            "ok": self.ok,
+            "model": config.model, "requests": config.requests, "tokens": config.tokens,
+            "page_size": config.page_size, "prefill_tp": config.prefill_tp,
+            "decode_tp": config.decode_tp, "dcp": config.dcp, "engine": config.engine,
+            "transport": sorted({r.transport for r in self.reports if r.transport}),
+            "requests_verified": self.requests_verified, "bytes": self.total_bytes,
+            "gbps": round(self.gbps, 3), "p50_ms": round(self.latency_ms(0.5), 1),
+            "p99_ms": round(self.latency_ms(0.99), 1),
+            "failures": [
+                {"role": r.role, "rank": r.rank, "room": room, "reason": why}
+                for r in self.reports for room, why in sorted(r.failed_rooms.items())
+            ] + [
+                {"role": r.role, "rank": r.rank, "room": None, "reason": r.error}
+                for r in self.reports if r.error
+            ],
+            "mismatched_rooms": sorted({room for r in self.reports for room in r.mismatched_rooms}),
+        }  # fmt: skip
 
     @property
     def gbps(self) -> float:

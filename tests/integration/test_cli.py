@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import struct
 import subprocess
 import sys
@@ -104,3 +106,26 @@ def test_protocol_doc_check_fails_on_a_stale_file(tmp_path: Path) -> None:
     result = kvbridge("protocol-doc", "--check", str(stale))
     assert result.returncode == 1
     assert "stale" in result.stderr
+
+
+def test_demo_counts_requests_fits_80_columns_and_prints_json() -> None:
+    env = {**os.environ, "COLUMNS": "80"}
+    table = subprocess.run(
+        [sys.executable, "-m", "kvbridge", "demo", "-n", "2", "-l", "64", "--prefill-tp", "2",
+         "--decode-tp", "4"],
+        capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    assert table.returncode == 0, table.stdout + table.stderr
+    assert max(len(line) for line in table.stdout.splitlines()) <= 80
+    assert "2/2" in table.stdout  # requests, not rooms × decode ranks
+    assert "2 requests × 64 tokens" in table.stdout
+    one = subprocess.run(
+        [sys.executable, "-m", "kvbridge", "demo", "-n", "1", "-l", "64", "--json"],
+        capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    assert one.returncode == 0, one.stderr
+    summary = json.loads(one.stdout)
+    assert summary["ok"] is True
+    assert (summary["requests"], summary["requests_verified"]) == (1, 1)
+    assert summary["gbps"] > 0
+    assert "1 request × 64 tokens" in one.stderr

@@ -47,3 +47,26 @@ def test_bench_measures_each_cell_and_writes_json_and_plots(tmp_path: Path) -> N
     table = (tmp_path / "bench.md").read_text().splitlines()
     assert table[0].startswith("| engine | model | tokens |")
     assert len(table) == 2 + len(rows)
+
+
+def test_bench_fits_80_columns_and_prints_json_to_stdout(tmp_path: Path) -> None:
+    narrow = subprocess.run(
+        [sys.executable, "-m", "kvbridge", "bench", "--preset", "smoke", "--engine", ENGINE,
+         "--output", str(tmp_path)],
+        capture_output=True, text=True, timeout=240, cwd=ROOT,
+        env={"COLUMNS": "80", "PATH": "/usr/bin:/bin"},
+    )  # fmt: skip
+    assert narrow.returncode == 0, narrow.stdout + narrow.stderr
+    lines = narrow.stdout.splitlines()
+    assert max(len(line) for line in lines) <= 80
+    assert "…" not in narrow.stdout  # no cell cut short
+    assert any("1→1" in line and "llama3-8b" in line for line in lines)
+    as_json = subprocess.run(
+        [sys.executable, "-m", "kvbridge", "bench", "--preset", "smoke", "--engine", ENGINE,
+         "--output", str(tmp_path), "--json"],
+        capture_output=True, text=True, timeout=240, cwd=ROOT,
+        env={"COLUMNS": "80", "PATH": "/usr/bin:/bin"},
+    )  # fmt: skip
+    assert as_json.returncode == 0, as_json.stderr
+    document = json.loads(as_json.stdout)  # stdout is the document and nothing else
+    assert [row["cell"]["decode_tp"] for row in document["cells"]] == [1, 4]

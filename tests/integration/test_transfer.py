@@ -99,7 +99,7 @@ def test_mooncake_requests_arrive_byte_exact(private_netns: list[str]) -> None:
     result = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "all bytes" in result.stdout
-    assert "mooncake: tcp" in result.stdout
+    assert "engine: mooncake (tcp)" in result.stdout
 
 
 @pytest.mark.parametrize(

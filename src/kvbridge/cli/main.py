@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import errno
+import json
+import logging
+import os
 import signal
 import sys
 from pathlib import Path
@@ -18,6 +22,7 @@ from kvbridge.bench import (
     ENGINES,
     PRESETS,
     CellResult,
+    bench_document,
     cells,
     default_engines,
     markdown,
@@ -26,11 +31,19 @@ from kvbridge.bench import (
     write_json,
 )
 from kvbridge.control.bootstrap import BootstrapServer
-from kvbridge.demo import MEMORY_KINDS, MODELS, DemoConfig, DemoConfigError, run_demo
+from kvbridge.demo import (
+    MEMORY_KINDS,
+    MODELS,
+    DemoConfig,
+    DemoConfigError,
+    DemoResult,
+    run_demo,
+)
 from kvbridge.engines import unavailable_reason
 from kvbridge.logs import configure as configure_logging
 from kvbridge.logs import level_for
 from kvbridge.wire import PROFILES, WireError, inspect_frames
+from kvbridge.wire.address import host_problem
 from kvbridge.wire.auth import secret_from_env
 from kvbridge.wire.framefile import FrameFileError, load_frames, parse_hex_frame
 from kvbridge.wire.profile import Inspection
@@ -38,17 +51,101 @@ from kvbridge.wire.protocol_doc import render_protocol
 
 console = Console()
 error_console = Console(stderr=True)
+# Every message type of every profile, for --type.
+MESSAGE_TYPES = sorted(
+    {layout.type_name for profile in PROFILES.values() for layout in profile.layouts}
+)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def _is_verbose_flag(option: str) -> bool:
+    return option == "--verbose" or (option.startswith("-v") and set(option[1:]) == {"v"})
+
+
+class _Command(click.Command):
+    """A subcommand: `-v` given after it gets a hint instead of a bare "no such option"."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        try:
+            return super().parse_args(ctx, args)
+        except click.NoSuchOption as exc:
+            if not _is_verbose_flag(exc.option_name):
+                raise
+            raise click.UsageError(
+                f"-v and -vv go before the command: kvbridge -vv {ctx.info_name} ...", ctx
+            ) from None
+
+
+class _Group(click.Group):
+    """The `kvbridge` group: a failure inside a command is one line on stderr and exit
+    status 1 (the traceback only with -vv); usage errors stay click's, exit status 2."""
+
+    command_class = _Command
+
+    def invoke(self, ctx: click.Context) -> object:
+        try:
+            return super().invoke(ctx)
+        except (click.exceptions.Exit, click.ClickException, click.Abort, KeyboardInterrupt):
+            raise
+        except Exception as exc:
+            if isinstance(ctx.obj, int) and ctx.obj <= logging.DEBUG:
+                raise
+            error_console.print(f"[red]error:[/red] {_explain(exc)}", highlight=False)
+            error_console.print("(run with -vv before the command for the traceback)",
+                                style="dim", highlight=False)  # fmt: skip
+            raise click.exceptions.Exit(1) from None
+
+
+def _explain(exc: BaseException) -> str:
+    """A failure in words: what went wrong and, for the common ones, what to do."""
+    if isinstance(exc, OSError) and exc.errno == errno.EADDRINUSE:
+        return f"{exc.strerror}: another process holds that port; choose another one"
+    if isinstance(exc, PermissionError):
+        return f"{exc}: ports below 1024 need root; choose a port of 1024 or more"
+    name = type(exc).__name__
+    return f"{exc}" if name.endswith("Error") and str(exc) else f"{name}: {exc}"
+
+
+def _validate_host(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    problem = host_problem(value)
+    if problem is not None:
+        raise click.BadParameter(problem)
+    return value
+
+
+def _writable_folder(folder: Path) -> None:
+    """Refuse, before a long run, a results folder that cannot be written."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".kvbridge-write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise click.BadParameter(f"cannot write results there: {exc.strerror or exc}",
+                                 param_hint="--output") from None  # fmt: skip
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(kvbridge.__version__, prog_name="kvbridge")
 @click.option("-v", "--verbose", count=True,
               help="Log more: -v rooms and peers (INFO), -vv every message (DEBUG).")  # fmt: skip
 @click.pass_context
 def app(context: click.Context, verbose: int) -> None:
-    """kvbridge: the KV-cache transfer plane between prefill and decode workers."""
+    """kvbridge: the KV-cache transfer plane between prefill and decode workers.
+
+    Options such as -v go before the command. Exit status: 0 success, 1 a failure, 2 a usage
+    error.
+
+    \b
+    Examples:
+      kvbridge demo
+      kvbridge -v demo --prefill-tp 2 --decode-tp 4
+      kvbridge inspect --sample sglang-mooncake-registration
+    """
     context.obj = level_for(verbose)
     configure_logging(context.obj)
+    if verbose:  # the engines' own logs too (read when they load, in every rank process)
+        os.environ.setdefault("MC_LOG_LEVEL", "INFO")
+        os.environ.setdefault("NIXL_LOG_LEVEL", "INFO" if verbose == 1 else "DEBUG")
 
 
 class Terminated(KeyboardInterrupt):
@@ -69,7 +166,11 @@ def _interrupted(exc: KeyboardInterrupt, what: str) -> click.exceptions.Exit:
 def main() -> None:
     """The `kvbridge` command: SIGTERM stops it as cleanly as Ctrl-C does."""
     signal.signal(signal.SIGTERM, _raise_terminated)
-    app(prog_name="kvbridge")
+    try:
+        app(prog_name="kvbridge")
+    except BrokenPipeError:  # the reader went away (`kvbridge ... | head`): not an error here
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(1)
 
 
 def _fail(message: str) -> click.exceptions.Exit:
@@ -122,10 +223,13 @@ def _render(result: Inspection, description: str | None) -> None:
 
 @app.command("inspect")
 @click.argument("hex_frames", nargs=-1)
-@click.option("--file", "-f", help="A frames file (JSON hex list or binary); - = stdin.")
-@click.option("--sample", "-s", help="A bundled sample (see `kvbridge samples`).")
-@click.option("--profile", "-p", type=click.Choice(list(PROFILES)), help="Default: detect.")
-@click.option("--type", "-t", "message_type", help="Message type; default: detect.")
+@click.option("--file", "-f", metavar="PATH",
+              help="A frames file (JSON hex list or binary); - reads stdin.")  # fmt: skip
+@click.option("--sample", "-s", metavar="NAME", help="A bundled sample (see `kvbridge samples`).")
+@click.option("--profile", "-p", type=click.Choice(list(PROFILES)),
+              help="Wire profile of the message. Default: detected.")  # fmt: skip
+@click.option("--type", "-t", "message_type", type=click.Choice(MESSAGE_TYPES),
+              help="Message type. Default: detected.")  # fmt: skip
 def inspect_command(
     hex_frames: tuple[str, ...],
     file: str | None,
@@ -138,6 +242,11 @@ def inspect_command(
     HEX_FRAMES are the frames as hex strings, one argument each ("" = an empty frame).
     Exits 0 when the message is valid, 1 when it is malformed, 2 on unusable input.
     Native messages with an auth tag are verified when $KVBRIDGE_SECRET is set.
+
+    \b
+    Examples:
+      kvbridge inspect --sample sglang-mooncake-registration
+      kvbridge inspect 3132 34 31          # a transfer status: room 12, rank 4, state 1
     """
     frames, metadata = _read_frames(hex_frames, file, sample)
     if not frames:
@@ -162,7 +271,12 @@ def inspect_command(
 
 @app.command("samples")
 def samples_command() -> None:
-    """List the bundled sample messages."""
+    """List the bundled sample messages (frames captured in each profile's layout).
+
+    \b
+    Example:
+      kvbridge samples
+    """
     for name in samples.sample_names():
         _, metadata = load_frames(samples.sample_bytes(name))
         console.print(f"{name}: {metadata.get('description', '')}", highlight=False)
@@ -176,7 +290,13 @@ def samples_command() -> None:
     help="Exit 1 if this file differs from the generated document.",
 )
 def protocol_doc_command(output: Path | None, check: Path | None) -> None:
-    """Generate the protocol document (docs/PROTOCOL.md) from the layouts."""
+    """Generate the protocol document (docs/PROTOCOL.md) from the layouts.
+
+    \b
+    Examples:
+      kvbridge protocol-doc | less
+      kvbridge protocol-doc --check docs/PROTOCOL.md
+    """
     document = render_protocol()
     if check is not None:
         if not check.exists() or check.read_text() != document:
@@ -192,17 +312,20 @@ def protocol_doc_command(output: Path | None, check: Path | None) -> None:
 
 
 @app.command("demo")
-@click.option("--model", type=click.Choice(sorted(MODELS)), default="llama3-8b", show_default=True)
-@click.option("--requests", "-n", type=click.IntRange(1), default=16, show_default=True)
+@click.option("--model", type=click.Choice(sorted(MODELS)), default="llama3-8b", show_default=True,
+              help="Model whose KV-cache shape is moved (layers, KV heads, head dim).")  # fmt: skip
+@click.option("--requests", "-n", type=click.IntRange(1), default=16, show_default=True,
+              help="Requests (rooms) moved, all issued at once.")  # fmt: skip
 @click.option("--tokens", "-l", type=click.IntRange(1), default=1024, show_default=True,
               help="Tokens per request.")  # fmt: skip
-@click.option("--page-size", type=click.IntRange(1), default=16, show_default=True)
+@click.option("--page-size", type=click.IntRange(1), default=16, show_default=True,
+              help="Tokens per KV-cache page.")  # fmt: skip
 @click.option("--tp", type=click.IntRange(1), default=1, show_default=True,
-              help="Attention-TP size of both groups.")  # fmt: skip
+              help="Attention-TP size of both groups (ranks per group).")  # fmt: skip
 @click.option("--prefill-tp", type=click.IntRange(1), help="Prefill attention-TP (default: --tp).")
 @click.option("--decode-tp", type=click.IntRange(1), help="Decode attention-TP (default: --tp).")
 @click.option("--engine", type=click.Choice(["nixl", "mooncake"]), default="nixl",
-              show_default=True)  # fmt: skip
+              show_default=True, help="Transfer engine that moves the bytes.")  # fmt: skip
 @click.option("--dcp", type=click.IntRange(1), default=1, show_default=True,
               help="Decode context parallelism: processes per decode TP rank.")  # fmt: skip
 @click.option("--staging/--no-staging", default=True, show_default=True,
@@ -211,6 +334,8 @@ def protocol_doc_command(output: Path | None, check: Path | None) -> None:
               help="Chunks each request is sent in (chunked prefill).")  # fmt: skip
 @click.option("--memory", type=click.Choice(MEMORY_KINDS), default="host", show_default=True,
               help="Where the KV cache lives: numpy arrays, torch CPU tensors, a GPU.")  # fmt: skip
+@click.option("--json", "as_json", is_flag=True,
+              help="Print one JSON object to stdout instead of the table.")  # fmt: skip
 @click.pass_obj
 def demo_command(
     log_level: int,
@@ -226,9 +351,19 @@ def demo_command(
     staging: bool,
     chunks: int,
     memory: str,
+    as_json: bool,
 ) -> None:
     """Move the KV cache of N requests from a prefill group to a decode group (separate
-    processes, a real engine) and verify every byte. Exits 1 on any failure or mismatch."""
+    processes, a real engine) and verify every byte. Exits 1 on any failure or mismatch.
+
+    Sizes are in GB and rates in GB/s, both decimal (10^9 bytes).
+
+    \b
+    Examples:
+      kvbridge demo
+      kvbridge demo --prefill-tp 2 --decode-tp 4 --requests 8
+      kvbridge demo --model deepseek-v3 --json
+    """
     config = DemoConfig(
         model=model, requests=requests, tokens=tokens, page_size=page_size,
         prefill_tp=prefill_tp or tp, decode_tp=decode_tp or tp, engine=engine, chunks=chunks,
@@ -241,34 +376,45 @@ def demo_command(
         config.check()
     except DemoConfigError as exc:
         raise _fail(str(exc)) from None
-    footprint = config.kv_bytes_per_rank(config.prefill_tp) / 2**30
-    console.print(
-        f"{config.shape.name}: {requests} requests × {tokens} tokens, page {page_size}, "
+    footprint = config.kv_bytes_per_rank(config.prefill_tp) / 1e9
+    plural = "s" if requests > 1 else ""
+    status = error_console if as_json else console
+    status.print(
+        f"{config.shape.name}: {requests} request{plural} × {tokens} tokens, page {page_size}, "
         f"TP {config.prefill_tp}→{config.decode_tp}, DCP {config.dcp}, engine {engine}; "
-        f"{footprint:.2f} GiB of KV "
-        "per prefill rank",
+        f"{footprint:.2f} GB of KV per prefill rank",
         highlight=False,
     )
-    with Progress(console=console, transient=True) as progress:
+    with Progress(console=status, transient=True) as progress:
         task = progress.add_task("rooms verified", total=requests * config.decode_ranks)
         try:
             result = run_demo(config, lambda done: progress.update(task, completed=done))
         except KeyboardInterrupt as exc:
             raise _interrupted(exc, "demo stopped, rank processes ended") from None
+    if as_json:
+        sys.stdout.write(json.dumps(result.summary()) + "\n")
+    else:
+        _print_demo(result)
+    if not result.ok:
+        raise click.exceptions.Exit(1)
+
+
+def _print_demo(result: DemoResult) -> None:
+    """The demo's summary: a table that fits 80 columns, then the engine and any failure."""
     table = Table(title="kvbridge demo", title_justify="left")
-    for column in ("requests", "bytes", "GB/s", "p50 ms", "p99 ms", "engine", "verified"):
-        table.add_column(column, justify="right" if column != "engine" else "left")
-    transports = sorted({r.transport for r in result.reports if r.transport})
+    for column in ("requests", "GB", "GB/s", "p50 ms", "p99 ms", "verified"):
+        table.add_column(column, justify="right")
     table.add_row(
-        str(sum(r.rooms for r in result.decode_reports)),
-        f"{result.total_bytes / 2**30:.2f} GiB",
+        f"{result.requests_verified}/{result.config.requests}",
+        f"{result.total_bytes / 1e9:.2f}",
         f"{result.gbps:.2f}",
         f"{result.latency_ms(0.5):.1f}",
         f"{result.latency_ms(0.99):.1f}",
-        f"{engine}: {', '.join(transports)}",
         "[green]all bytes[/green]" if result.ok else "[red]NO[/red]",
     )
     console.print(table)
+    transports = ", ".join(sorted({r.transport for r in result.reports if r.transport}))
+    console.print(f"engine: {result.config.engine} ({transports})", highlight=False)
     staged = sum(r.staged_chunks for r in result.reports)
     fallbacks = sum(r.staging_fallbacks for r in result.reports)
     if staged or fallbacks:
@@ -282,8 +428,6 @@ def demo_command(
                           f"{report.mismatched_rooms}[/red]")  # fmt: skip
         if report.error:
             console.print(f"[red]{report.role} {report.rank}: {report.error}[/red]")
-    if not result.ok:
-        raise click.exceptions.Exit(1)
 
 
 @app.command("bench")
@@ -295,17 +439,34 @@ def demo_command(
 @click.option("--output", type=click.Path(file_okay=False, path_type=Path),
               default=Path("bench-results"), show_default=True,
               help="Folder for bench.json, bench.md and bench.png.")  # fmt: skip
+@click.option("--wide", is_flag=True,
+              help="Every column (descriptors, planning and control CPU per request); "
+                   "needs about 140 columns.")  # fmt: skip
+@click.option("--json", "as_json", is_flag=True,
+              help="Print the results as one JSON document to stdout, not the table.")  # fmt: skip
 @click.pass_obj
-def bench_command(log_level: int, preset: str, engines: tuple[str, ...], output: Path) -> None:
+def bench_command(
+    log_level: int, preset: str, engines: tuple[str, ...], output: Path, wide: bool,
+    as_json: bool,
+) -> None:  # fmt: skip
     """Benchmark matrix: for each cell, kvbridge end to end (separate processes, bytes
     verified) against the raw engine moving the identical blocks. Prints a table, writes
-    JSON and PNG plots. Exits 1 if any cell failed."""
+    JSON, Markdown and PNG plots. Exits 1 if any cell failed. Rates in GB/s (10^9 B/s).
+
+    \b
+    Examples:
+      kvbridge bench --preset smoke
+      kvbridge bench --engine nixl --engine mooncake --wide
+      kvbridge bench --preset smoke --json > results.json
+    """
     chosen = engines or default_engines(preset)
     if not chosen:
         raise _fail("no transfer engine is installed (pip install nixl-cu12 or mooncake)")
+    _writable_folder(output)
     planned = len(cells(PRESETS[preset], chosen))
     rows: list[CellResult] = []
-    with Progress(console=console, transient=True) as progress:
+    status = error_console if as_json else console
+    with Progress(console=status, transient=True) as progress:
         task = progress.add_task("cells", total=planned)
 
         def done(row: CellResult) -> None:
@@ -315,40 +476,67 @@ def bench_command(log_level: int, preset: str, engines: tuple[str, ...], output:
             rows.extend(run_matrix(preset, chosen, done, log_level))
         except KeyboardInterrupt as exc:
             raise _interrupted(exc, "bench stopped, rank processes ended") from None
-    table = Table(title=f"kvbridge bench ({preset})", title_justify="left")
-    columns = ("engine", "model", "tokens", "page", "TP", "req", "GB/s", "raw GB/s", "ratio",
-               "p50 ms", "p99 ms", "desc/req", "plan ms/req", "ctrl CPU ms/req")  # fmt: skip
-    for column in columns:
-        table.add_column(column, justify="left" if column in ("engine", "model") else "right")
-    for row in rows:
-        cell = row.cell
-        head = (cell.engine, cell.model, str(cell.tokens), str(cell.page_size),
-                f"{cell.prefill_tp}→{cell.decode_tp}")  # fmt: skip
-        if row.skipped or row.error:
-            why = f"[yellow]skipped: {row.skipped}[/yellow]" if row.skipped else (
-                f"[red]failed: {row.error}[/red]")  # fmt: skip
-            table.add_row(*head, "", why)
-            continue
-        table.add_row(
-            *head, str(row.requests), f"{row.kvbridge_gbps:.2f}", f"{row.raw_gbps:.2f}",
-            f"{row.ratio:.2f}" if row.ratio is not None else "-", f"{row.p50_ms:.1f}",
-            f"{row.p99_ms:.1f}", f"{row.descriptors_per_request:g}",
-            f"{row.plan_ms_per_request:.3f}", f"{row.control_cpu_ms_per_request:.2f}",
-        )  # fmt: skip
-    console.print(table)
     write_json(rows, preset, output / "bench.json")
     (output / "bench.md").write_text(markdown(rows))
     plot(rows, output / "bench.png")
-    console.print(f"wrote {output}/bench.json, bench.md and bench.png", highlight=False)
+    if as_json:
+        sys.stdout.write(json.dumps(bench_document(rows, preset)) + "\n")
+    else:
+        console.print(_bench_table(rows, preset, wide))
+        for row in rows:
+            if row.skipped or row.error:
+                why = f"skipped: {row.skipped}" if row.skipped else f"failed: {row.error}"
+                console.print(f"{row.cell.label}: {why}", highlight=False)
+    status.print(f"wrote {output}/bench.json, bench.md and bench.png", highlight=False)
     if any(row.error for row in rows):
         raise click.exceptions.Exit(1)
 
 
+def _bench_table(rows: list[CellResult], preset: str, wide: bool) -> Table:
+    """Nine columns by default (80 columns wide), every one with --wide."""
+    columns = ["engine", "model", "tokens", "page", "TP", "GB/s", "raw GB/s", "ratio", "p50 ms"]
+    if wide:
+        columns[-1:-1] = ["req"]
+        columns += ["p99 ms", "desc/req", "plan ms/req", "ctrl CPU ms/req"]
+    table = Table(title=f"kvbridge bench ({preset})", title_justify="left", padding=(0, 1))
+    for column in columns:
+        table.add_column(column, justify="left" if column in ("engine", "model") else "right",
+                         no_wrap=column not in ("engine", "model"))  # fmt: skip
+    for row in rows:
+        cell = row.cell
+        values = {"engine": cell.engine, "model": cell.model, "tokens": str(cell.tokens),
+                  "page": str(cell.page_size),
+                  "TP": f"{cell.prefill_tp}→{cell.decode_tp}"}  # fmt: skip
+        if row.skipped or row.error:  # the reason goes below the table, in full
+            mark = "[yellow]skipped[/yellow]" if row.skipped else "[red]failed[/red]"
+            table.add_row(*[values.get(column, "") for column in columns[:5]], mark)
+            continue
+        values |= {
+            "req": str(row.requests), "GB/s": f"{row.kvbridge_gbps:.2f}",
+            "raw GB/s": f"{row.raw_gbps:.2f}",
+            "ratio": f"{row.ratio:.2f}" if row.ratio is not None else "-",
+            "p50 ms": f"{row.p50_ms:.0f}", "p99 ms": f"{row.p99_ms:.0f}",
+            "desc/req": f"{row.descriptors_per_request:g}",
+            "plan ms/req": f"{row.plan_ms_per_request:.3f}",
+            "ctrl CPU ms/req": f"{row.control_cpu_ms_per_request:.2f}",
+        }  # fmt: skip
+        table.add_row(*[values[column] for column in columns])
+    return table
+
+
 @app.command("bootstrap")
-@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
-@click.option("--port", type=click.IntRange(0, 65535), default=8998, show_default=True)
+@click.option("--host", default="127.0.0.1", show_default=True, callback=_validate_host,
+              help="Address to bind (0.0.0.0: every interface; then set a secret).")  # fmt: skip
+@click.option("--port", type=click.IntRange(0, 65535), default=8998, show_default=True,
+              help="TCP port to serve on (0: any free port, printed at start).")  # fmt: skip
 def bootstrap_command(host: str, port: int) -> None:
-    """Run the bootstrap (rendezvous) service standalone until interrupted."""
+    """Run the bootstrap (rendezvous) service standalone until interrupted (SIGINT or
+    SIGTERM: exit status 0). Prefill ranks register with it, decode ranks look them up.
+
+    \b
+    Example:
+      kvbridge bootstrap --host 0.0.0.0 --port 8998
+    """
     server = BootstrapServer(host, port, secret=secret_from_env())
     console.print(f"kvbridge bootstrap on {server.url}", highlight=False)
     try:

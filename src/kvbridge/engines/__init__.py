@@ -30,10 +30,14 @@ def unavailable_reason(name: str) -> str | None:
     if name not in _MODULES:
         return f"unknown engine {name!r}; choose one of {', '.join(ENGINES)}"
     try:
-        if name == "nixl":  # through the adapter: either CUDA build, the host's logging kept
+        if name == "nixl":  # through the adapters: either CUDA build, the host's logging kept
             from kvbridge.engines.nixl import _import_nixl
 
             _import_nixl()
+        elif name == "mooncake":  # its log level is set before the library loads
+            from kvbridge.engines.mooncake import _import_mooncake
+
+            _import_mooncake()
         else:
             importlib.import_module(_MODULES[name])
     except (ImportError, OSError, EngineError) as exc:

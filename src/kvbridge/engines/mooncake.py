@@ -39,8 +39,9 @@ INSTALL_HINT = (
 
 
 def _import_mooncake() -> Any:
-    # Mooncake logs through glog at INFO to stderr; keep warnings and errors only.
-    os.environ.setdefault("GLOG_minloglevel", "1")
+    # Mooncake logs through glog at INFO to stderr; keep warnings and errors only. Its glog
+    # build ignores GLOG_minloglevel; MC_LOG_LEVEL (upper case) is what it reads, at load.
+    os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
     try:
         from mooncake import engine  # type: ignore[import-not-found,import-untyped,unused-ignore]
     except ImportError as exc:

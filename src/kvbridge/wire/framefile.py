@@ -27,6 +27,11 @@ def parse_hex_frame(text: str, position: int) -> bytes:
     if cleaned.lower().startswith("0x"):
         cleaned = cleaned[2:]
     cleaned = cleaned.replace(" ", "").replace(":", "")
+    if len(cleaned) % 2:
+        raise FrameFileError(
+            f"frame {position}: {text[:40]!r} has an odd number of hex digits ({len(cleaned)}): "
+            "each byte is two digits"
+        )
     try:
         return bytes.fromhex(cleaned)
     except ValueError:
@@ -35,6 +40,8 @@ def parse_hex_frame(text: str, position: int) -> bytes:
 
 def load_frames(data: bytes) -> tuple[list[bytes], dict[str, Any]]:
     """Frames and metadata (profile, type, description: whatever the JSON form carries)."""
+    if not data.strip():
+        raise FrameFileError("the frames file is empty")
     if data.startswith(BINARY_MAGIC):
         return _load_binary(data), {}
     try:
