@@ -13,13 +13,18 @@ ROOT = Path(__file__).resolve().parents[2]
 require_engine()
 
 
-def test_bench_measures_each_cell_and_writes_json_and_plots(tmp_path: Path) -> None:
-    result = subprocess.run(
+def bench(output: Path, columns: int, *extra: str) -> subprocess.CompletedProcess[str]:
+    """`kvbridge bench --preset smoke` on the test engine, in a terminal `columns` wide."""
+    return subprocess.run(
         [sys.executable, "-m", "kvbridge", "bench", "--preset", "smoke", "--engine", ENGINE,
-         "--output", str(tmp_path)],
+         "--output", str(output), *extra],
         capture_output=True, text=True, timeout=240, cwd=ROOT,
-        env={"COLUMNS": "250", "PATH": "/usr/bin:/bin"},
+        env={"COLUMNS": str(columns), "PATH": "/usr/bin:/bin"},
     )  # fmt: skip
+
+
+def test_bench_measures_each_cell_and_writes_json_and_plots(tmp_path: Path) -> None:
+    result = bench(tmp_path, 250)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "kvbridge bench (smoke)" in result.stdout
     document = json.loads((tmp_path / "bench.json").read_text())
@@ -50,23 +55,13 @@ def test_bench_measures_each_cell_and_writes_json_and_plots(tmp_path: Path) -> N
 
 
 def test_bench_fits_80_columns_and_prints_json_to_stdout(tmp_path: Path) -> None:
-    narrow = subprocess.run(
-        [sys.executable, "-m", "kvbridge", "bench", "--preset", "smoke", "--engine", ENGINE,
-         "--output", str(tmp_path)],
-        capture_output=True, text=True, timeout=240, cwd=ROOT,
-        env={"COLUMNS": "80", "PATH": "/usr/bin:/bin"},
-    )  # fmt: skip
+    narrow = bench(tmp_path, 80)
     assert narrow.returncode == 0, narrow.stdout + narrow.stderr
     lines = narrow.stdout.splitlines()
     assert max(len(line) for line in lines) <= 80
     assert "…" not in narrow.stdout  # no cell cut short
     assert any("1→1" in line and "llama3-8b" in line for line in lines)
-    as_json = subprocess.run(
-        [sys.executable, "-m", "kvbridge", "bench", "--preset", "smoke", "--engine", ENGINE,
-         "--output", str(tmp_path), "--json"],
-        capture_output=True, text=True, timeout=240, cwd=ROOT,
-        env={"COLUMNS": "80", "PATH": "/usr/bin:/bin"},
-    )  # fmt: skip
+    as_json = bench(tmp_path, 80, "--json")
     assert as_json.returncode == 0, as_json.stderr
     document = json.loads(as_json.stdout)  # stdout is the document and nothing else
     assert [row["cell"]["decode_tp"] for row in document["cells"]] == [1, 4]
