@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvbridge-installed
 EXAMPLES_STAMP := $(VENV)/.kvbridge-examples-installed
 
-.PHONY: demo test lint format docs bench mooncake clean
+.PHONY: demo test lint format docs bench mooncake sglang-env clean
 
 $(STAMP): requirements/dev.txt requirements/engines.txt pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "kvbridge needs Python >= 3.10, $(PYTHON) is " + sys.version.split()[0])'
@@ -25,6 +25,10 @@ $(EXAMPLES_STAMP): requirements/examples.txt $(STAMP)
 # The Mooncake engine: installs its system library as root, else stops with the command.
 mooncake: $(STAMP)
 	scripts/install-mooncake.sh $(BIN)/python
+
+# sglang 0.5.23 in its own environment (.venv-sglang), for the SGLang compatibility checks.
+sglang-env:
+	scripts/sglang-env.sh .venv-sglang
 
 demo: $(STAMP)
 	$(BIN)/kvbridge demo
@@ -57,4 +61,4 @@ docs: $(STAMP)
 	$(BIN)/kvbridge protocol-doc --output docs/PROTOCOL.md
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) .venv-sglang .pytest_cache .hypothesis
