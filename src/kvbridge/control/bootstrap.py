@@ -17,9 +17,9 @@ prefill rank 0 or standalone (`kvbridge bootstrap`).
 With a shared secret every route needs the header "Authorization: Bearer <bootstrap_token>"
 (401 otherwise; a client that keeps offering wrong tokens gets 429 for a while).
 
-The server takes connections on one thread and serves them on a bounded pool; each socket has
-a timeout, so a slow or half-open client holds a worker for at most `CLIENT_TIMEOUT_S`, and a
-connection beyond the pool's queue is closed at once.
+The HTTP shell serves every connection on one asyncio loop (no thread per client): a client
+has `CLIENT_TIMEOUT_S` to send its whole request, and a connection beyond `MAX_CONNECTIONS`
+open at once is closed at once. What is answered is decided by the pure `BootstrapService`.
 """
 
 from __future__ import annotations

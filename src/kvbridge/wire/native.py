@@ -195,6 +195,15 @@ class TransferRequest(Message):
             )
 
 
+def _session_token(doc: str) -> Field:
+    """Decode's registration token (native 1.1): absent (empty) from 1.0 peers."""
+    return Field("session_token", c.BYTES, doc, default=b"")
+
+
+def _echoed_token() -> Field:
+    return _session_token("decode's registration token, echoed (1.1; empty from 1.0 peers)")
+
+
 def _optional(name: str, codec: c.Codec[Any], doc: str = "") -> Field:
     """An optional scalar: None is sent as an empty frame, so 0 stays a real value."""
     return Field(name, codec, doc, default=None, send_default_empty=True)
@@ -240,7 +249,7 @@ _LAYOUT_ROWS: tuple[tuple[int, type[Message], str, tuple[Field, ...]], ...] = (
             Field("memory_kind", c.EnumU8(MemoryKind)),
             Field("device_id", c.U32),
             Field("capabilities", c.STRING_SET),
-            Field("session_token", c.BYTES, "random bytes prefill echoes back (1.1)", default=b""),
+            _session_token("random bytes prefill echoes back (1.1)"),
         ),
     ),
     (
@@ -267,12 +276,7 @@ _LAYOUT_ROWS: tuple[tuple[int, type[Message], str, tuple[Field, ...]], ...] = (
             Field("status", c.EnumU8(KVPoll)),
             Field("prefill_rank", c.U32),
             Field("reason", c.UTF8, "why the room failed; empty otherwise"),
-            Field(
-                "session_token",
-                c.BYTES,
-                "decode's registration token (1.1; empty from 1.0 peers)",
-                default=b"",
-            ),
+            _echoed_token(),
         ),
     ),
     (
@@ -293,12 +297,7 @@ _LAYOUT_ROWS: tuple[tuple[int, type[Message], str, tuple[Field, ...]], ...] = (
         (
             Field("room", c.U64),
             Field("prefill_rank", c.U32),
-            Field(
-                "session_token",
-                c.BYTES,
-                "decode's registration token (1.1; empty from 1.0 peers)",
-                default=b"",
-            ),
+            _echoed_token(),
         ),
     ),
     (
@@ -357,12 +356,7 @@ _LAYOUT_ROWS: tuple[tuple[int, type[Message], str, tuple[Field, ...]], ...] = (
             Field("sequence", c.U64),
             Field("lease_ms", c.U32),
             _optional("ack_sequence", c.U64, "last sequence heard from the receiver (1.1)"),
-            Field(
-                "session_token",
-                c.BYTES,
-                "decode's registration token (1.1; empty from 1.0 peers)",
-                default=b"",
-            ),
+            _echoed_token(),
         ),
     ),
 )
