@@ -6,8 +6,12 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvbridge-installed
 EXAMPLES_STAMP := $(VENV)/.kvbridge-examples-installed
+SGLANG_VENV := .venv-sglang
+SGLANG_STAMP := $(SGLANG_VENV)/.kvbridge-sglang-installed
+# kvbridge's SGLang profiles against sglang 0.5.23's own code, inside sglang's environment.
+SGLANG_TESTS := SGLANG_HOST_IP=127.0.0.1 PYTHONPATH=src $(SGLANG_VENV)/bin/python -m pytest tests/sglang_compat
 
-.PHONY: demo test lint format docs bench mooncake sglang-env clean
+.PHONY: demo test test-sglang lint format docs bench mooncake sglang-env goldens clean
 
 $(STAMP): requirements/dev.txt requirements/engines.txt pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "kvbridge needs Python >= 3.10, $(PYTHON) is " + sys.version.split()[0])'
@@ -27,18 +31,35 @@ mooncake: $(STAMP)
 	scripts/install-mooncake.sh $(BIN)/python
 
 # sglang 0.5.23 in its own environment (.venv-sglang), for the SGLang compatibility checks.
-sglang-env:
-	scripts/sglang-env.sh .venv-sglang
+# Built after install-mooncake.sh has put libibverbs on the machine (sglang's Mooncake
+# module loads it).
+$(SGLANG_STAMP): scripts/sglang-env.sh tests/sglang_compat/sglang_import.py
+	scripts/sglang-env.sh $(SGLANG_VENV)
+	@touch $@
+
+sglang-env: $(SGLANG_STAMP)
+
+test-sglang: $(STAMP)
+	scripts/install-mooncake.sh $(BIN)/python --optional
+	$(MAKE) --no-print-directory $(SGLANG_STAMP)
+	$(SGLANG_TESTS)
+
+# Regenerate tests/goldens/sglang-0.5.23.json (and the samples made from it) from sglang.
+goldens: $(STAMP) $(SGLANG_STAMP)
+	PYTHONPATH=src $(SGLANG_VENV)/bin/python tests/sglang_compat/make_goldens.py
+	$(BIN)/python scripts/make_samples.py
 
 demo: $(STAMP)
 	$(BIN)/kvbridge demo
 
 test: $(STAMP) $(EXAMPLES_STAMP)
 	scripts/install-mooncake.sh $(BIN)/python --optional
+	$(MAKE) --no-print-directory $(SGLANG_STAMP)
 	$(BIN)/ruff check src tests benchmarks scripts examples
 	$(BIN)/ruff format --check src tests benchmarks scripts examples
 	$(BIN)/mypy --strict src
 	$(BIN)/python -m pytest
+	$(SGLANG_TESTS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks scripts examples
@@ -61,4 +82,4 @@ docs: $(STAMP)
 	$(BIN)/kvbridge protocol-doc --output docs/PROTOCOL.md
 
 clean:
-	rm -rf $(VENV) .venv-sglang .pytest_cache .hypothesis
+	rm -rf $(VENV) $(SGLANG_VENV) .pytest_cache .hypothesis

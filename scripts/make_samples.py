@@ -5,7 +5,10 @@
 
 from __future__ import annotations
 
+import json
 import struct
+import sys
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -13,10 +16,11 @@ import numpy as np
 from kvbridge.samples import sample_folder
 from kvbridge.wire import NATIVE, KVLayout, Registration, TransferRequest
 from kvbridge.wire.framefile import dump_json
-from kvbridge.wire.sglang import mooncake, nixl
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "tests" / "helpers"))
+from sglang_views import GOLDENS
 
 DECODE_IP = "10.0.0.7"
-SESSION = "10.0.0.7:15001"
 
 
 def pointer(value: int) -> bytes:
@@ -28,58 +32,63 @@ def write(name: str, frames: list[bytes], profile: str, description: str) -> Non
     path.write_text(dump_json(frames, profile=profile, description=description))
 
 
-def main() -> None:
-    # The SGLang unit test's registration message, from shared/reference/sglang-wire.md.
-    reference = [
-        b"room", b"127.0.0.1", b"1234", b"session", pointer(0x1000), pointer(0x2000), b"",
+# One sample per message kind sglang 0.5.23 sends: frames its own builders produced, taken
+# from the goldens (tests/goldens/sglang-0.5.23.json, made by tests/sglang_compat/make_goldens.py).
+SGLANG_SAMPLES = {
+    "mooncake-registration": ("sglang-mooncake", "registration (20 frames)", "staging"),
+    "mooncake-transfer-info": ("sglang-mooncake", "TransferInfo (10 frames)", "pages"),
+    "mooncake-status": ("sglang-mooncake", "transfer status (3 frames, no tag)", None),
+    "nixl-registration": ("sglang-nixl", "registration (guard + 24 frames)", None),
+    "nixl-transfer-info": ("sglang-nixl", "TransferInfo (guard + 10 frames)", "pages"),
+    "nixl-status": ("sglang-nixl", "KV_STATUS", None),
+    "abort": ("sglang-mooncake", "ABORT with a generation (both backends)", "generation"),
+    "abort-ack": ("sglang-mooncake", "ABORT_ACK with a generation (both backends)", "generation"),
+    "legacy-abort-ack": ("sglang-mooncake", "2-frame ABORT_ACK of a prefill without deferred "
+                         "release", None),
+    "chunk-ready": ("sglang-mooncake", "CHUNK_READY (both backends)", None),
+    "aux-data": ("sglang-mooncake", "AUX_DATA (Mooncake)", None),
+    "staging-req": ("sglang-mooncake", "STAGING_REQ with a pp rank (both backends)", "pp"),
+    "staging-rsp": ("sglang-mooncake", "STAGING_RSP 'never fits' (both backends)", "never"),
+    "watermark": ("sglang-mooncake", "WATERMARK (both backends)", None),
+    "bootstrap": ("sglang-mooncake", "BOOTSTRAP (Mooncake, prefill_complete policy)", None),
+}  # fmt: skip
+
+
+def _wanted(record: dict[str, Any], want: str | None) -> bool:
+    inputs = record["inputs"]
+    return {
+        None: True,
+        "staging": bool(inputs.get("staging")),
+        "pages": bool(inputs.get("kv_indices")) and not inputs.get("is_dummy"),
+        "generation": inputs.get("generation") is not None,
+        "pp": inputs.get("pp_rank") is not None,
+        "never": bool(inputs.get("never_fits")),
+    }[want]
+
+
+def sglang_samples() -> None:
+    messages = json.loads(GOLDENS.read_text())["messages"]
+    for kind, (profile, what, want) in SGLANG_SAMPLES.items():
+        record = next(r for r in messages if r["kind"] == kind and _wanted(r, want))
+        frames = [bytes.fromhex(frame) for frame in record["frames"]]
+        write(f"sglang-{kind}", frames, profile, f"sglang 0.5.23's own {what}")
+    # The seed-era registration (18 frames, before frames 18-19), as older peers send it.
+    seed_era = [
+        b"None", b"127.0.0.1", b"1234", b"session", pointer(0x1000), pointer(0x2000), b"",
         b"0", b"1", b"128", b"", b"", b"", b"", pointer(0x3000), b"4096", b"4", b"2",
     ]  # fmt: skip
     write(
-        "sglang-mooncake-registration",
-        reference,
+        "sglang-mooncake-registration-seed-era",
+        seed_era,
         "sglang-mooncake",
-        "SGLang's unit-test registration: staging ring 0x3000/4096 bytes, DCP 4, rank 2",
+        "seed-era Mooncake registration (18 frames): staging ring 0x3000/4096, DCP 4, rank 2",
     )
-    request: dict[str, Any] = dict(
-        room=42, endpoint=DECODE_IP, dst_port=17001, mooncake_session_id=SESSION,
-        dst_state_indices=[], required_dst_info_num=2,
-    )  # fmt: skip
-    real = mooncake.TransferInfo(
-        **request,
-        dst_kv_indices=np.arange(100, 164, dtype=np.int32),
-        dst_aux_index=3,
-        decode_prefix_len=0,
-    )
-    write(
-        "sglang-mooncake-transfer-info",
-        real.to_zmq(),
-        "sglang-mooncake",
-        "Mooncake TransferInfo for room 42: 64 destination pages, aux slot 3",
-    )
-    dummy = mooncake.TransferInfo(
-        **request, dst_kv_indices=np.array([], dtype=np.int32), dst_aux_index=None
-    )
-    write(
-        "sglang-mooncake-dummy-transfer-info",
-        dummy.to_zmq(),
-        "sglang-mooncake",
-        "Mooncake dummy TransferInfo (frames 4 and 5 empty): this prefill rank only reports "
-        "completion",
-    )
-    nixl_registration = nixl.KVArgsRegisterInfo(
-        room="None", endpoint=DECODE_IP, dst_port=17001, agent_name="decode-0",
-        agent_metadata=b"\x00NIXL-agent-metadata\xff",
-        dst_kv_ptrs=[0xFFFF81AB54E01000 + i * 0x100000 for i in range(4)],
-        dst_aux_ptrs=[0x7F0000000000], dst_state_data_ptrs=[], gpu_id=0, decode_tp_size=4,
-        decode_tp_rank=1, dst_kv_item_len=4096, staging_base_ptr=0x7F1000000000,
-        staging_total_size=64 << 20,
-    )  # fmt: skip
-    write(
-        "sglang-nixl-registration",
-        nixl.add_guard(nixl_registration.to_zmq()),
-        "sglang-nixl",
-        "NIXL registration with its guard frame; pointers with bit 63 set; a 64 MiB staging ring",
-    )
+
+
+def main() -> None:
+    for stale in sample_folder().glob("sglang-*.json"):
+        stale.unlink()
+    sglang_samples()
     layers, page_bytes = 32, 16 * 4 * 128 * 2
     registration = Registration(
         peer_id="decode-0/tp1", host=DECODE_IP, control_port=17001, engine="nixl",

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # A separate environment holding sglang 0.5.23's PD-disaggregation code, to check kvbridge's
-# SGLang profiles against sglang itself (issue 13). It is kept apart from .venv: it is heavy
-# (about 2.4 GB; 2-3 minutes to build with pip's cache warm) and pins its own transformers.
+# SGLang profiles against sglang itself (tests/sglang_compat, run by `make test`). It is kept apart
+# from .venv: it is heavy (about 2.4 GB; 2-3 minutes to build with pip's cache warm) and pins
+# its own transformers.
 # What it takes on a CPU-only machine is in ../shared/reference/sglang-cpu.md; importing sglang
-# also needs tests/sglang/sglang_import.py's stand-ins for torchvision's native operators.
+# also needs tests/sglang_compat/sglang_import.py's stand-ins for torchvision's native operators.
 #
 #   scripts/sglang-env.sh [VENV]      (default .venv-sglang; `make sglang-env` runs it)
 set -euo pipefail
@@ -18,6 +19,8 @@ pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check)
     apache-tvm-ffi==0.1.11 transformers==5.19.0 compressed-tensors==0.18.0 torch==2.13.0
 # sglang.srt.utils imports triton; sglang.srt.configs imports torchvision.transforms, whose
 # only 0.28 wheels are CUDA builds: installed without their dependencies, their native
-# operators stubbed at import (tests/sglang/sglang_import.py).
+# operators stubbed at import (tests/sglang_compat/sglang_import.py).
 "${pip[@]}" --no-deps triton==3.7.0 torchvision==0.28.0
-"$venv/bin/python" "$(dirname "$0")/../tests/sglang/sglang_import.py"
+# What tests/sglang_compat runs with (the versions of requirements/dev.txt).
+"${pip[@]}" pytest==9.2.0 pytest-timeout==2.4.0 hypothesis==6.168.5
+"$venv/bin/python" "$(dirname "$0")/../tests/sglang_compat/sglang_import.py"

@@ -19,8 +19,7 @@ from kvbridge.wire import codecs as c
 from kvbridge.wire.address import tcp_endpoint
 from kvbridge.wire.messages import MAX_PORT, Abort
 from kvbridge.wire.native import Registration, TransferRequest
-from kvbridge.wire.sglang import mooncake, nixl
-from kvbridge.wire.sglang.mooncake import CONTROL_TAGS
+from kvbridge.wire.sglang import common, mooncake, nixl
 
 MAX_ITEMS = 12
 HOSTS = st.ip_addresses().map(str) | st.from_regex(
@@ -42,8 +41,10 @@ def codec_values(codec: c.Codec[Any]) -> st.SearchStrategy[Any]:
         return st.binary(max_size=64)
     if isinstance(codec, (c.AsciiInt, c.FixedInt)):
         return st.integers(codec.low, codec.high)
-    if isinstance(codec, c.Bool):
+    if isinstance(codec, (c.Bool, c.AsciiBool)):
         return st.booleans()
+    if isinstance(codec, c.AsciiNames):
+        return st.lists(st.sampled_from(sorted(codec.allowed)), max_size=MAX_ITEMS)
     if isinstance(codec, (c.EnumU8, c.AsciiEnum)):
         return st.sampled_from(list(codec.enum_type))
     if isinstance(codec, c.PackedInts):
@@ -105,20 +106,42 @@ def _repair_registration(message: Registration) -> None:
 
 def _repair_sglang_registration(message: Any) -> None:
     _repair_staging(message)
+    message.room = "None"  # how sglang tells a registration apart
     message.dst_port %= MAX_PORT + 1
-    if isinstance(message, mooncake.KVArgsRegisterInfo):
-        # Frame 0 of a registration is free text, but one equal to a control tag reads as
-        # that control message, in SGLang as here.
-        if message.room.encode() in CONTROL_TAGS:
-            message.room = "None"
-        message.dst_dcp_size = max(1, message.dst_dcp_size)
-        message.dst_dcp_rank %= message.dst_dcp_size
+    message.dst_dcp_size = max(1, message.dst_dcp_size)
+    message.dst_dcp_rank %= message.dst_dcp_size
+    if isinstance(message, nixl.KVArgsRegisterInfo):
+        count = len(message.dst_kv_ptrs)
+        message.dst_kv_mem_kinds = (message.dst_kv_mem_kinds * count or ["VRAM"] * count)[:count]
+        message.dst_kv_item_lens = (message.dst_kv_item_lens * count or [1] * count)[:count]
 
 
 def _repair_transfer_info(message: Any) -> None:
     message.dst_port %= MAX_PORT + 1
-    if message.dst_aux_index is None:
+    if isinstance(message, mooncake.TransferInfo) and message.dst_aux_index is None:
         message.dst_kv_indices = np.array([], dtype=np.int32)
+        message.dst_state_indices = []
+
+
+def _repair_abort_notification(message: common.AbortNotification) -> None:
+    if message.decode_port is not None:
+        message.decode_port %= MAX_PORT + 1
+        message.decode_ip = message.decode_ip or "10.0.0.1"
+    elif message.generation is not None:
+        message.generation = None
+
+
+def _repair_abort_ack(message: common.AbortAck) -> None:
+    if message.prefill_rank is None:
+        message.generation = None
+
+
+def _repair_aux_data(message: common.AuxData) -> None:
+    message.data_length = len(message.data)
+
+
+def _repair_bootstrap(message: common.Bootstrap) -> None:
+    message.decode_port %= MAX_PORT + 1
 
 
 def _repair_transfer_request(message: TransferRequest) -> None:
@@ -139,6 +162,10 @@ REPAIRS: dict[type[Message], Callable[[Any], None]] = {
     nixl.TransferInfo: _repair_transfer_info,
     TransferRequest: _repair_transfer_request,
     Abort: _repair_abort,
+    common.AbortNotification: _repair_abort_notification,
+    common.AbortAck: _repair_abort_ack,
+    common.AuxData: _repair_aux_data,
+    common.Bootstrap: _repair_bootstrap,
 }
 
 

@@ -39,12 +39,13 @@ def test_inspect_every_sample(name: str) -> None:
 
 
 def test_inspect_table_shows_layout_and_values() -> None:
-    result = kvbridge("inspect", "--sample", "sglang-mooncake-registration")
+    result = kvbridge("inspect", "--sample", "sglang-mooncake-registration-seed-era")
     assert result.returncode == 0
     out = result.stdout
     assert "sglang-mooncake · KVArgsRegisterInfo" in out
     for text in ("staging_base_ptr", "0x3000", "staging_total_size", "4096", "dst_dcp_rank"):
         assert text in out
+    assert "18 frames: the seed era" in out
 
 
 def test_inspect_hex_arguments_detects_the_message() -> None:
@@ -74,8 +75,8 @@ def test_inspect_reads_stdin_and_honours_profile_and_type() -> None:
         stdin=dump_binary(frames),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
-    assert "guard frame" in result.stdout
-    assert "0xffff81ab54e01000" in result.stdout
+    assert "b'NixlMsgGuard' stripped" in result.stdout
+    assert "24 frames: the sglang 0.5.23 layout" in result.stdout
 
 
 @pytest.mark.parametrize(

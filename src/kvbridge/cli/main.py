@@ -42,7 +42,7 @@ from kvbridge.demo import (
 from kvbridge.engines import unavailable_reason
 from kvbridge.logs import configure as configure_logging
 from kvbridge.logs import level_for
-from kvbridge.wire import PROFILES, WireError, inspect_frames
+from kvbridge.wire import PROFILES, Receiver, WireError, inspect_frames
 from kvbridge.wire.address import host_problem
 from kvbridge.wire.auth import secret_from_env
 from kvbridge.wire.framefile import FrameFileError, load_frames, parse_hex_frame
@@ -230,12 +230,17 @@ def _render(result: Inspection, description: str | None) -> None:
               help="Wire profile of the message. Default: detected.")  # fmt: skip
 @click.option("--type", "-t", "message_type", type=click.Choice(MESSAGE_TYPES),
               help="Message type. Default: detected.")  # fmt: skip
+@click.option("--to", "receiver", type=click.Choice([side.value for side in Receiver]),
+              help="SGLang profiles: tell the message apart as that side's sglang listener "
+                   "does (an untagged message to decode is a status, to prefill a "
+                   "TransferInfo). Default: either side.")  # fmt: skip
 def inspect_command(
     hex_frames: tuple[str, ...],
     file: str | None,
     sample: str | None,
     profile: str | None,
     message_type: str | None,
+    receiver: str | None,
 ) -> None:
     """Show a message frame by frame: index, field, codec, raw length, decoded value.
 
@@ -246,7 +251,7 @@ def inspect_command(
     \b
     Examples:
       kvbridge inspect --sample sglang-mooncake-registration
-      kvbridge inspect 3132 34 31          # a transfer status: room 12, rank 4, state 1
+      kvbridge inspect 3132 34 31 --to decode   # room 12, Success, prefill rank 1
     """
     frames, metadata = _read_frames(hex_frames, file, sample)
     if not frames:
@@ -260,6 +265,7 @@ def inspect_command(
             str(chosen_profile) if chosen_profile else None,
             str(chosen_type) if chosen_type else None,
             secret,
+            Receiver(receiver) if receiver else None,
         )
     except WireError as exc:
         raise _fail(str(exc)) from None

@@ -28,6 +28,7 @@ from kvbridge.wire.messages import (
 from kvbridge.wire.native import MAGIC as NATIVE_MAGIC
 from kvbridge.wire.native import NATIVE, Registration, TransferRequest
 from kvbridge.wire.profile import Inspection, Profile
+from kvbridge.wire.sglang.common import Receiver, SGLangProfile
 from kvbridge.wire.sglang.mooncake import MOONCAKE
 from kvbridge.wire.sglang.nixl import GUARD, NIXL
 
@@ -35,12 +36,13 @@ PROFILES: dict[str, Profile] = {profile.name: profile for profile in (NATIVE, MO
 
 
 def detect_profile(frames: Sequence[bytes]) -> Profile:
-    """The profile a frame list is in, from frame 0: the native magic, the NIXL guard, or else
-    SGLang Mooncake (whose frame 0 is a room id, 'None' or a control tag)."""
+    """The profile a frame list is in, from frame 0: the native magic, the NIXL guard or a
+    NIXL-only tag, or else SGLang Mooncake (whose frame 0 is a room id, 'None' or a tag; the
+    tags both SGLang backends share decode the same in either profile)."""
     first = bytes(frames[0]) if len(frames) and isinstance(frames[0], bytes) else b""
     if first.startswith(NATIVE_MAGIC):
         return NATIVE
-    if first == GUARD:
+    if first == GUARD or (first in NIXL.tags(None) and first not in MOONCAKE.tags(None)):
         return NIXL
     return MOONCAKE
 
@@ -50,43 +52,54 @@ def inspect_frames(
     profile: str | None = None,
     type_name: str | None = None,
     secret: bytes | None = None,
+    receiver: Receiver | None = None,
 ) -> Inspection:
     """Decode frame by frame for display, detecting the profile unless one is given.
 
-    NIXL frames may come with or without their guard frame.
+    NIXL's guarded messages may come with or without their guard frame.
     """
     chosen = get_profile(profile) if profile else detect_profile(frames)
     if chosen is NATIVE:
         return NATIVE.inspect(frames, type_name, secret=secret)
-    if chosen is NIXL and len(frames) and bytes(frames[0]) == GUARD:
-        return NIXL.inspect_guarded(frames, type_name)
-    return chosen.inspect(frames, type_name)
+    assert isinstance(chosen, SGLangProfile)
+    if chosen is NIXL and len(frames) and not _nixl_framed(frames):
+        # Captured after the guard was stripped (as sglang's from_zmq sees them).
+        result = chosen.inspect([GUARD, *frames], type_name, receiver)
+        result.notes.insert(0, f"no guard frame: read as the frames after {GUARD!r}")
+        return result
+    return chosen.inspect(frames, type_name, receiver)
+
+
+def _nixl_framed(frames: Sequence[bytes]) -> bool:
+    first = bytes(frames[0])
+    return first == GUARD or first in NIXL.tags(None)
 
 
 def decode_frames(
-    frames: Sequence[bytes], profile: str | None = None, secret: bytes | None = None
+    frames: Sequence[bytes],
+    profile: str | None = None,
+    secret: bytes | None = None,
+    receiver: Receiver | None = None,
 ) -> Message:
     """Decode a message as received from a socket, detecting the profile unless one is given.
 
-    NIXL frames come with their guard frame; a native message is checked against `secret`.
+    NIXL's registration and TransferInfo come with their guard frame; a native message is
+    checked against `secret`. ``receiver`` dispatches as that side's sglang listener does.
     """
     chosen = get_profile(profile) if profile else detect_profile(frames)
     if chosen is NATIVE:
         return NATIVE.decode(frames, secret=secret)
     _refuse_unauthenticated(chosen, secret)
-    if chosen is NIXL:
-        return NIXL.decode_guarded(frames)
-    return chosen.decode(frames)
+    assert isinstance(chosen, SGLangProfile)
+    return chosen.decode(frames, receiver=receiver)
 
 
 def encode_frames(message: Message, profile: str, secret: bytes | None = None) -> list[bytes]:
-    """The frames to send for a message in a profile (NIXL with its guard frame)."""
+    """The frames to send for a message in a profile (NIXL's guarded messages with the guard)."""
     chosen = get_profile(profile)
     if chosen is NATIVE:
         return NATIVE.encode(message, secret=secret)
     _refuse_unauthenticated(chosen, secret)
-    if chosen is NIXL:
-        return NIXL.encode_guarded(message)
     return chosen.encode(message)
 
 
@@ -125,6 +138,7 @@ __all__ = [
     "MemoryKind",
     "Message",
     "Profile",
+    "Receiver",
     "Registration",
     "StagingRequest",
     "StagingResponse",

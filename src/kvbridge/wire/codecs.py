@@ -200,12 +200,15 @@ class Constant(Codec[bytes]):
 
 # --- ascii integers (SGLang profiles) ------------------------------------------------------
 
-_UNSIGNED_DECIMAL = re.compile(rb"[0-9]{1,20}")
-_SIGNED_DECIMAL = re.compile(rb"-?[0-9]{1,20}")
+# As Python's str(int) writes them: no leading zeros, no "+", no "-0", no spaces. Python's int()
+# (SGLang's parser) would take more, but no sender writes it, and only canonical digits give
+# back the same bytes when re-encoded.
+_UNSIGNED_DECIMAL = re.compile(rb"0|[1-9][0-9]{0,19}")
+_SIGNED_DECIMAL = re.compile(rb"0|-?[1-9][0-9]{0,19}")
 
 
 class AsciiInt(Codec[int]):
-    """A decimal integer as ASCII, e.g. ``b"1234"``: digits only, no sign unless signed."""
+    """A decimal integer as ASCII, e.g. ``b"1234"``: digits as ``str(int)`` writes them."""
 
     def __init__(self, signed: bool = False) -> None:
         self.signed = signed
@@ -218,7 +221,10 @@ class AsciiInt(Codec[int]):
         return str(_require_int(value, self.low, self.high)).encode("ascii")
 
     def decode(self, raw: bytes) -> int:
-        expected = f"{'a signed' if self.signed else 'an unsigned'} ascii decimal integer"
+        expected = (
+            f"{'a signed' if self.signed else 'an unsigned'} ascii decimal integer "
+            "(digits as str(int) writes them)"
+        )
         if not self._pattern.fullmatch(raw):
             got = "an empty frame" if not raw else describe_bytes(raw)
             raise CodecError(expected, got)
@@ -241,6 +247,7 @@ class FixedInt(Codec[int]):
         "<i": "i32",
         "<H": "u16",
         "<B": "u8",
+        ">I": "u32be",
     }
 
     def __init__(self, fmt: str, hex_render: bool = False) -> None:
@@ -251,7 +258,8 @@ class FixedInt(Codec[int]):
         self.low = -(2 ** (bits - 1)) if signed else 0
         self.high = 2 ** (bits - 1) - 1 if signed else 2**bits - 1
         self.name = self._NAMES[fmt]
-        self.doc = f"{'signed' if signed else 'unsigned'} {bits}-bit little-endian integer"
+        order = "big-endian" if fmt[0] == ">" else "little-endian"
+        self.doc = f"{'signed' if signed else 'unsigned'} {bits}-bit {order} integer"
         self.hex_render = hex_render
 
     def encode(self, value: int) -> bytes:
@@ -273,6 +281,52 @@ class Pointer(FixedInt):
         super().__init__("<Q", hex_render=True)
         self.name = "Q"
         self.doc = "one unsigned 64-bit address, little-endian, exactly 8 bytes"
+
+
+class AsciiBool(Codec[bool]):
+    """A flag as the ASCII digit ``0`` or ``1`` (SGLang's ``str(int(flag))``)."""
+
+    name = "ascii bool"
+    doc = "b'0' or b'1'"
+
+    def encode(self, value: bool) -> bytes:
+        if not isinstance(value, bool):
+            raise CodecError("a bool", _type_name(value))
+        return b"1" if value else b"0"
+
+    def decode(self, raw: bytes) -> bool:
+        if raw not in (b"0", b"1"):
+            raise CodecError("b'0' or b'1'", describe_bytes(raw))
+        return raw == b"1"
+
+
+class AsciiNames(Codec[list[str]]):
+    """Names from a fixed set joined by commas, in order, e.g. ``b"VRAM,DRAM"``."""
+
+    def __init__(self, allowed: frozenset[str]) -> None:
+        self.allowed = allowed
+        self.name = "ascii names"
+        self.doc = f"comma-separated names, each one of {', '.join(sorted(allowed))}"
+
+    def encode(self, value: list[str]) -> bytes:
+        if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+            raise CodecError("a list of names", _type_name(value))
+        for item in value:
+            if item not in self.allowed:
+                raise CodecError(f"one of {', '.join(sorted(self.allowed))}", repr(item))
+        return ",".join(value).encode("ascii")
+
+    def decode(self, raw: bytes) -> list[str]:
+        if not raw:
+            return []
+        try:
+            items = raw.decode("ascii").split(",")
+        except UnicodeDecodeError:
+            raise CodecError("ASCII names", describe_bytes(raw)) from None
+        unknown = sorted(set(items) - self.allowed)
+        if unknown:
+            raise CodecError(f"names from {', '.join(sorted(self.allowed))}", repr(unknown))
+        return items
 
 
 class Bool(Codec[bool]):
@@ -501,9 +555,11 @@ ENDPOINT = EndpointText()
 BYTES = OpaqueBytes()
 POINTER = Pointer()
 POINTERS = PackedInts("Q", hex_render=True)
+U64_LIST = PackedInts("Q")
 U32_LIST = PackedInts("I")
 INT32_ARRAY = Int32Array()
 POINTER_LISTS = NestedIntLists("Q", hex_render=True)
+U64_LISTS = NestedIntLists("Q")
 U32_LISTS = NestedIntLists("I")
 I32_LISTS = NestedIntLists("i")
 U8 = FixedInt("<B")
@@ -511,6 +567,8 @@ U16 = FixedInt("<H")
 U32 = FixedInt("<I")
 U64 = FixedInt("<Q")
 U64_ADDRESS = FixedInt("<Q", hex_render=True)
+U32_BE = FixedInt(">I")
+ASCII_BOOL = AsciiBool()
 I64 = FixedInt("<q")
 BOOL = Bool()
 STRING_SET = StringSet()

@@ -8,7 +8,8 @@ document are all derived from it; no other code indexes frames by position.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+import enum
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -43,6 +44,9 @@ class Message:
     """
 
     __hash__ = None  # type: ignore[assignment]
+    # How the frames this message was decoded from looked (set by `Layout.decode`, not a
+    # field): re-encoding it with the same layout gives back exactly those frames.
+    _received: Received | None = None
 
     def check(self) -> None:
         """Raise `FieldValueError` if the fields break a rule of the message."""
@@ -70,7 +74,8 @@ M = TypeVar("M", bound=Message)
 class Field:
     """One frame of a layout.
 
-    ``default`` (or ``default_factory``) makes the field optional: a missing trailing frame
+    ``default`` (or ``default_factory``, or ``default_from``: computed from the fields before
+    it, described by ``default_text``) makes the field optional: a missing trailing frame
     takes it, and so does an empty frame when ``empty_is_default`` is set. With
     ``send_default_empty``, the default value is sent as an empty frame (SGLang's empty
     placeholders; the native profile's explicit absence).
@@ -81,6 +86,8 @@ class Field:
     doc: str = ""
     default: Any = REQUIRED
     default_factory: Callable[[], Any] | None = None
+    default_from: Callable[[Mapping[str, Any]], Any] | None = None
+    default_text: str = ""
     empty_is_default: bool = True
     send_default_empty: bool = False
     # The default is sent by leaving the frame out; only for trailing fields (older peers).
@@ -88,19 +95,44 @@ class Field:
 
     @property
     def required(self) -> bool:
-        return self.default is REQUIRED and self.default_factory is None
+        return self.default is REQUIRED and self.default_factory is None and not self.default_from
 
     @property
     def is_constant(self) -> bool:
         return isinstance(self.codec, Constant)
 
-    def default_value(self) -> Any:
+    def default_value(self, earlier: Mapping[str, Any]) -> Any:
+        """The default, given the values of the fields before this one."""
+        if self.default_from is not None:
+            return self.default_from(earlier)
         return self.default_factory() if self.default_factory is not None else self.default
 
     def describe_default(self) -> str:
         if self.required:
             return "required"
-        return repr(self.default_value())
+        if self.default_from is not None:
+            return self.default_text
+        return repr(self.default_value({}))
+
+
+class Form(enum.Enum):
+    """How a frame of a received message carried its field."""
+
+    MISSING = "missing"
+    EMPTY = "empty"
+    VALUE = "value"
+
+
+@dataclass(frozen=True)
+class Received:
+    """The shape of the frames a message was decoded from: each field frame's form and any
+    trailing frames the layout does not know (kept where the layout tolerates them).
+
+    The layout is named by (profile, type name), not held, so that messages stay picklable."""
+
+    layout: tuple[str, str]
+    forms: tuple[Form, ...]
+    extra: tuple[bytes, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -127,6 +159,14 @@ class Layout(Generic[M]):
     # Frames that precede the fields (the native header) and are handled by the profile; only
     # used to number frames in errors, `inspect` and the protocol document.
     first_frame: int = 0
+    # Trailing frames beyond the table are accepted, ignored and kept for re-encoding, as
+    # SGLang's parsers (which read frames by index) ignore them.
+    tolerates_extra: bool = False
+    # Frame counts of known releases of this message, for `inspect`: (count, release).
+    releases: tuple[tuple[int, str], ...] = ()
+    # Frames sent before the field frames and stripped by the profile before decoding (NIXL's
+    # guard frame); the fields are numbered after them, as SGLang's from_zmq numbers them.
+    prefix: tuple[bytes, ...] = ()
 
     def __post_init__(self) -> None:
         attributes = dataclasses.fields(self.message_type)  # type: ignore[arg-type]
@@ -180,12 +220,24 @@ class Layout(Generic[M]):
     # --- encode ----------------------------------------------------------------------------
 
     def encode(self, message: M) -> list[bytes]:
+        """The frames of a message.
+
+        A message decoded by this layout gives back exactly the frames it came from (missing,
+        empty and explicit defaults as received, unknown trailing frames kept); a field changed
+        since is encoded by its codec. Otherwise a default is sent as the field says: left out
+        (``omit_default``, trailing fields only), as an empty frame (``send_default_empty``),
+        or encoded.
+        """
         if type(message) is not self.message_type:
             raise WireError(
                 f"expected a {self.message_type.__name__}, got {type(message).__name__}",
                 profile=self.profile,
                 message_type=self.type_name,
             )
+        values = {
+            attribute.name: getattr(message, attribute.name)
+            for attribute in dataclasses.fields(message)  # type: ignore[arg-type]
+        }
         carried = {item.name for item in self.fields}
         for attribute in dataclasses.fields(message):  # type: ignore[arg-type]
             if attribute.name in carried:
@@ -195,31 +247,56 @@ class Layout(Generic[M]):
                 if attribute.default_factory is not dataclasses.MISSING
                 else attribute.default
             )
-            if getattr(message, attribute.name) != default:
+            if values[attribute.name] != default:
                 raise self._error(
                     f"this profile has no frame for {attribute.name}; it must stay {default!r}",
                     None,
                     attribute.name,
                 )
-        frames = []
-        omitted = 0  # trailing frames left out because they carry their default
+        # The message's own rules first (they name the field a peer would misread); a value of
+        # the wrong type is left to the codecs, which say what they expected.
+        try:
+            self._check(message)
+            checked = True
+        except (TypeError, AttributeError):
+            checked = False
+        received = message._received
+        if received is not None and received.layout != (self.profile, self.type_name):
+            received = None
+        # None marks a frame that may be left out if nothing after it is sent.
+        planned: list[bytes | None] = []
         for position, item in enumerate(self.fields):
-            value = None if item.is_constant else getattr(message, item.name)
-            if item.omit_default and _is_default(value, item):
-                omitted += 1
+            value = None if item.is_constant else values[item.name]
+            if item.is_constant or item.required or not _is_default(value, item, values):
+                planned.append(self._encode_field(item, value, allow_empty=False))
                 continue
-            if omitted:
-                # A field after an omitted one is sent, so the omitted frames must be too.
-                for skipped in self.fields[position - omitted : position]:
-                    frames.append(self._encode_field(skipped, getattr(message, skipped.name)))
-                omitted = 0
-            frames.append(self._encode_field(item, value))
-        # After the codecs, which have checked each value's type and range.
-        self._check(message)
+            form = received.forms[position] if received is not None else None
+            if form is Form.MISSING or (form is None and item.omit_default):
+                planned.append(None)
+            elif form is Form.EMPTY or (form is None and item.send_default_empty):
+                planned.append(b"")
+            else:
+                planned.append(self._encode_field(item, value, allow_empty=False))
+        while planned and planned[-1] is None:
+            planned.pop()
+        frames = [
+            frame if frame is not None else self._encode_field(item, values[item.name])
+            for item, frame in zip(self.fields, planned, strict=False)
+        ]
+        if received is not None and received.extra and self.tolerates_extra:
+            if len(frames) < len(self.fields):
+                # The unknown frames come after the whole table.
+                frames.extend(
+                    self._encode_field(item, values[item.name])
+                    for item in self.fields[len(frames) :]
+                )
+            frames.extend(received.extra)
+        if not checked:
+            self._check(message)
         return frames
 
-    def _encode_field(self, item: Field, value: Any) -> bytes:
-        if item.send_default_empty and _is_default(value, item):
+    def _encode_field(self, item: Field, value: Any, *, allow_empty: bool = True) -> bytes:
+        if allow_empty and item.send_default_empty and _is_default(value, item, None):
             return b""
         try:
             return item.codec.encode(value)
@@ -232,24 +309,31 @@ class Layout(Generic[M]):
         """Decode the field frames (the frames after `first_frame`).
 
         ``allow_extra`` accepts and ignores trailing frames beyond the layout (a newer minor
-        version of the native profile); otherwise they are an error.
+        version of the native profile); otherwise they are an error unless the layout
+        tolerates them.
         """
-        if len(frames) > len(self.fields) and not allow_extra:
+        if len(frames) > len(self.fields) and not (allow_extra or self.tolerates_extra):
             raise self._error(
                 f"expected at most {len(self.fields)} frames, got {len(frames)}",
                 len(self.fields),
                 None,
             )
         values: dict[str, Any] = {}
+        forms: list[Form] = []
         for position, item in enumerate(self.fields):
-            value = self._decode_field(position, item, frames)
+            value = self._decode_field(position, item, frames, values)
+            forms.append(_form(frames, position))
             if not item.is_constant:
                 values[item.name] = value
         message = self.message_type(**values)
         self._check(message)
+        extra = tuple(bytes(frame) for frame in frames[len(self.fields) :])
+        message._received = Received((self.profile, self.type_name), tuple(forms), extra)
         return message
 
-    def _decode_field(self, position: int, item: Field, frames: Sequence[bytes]) -> Any:
+    def _decode_field(
+        self, position: int, item: Field, frames: Sequence[bytes], earlier: Mapping[str, Any]
+    ) -> Any:
         if position >= len(frames):
             if item.required:
                 raise self._error(
@@ -258,13 +342,13 @@ class Layout(Generic[M]):
                     position,
                     item.name,
                 )
-            return item.default_value()
+            return item.default_value(earlier)
         raw = frames[position]
         if not isinstance(raw, (bytes, bytearray, memoryview)):
             raise self._error(f"expected bytes, got {type(raw).__name__}", position, item.name)
         raw = bytes(raw)
         if not raw and item.empty_is_default and not item.required:
-            return item.default_value()
+            return item.default_value(earlier)
         try:
             return item.codec.decode(raw)
         except CodecError as exc:
@@ -277,8 +361,8 @@ class Layout(Generic[M]):
     ) -> tuple[list[FrameRow], list[str]]:
         """Decode frame by frame without stopping at the first error.
 
-        Returns a row per field (and per unexpected extra frame) and the list of errors; an
-        empty error list means `decode` accepts these frames.
+        Returns a row per field (and per extra frame) and the list of errors; an empty error
+        list means `decode` accepts these frames.
         """
         rows: list[FrameRow] = []
         errors: list[str] = []
@@ -287,7 +371,7 @@ class Layout(Generic[M]):
             index = self.first_frame + position
             raw_length = len(frames[position]) if position < len(frames) else None
             try:
-                value = self._decode_field(position, item, frames)
+                value = self._decode_field(position, item, frames, values)
             except WireError as exc:
                 rows.append(FrameRow(index, item.name, item.codec.name, raw_length, "", str(exc)))
                 errors.append(str(exc))
@@ -295,28 +379,35 @@ class Layout(Generic[M]):
             if not item.is_constant:
                 values[item.name] = value
             if raw_length is None:
-                shown = f"(missing: default {item.codec.render(value)})"
+                shown = f"(missing: default {_render(item, value)})"
             elif raw_length == 0 and not item.required and item.empty_is_default:
-                shown = f"(empty: default {item.codec.render(value)})"
+                shown = f"(empty: default {_render(item, value)})"
             else:
-                shown = item.codec.render(value)
+                shown = _render(item, value)
             rows.append(FrameRow(index, item.name, item.codec.name, raw_length, shown))
-        extra_positions = range(len(self.fields), 0 if allow_extra else len(frames))
-        for position in extra_positions:
-            error = self._error(
-                f"expected at most {len(self.fields)} frames, got {len(frames)}", position, None
-            )
+        tolerated = allow_extra or self.tolerates_extra
+        for position in range(len(self.fields), len(frames)):
+            raw = bytes(frames[position])
+            error = None
+            if not tolerated:
+                error = str(
+                    self._error(
+                        f"expected at most {len(self.fields)} frames, got {len(frames)}",
+                        position,
+                        None,
+                    )
+                )
+                errors.append(error)
             rows.append(
                 FrameRow(
                     self.first_frame + position,
-                    "(unexpected)",
+                    "(unknown, ignored)" if tolerated else "(unexpected)",
                     "",
-                    len(frames[position]),
-                    describe_bytes(bytes(frames[position])),
-                    str(error),
+                    len(raw),
+                    describe_bytes(raw),
+                    error,
                 )
             )
-            errors.append(str(error))
         if not errors:
             try:
                 self._check(self.message_type(**values))
@@ -324,11 +415,47 @@ class Layout(Generic[M]):
                 errors.append(str(exc))
         return rows, errors
 
+    def release_note(self, frame_count: int) -> str | None:
+        """Which known release layout a message of this many frames is, for `inspect`."""
+        if not self.releases:
+            return None
+        for count, release in self.releases:
+            if count == frame_count:
+                return f"{frame_count} frames: the {release} layout"
+        newest_count, newest = self.releases[0]
+        if frame_count > newest_count:
+            return (
+                f"{frame_count} frames: the {newest} layout and {frame_count - newest_count} "
+                f"later frame(s), ignored as {newest.split(' (')[0]} ignores them"
+            )
+        return (
+            f"{frame_count} frames: shorter than the {newest} layout ({newest_count}); frames "
+            f"{self.first_frame + frame_count}-{self.first_frame + newest_count - 1} take the "
+            "defaults sglang applies"
+        )
 
-def _is_default(value: Any, item: Field) -> bool:
-    default = item.default_value()
+
+def _render(item: Field, value: Any) -> str:
+    return "None" if value is None else item.codec.render(value)
+
+
+def _form(frames: Sequence[bytes], position: int) -> Form:
+    if position >= len(frames):
+        return Form.MISSING
+    return Form.EMPTY if len(frames[position]) == 0 else Form.VALUE
+
+
+def _is_default(value: Any, item: Field, earlier: Mapping[str, Any] | None) -> bool:
+    if item.required:
+        return False
+    if item.default_from is not None:
+        if earlier is None:
+            return False
+        default = item.default_from(earlier)
+    else:
+        default = item.default_value({})
     if value is None or default is None:
         return value is default
-    if isinstance(value, np.ndarray):
+    if isinstance(value, np.ndarray) or isinstance(default, np.ndarray):
         return False
     return bool(value == default) and type(value) is type(default)

@@ -1,4 +1,4 @@
-"""Control messages shared by the native and the SGLang Mooncake profiles, and wire rules.
+"""Control messages shared by the native and the SGLang profiles, and wire rules.
 
 Each message is a dataclass of explicit scalar fields; how it becomes frames is a `Layout` in
 each profile (`kvbridge.wire.native`, `kvbridge.wire.sglang.mooncake`). A field that one
@@ -136,11 +136,15 @@ class StagingRequest(Message):
     # Native profile only: who asks, and the staged chunk's exact size.
     prefill_rank: int = 0
     nbytes: int = 0
+    # SGLang profiles only: the asking prefill rank's pipeline stage (decode answers only the
+    # bootstrap entries of that stage); None = not sent.
+    requester_pp_rank: int | None = None
 
 
 @dataclass(eq=False)
 class StagingResponse(Message):
-    """Decode → prefill: where in the ring the chunk may be written (or that it never fits)."""
+    """Decode → prefill: where in the ring the chunk may be written (or that it never fits:
+    SGLang then sends offset -2, round 0, end -1)."""
 
     room: int
     chunk_idx: int

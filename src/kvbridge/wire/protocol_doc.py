@@ -8,6 +8,8 @@ from kvbridge.wire import native
 from kvbridge.wire.codecs import Codec
 from kvbridge.wire.layout import Layout
 from kvbridge.wire.profile import Profile
+from kvbridge.wire.sglang import common
+from kvbridge.wire.sglang.common import SGLangProfile
 from kvbridge.wire.sglang.mooncake import MOONCAKE
 from kvbridge.wire.sglang.nixl import NIXL
 
@@ -32,11 +34,19 @@ def _escape(text: str) -> str:
 
 
 def _layout_table(layout: Layout[Any]) -> list[str]:
-    lines = [
-        f"### {layout.type_name}",
-        "",
-        layout.doc,
-        "",
+    lines = [f"### {layout.type_name}", "", layout.doc, ""]
+    facts = []
+    if layout.prefix:
+        shown = ", ".join(repr(frame) for frame in layout.prefix)
+        facts.append(f"On the socket the frames start with {shown}; rows are numbered after it.")
+    if layout.releases:
+        shapes = "; ".join(f"{count} frames: {release}" for count, release in layout.releases)
+        facts.append(f"Known shapes: {shapes}.")
+    if layout.tolerates_extra:
+        facts.append("Later frames are ignored (and kept for re-encoding), as sglang does.")
+    if facts:
+        lines += [" ".join(facts), ""]
+    lines += [
         "| frame | field | codec | default | meaning |",
         "|---|---|---|---|---|",
     ]
@@ -96,9 +106,36 @@ def _native_section() -> list[str]:
     return lines
 
 
-def _sglang_section(profile: Profile) -> list[str]:
+SHARED = (*common.TO_PREFILL, *common.TO_DECODE)
+
+
+def _dispatch(profile: SGLangProfile) -> list[str]:
+    lines = []
+    for side, layouts in (("prefill", profile.to_prefill), ("decode", profile.to_decode)):
+        tags = ", ".join(f"`{layout.type_name}`" for layout in layouts)
+        lines.append(f"- To {side}, by frame 0 in this order: {tags}; then untagged.")
+    return [*lines, ""]
+
+
+def _sglang_section(profile: SGLangProfile) -> list[str]:
     lines = [f"## Profile `{profile.name}`", "", profile.doc, ""]
+    lines += _dispatch(profile)
+    shared = ", ".join(f"`{layout.type_name}`" for layout in SHARED)
+    lines += [f"The shared control messages ({shared}) are in the section above.", ""]
     for layout in profile.layouts:
+        if layout not in SHARED:
+            lines += _layout_table(layout)
+    return lines
+
+
+def _sglang_shared_section() -> list[str]:
+    lines = [
+        "## SGLang control messages (both SGLang profiles)",
+        "",
+        (common.__doc__ or "").strip(),
+        "",
+    ]
+    for layout in SHARED:
         lines += _layout_table(layout)
     return lines
 
@@ -107,6 +144,7 @@ def render_protocol() -> str:
     lines = [HEADER]
     lines += _codecs([native.NATIVE, MOONCAKE, NIXL])
     lines += _native_section()
+    lines += _sglang_shared_section()
     lines += _sglang_section(MOONCAKE)
     lines += _sglang_section(NIXL)
     return "\n".join(lines).rstrip() + "\n"

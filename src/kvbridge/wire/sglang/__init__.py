@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence, Sized
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 from kvbridge.wire import codecs as c
-from kvbridge.wire.layout import Field, FieldValueError, Layout, Message
+from kvbridge.wire.layout import Field, Layout, Message
 
 # Frames 14 and 15 of both SGLang registrations: the decode staging ring as two explicit
 # scalars, sent as empty placeholders when decode has no ring.
@@ -26,16 +26,6 @@ STAGING_FIELDS = (
         send_default_empty=True,
     ),
 )
-
-
-def check_aux_index(dst_kv_indices: Sized, dst_aux_index: int | None) -> None:
-    """SGLang's TransferInfo rule, both backends: only a request without pages (a dummy) may
-    leave the aux slot empty."""
-    if dst_aux_index is None and len(dst_kv_indices):
-        raise FieldValueError(
-            "dst_aux_index",
-            "empty while dst_kv_indices is not: only a request without pages has no aux index",
-        )
 
 
 class ZmqMessage(Message):

@@ -1,8 +1,11 @@
-"""`sglang-mooncake`: SGLang's Mooncake-backend messages, byte for byte.
+"""`sglang-mooncake`: the messages of sglang 0.5.23's Mooncake backend, byte for byte.
 
-Layouts follow ``shared/reference/sglang-wire.md`` (registration with the staging ring at
-frames 14/15 and DCP at 16/17). Field names are SGLang's, so code written against SGLang's
-``KVArgsRegisterInfo.from_zmq`` reads the same here.
+The authority is sglang's own code (``disaggregation/mooncake/conn.py``: the builders
+``build_receiver_registration_message`` / ``build_receiver_metadata_message``, the parsers
+``KVArgsRegisterInfo.from_zmq`` / ``TransferInfo.from_zmq`` and the listener threads), checked
+by tests/sglang_compat against sglang itself. Field names are sglang's. Messages without a tag are
+told apart as sglang's threads do: on the prefill side frame 0 ``None`` is a registration and
+anything else a TransferInfo; on the decode side anything untagged is a transfer status.
 """
 
 from __future__ import annotations
@@ -15,27 +18,30 @@ import numpy as np
 import numpy.typing as npt
 
 from kvbridge.wire import codecs as c
-from kvbridge.wire.errors import WireError
-from kvbridge.wire.layout import Field, Layout
+from kvbridge.wire.layout import Field, FieldValueError, Layout
 from kvbridge.wire.messages import (
-    Abort,
-    AbortAck,
-    ChunkReady,
     KVPoll,
-    StagingRequest,
-    StagingResponse,
     StagingRing,
     TransferStatus,
-    Watermark,
     check_dcp,
     check_port,
     check_staging,
 )
-from kvbridge.wire.profile import Profile, require_frames
-from kvbridge.wire.sglang import STAGING_FIELDS, ZmqMessage, check_aux_index
+from kvbridge.wire.sglang import STAGING_FIELDS, ZmqMessage
+from kvbridge.wire.sglang.common import (
+    AUX_DATA,
+    BOOTSTRAP,
+    REGISTRATION_ROOM,
+    RELEASE,
+    TO_DECODE,
+    TO_PREFILL,
+    Receiver,
+    SGLangProfile,
+    check_registration_room,
+)
 
 PROFILE = "sglang-mooncake"
-REGISTRATION_ROOM = "None"
+SEED_ERA = "seed era (staging 14/15, DCP 16/17)"
 
 
 @dataclass(eq=False)
@@ -60,8 +66,13 @@ class KVArgsRegisterInfo(ZmqMessage, StagingRing):
     staging_total_size: int = 0
     dst_dcp_size: int = 1
     dst_dcp_rank: int = 0
+    # sglang's StagingRegisterInfo.slot_layer_ids: the layer of each staging slot (sglang
+    # keeps it only when a ring is registered).
+    staging_slot_layer_ids: list[int] = field(default_factory=list)
+    dst_kv_item_lens: list[int] = field(default_factory=list)
 
     def check(self) -> None:
+        check_registration_room(self.room)
         check_port(self.dst_port, "dst_port")
         check_staging(self.staging_base_ptr, self.staging_total_size)
         check_dcp(self.dst_dcp_size, self.dst_dcp_rank, "dst_dcp_size", "dst_dcp_rank")
@@ -72,16 +83,16 @@ KVArgsRegisterInfo.LAYOUT = REGISTER_INFO = Layout(
     "KVArgsRegisterInfo",
     KVArgsRegisterInfo,
     (
-        Field("room", c.ASCII, "always 'None' for a registration; any ASCII accepted"),
+        Field("room", c.ASCII, "always 'None': how sglang tells a registration apart"),
         Field("endpoint", c.ASCII, "decode host IP"),
         Field("dst_port", c.ASCII_UINT, "decode rank's control port"),
         Field("mooncake_session_id", c.ASCII, "decode's Mooncake session 'host:rpc_port'"),
         Field("dst_kv_ptrs", c.POINTERS, "base address of each KV buffer"),
         Field("dst_aux_ptrs", c.POINTERS, "base address of each aux (metadata) buffer"),
         Field("dst_state_data_ptrs", c.POINTER_LISTS, "state buffer addresses; b'' = []"),
-        Field("dst_tp_rank", c.ASCII_UINT, "decode TP rank"),
+        Field("dst_tp_rank", c.ASCII_UINT, "decode TP rank (engine rank)"),
         Field("dst_attn_tp_size", c.ASCII_UINT, "decode attention-TP size"),
-        Field("dst_kv_item_len", c.ASCII_UINT, "bytes of one page of one KV buffer"),
+        Field("dst_kv_item_len", c.ASCII_UINT, "bytes of one page of the first KV buffer"),
         Field("dst_state_item_lens", c.U32_LISTS, default_factory=list),
         Field("dst_state_dim_per_tensor", c.U32_LISTS, default_factory=list),
         Field(
@@ -94,8 +105,22 @@ KVArgsRegisterInfo.LAYOUT = REGISTER_INFO = Layout(
         *STAGING_FIELDS,
         Field("dst_dcp_size", c.ASCII_UINT, "decode context-parallel size", default=1),
         Field("dst_dcp_rank", c.ASCII_UINT, "decode context-parallel rank", default=0),
+        Field(
+            "staging_slot_layer_ids",
+            c.U64_LIST,
+            "layer id of each staging slot (Q*); [] = by KV layer ids",
+            default_factory=list,
+        ),
+        Field(
+            "dst_kv_item_lens",
+            c.U64_LIST,
+            "bytes of one page of each KV buffer (Q*)",
+            default_factory=list,
+        ),
     ),
-    doc="Registration (decode → prefill, once per peer).",
+    doc="Registration (decode → prefill, once per peer); frame 0 is 'None'.",
+    tolerates_extra=True,
+    releases=((20, RELEASE), (18, SEED_ERA)),
 )
 
 
@@ -112,15 +137,31 @@ class TransferInfo(ZmqMessage):
     dst_state_indices: list[list[int]]
     required_dst_info_num: int
     decode_prefix_len: int | None = None
+    dst_device_kv_indices: npt.NDArray[np.int32] | None = None
+
+    def __post_init__(self) -> None:
+        # An empty frame 9 reads as None in sglang; no device indices are sent as None.
+        if self.dst_device_kv_indices is not None and len(self.dst_device_kv_indices) == 0:
+            self.dst_device_kv_indices = None
 
     @property
     def is_dummy(self) -> bool:
-        """This prefill rank sends nothing for the room and only reports completion."""
+        """This prefill rank sends nothing for the room and only reports completion: sglang's
+        rule, frames 4 and 5 both empty."""
         return len(self.dst_kv_indices) == 0 and self.dst_aux_index is None
 
     def check(self) -> None:
         check_port(self.dst_port, "dst_port")
-        check_aux_index(self.dst_kv_indices, self.dst_aux_index)
+        if self.dst_aux_index is None and len(self.dst_kv_indices):
+            raise FieldValueError(
+                "dst_aux_index",
+                "empty while dst_kv_indices is not: only a dummy (no pages) has no aux index",
+            )
+        if self.is_dummy and self.dst_state_indices:
+            raise FieldValueError(
+                "dst_state_indices",
+                "a dummy (frames 4 and 5 empty) carries none: sglang ignores it",
+            )
 
 
 TransferInfo.LAYOUT = TRANSFER_INFO = Layout(
@@ -145,13 +186,21 @@ TransferInfo.LAYOUT = TRANSFER_INFO = Layout(
         Field(
             "decode_prefix_len",
             c.ASCII_UINT,
-            "tokens decode already holds; missing = None",
+            "tokens decode already holds (sglang sends 0 for none); missing or b'' = None",
             default=None,
-            empty_is_default=False,
-            omit_default=True,
+            send_default_empty=True,
+        ),
+        Field(
+            "dst_device_kv_indices",
+            c.INT32_ARRAY,
+            "device page indices of a host-cache destination; missing or b'' = None",
+            default=None,
+            send_default_empty=True,
         ),
     ),
     doc="Per-request transfer request (decode → prefill). A dummy has frames 4 and 5 empty.",
+    tolerates_extra=True,
+    releases=((10, RELEASE), (9, SEED_ERA), (8, "before decode_prefix_len")),
 )
 
 TRANSFER_STATUS = Layout(
@@ -161,122 +210,45 @@ TRANSFER_STATUS = Layout(
     (
         Field("room", c.ASCII_UINT),
         Field("status", c.AsciiEnum(KVPoll)),
-        Field("prefill_rank", c.ASCII_UINT),
+        Field("prefill_rank", c.ASCII_UINT, "prefill unique rank"),
+        Field(
+            "reason",
+            c.UTF8,
+            "failure reason; not sent by sglang 0.5.23's Mooncake prefill, read if present",
+            default="",
+            omit_default=True,
+        ),
     ),
-    doc="Transfer status (prefill → decode): exactly three ascii integers.",
+    doc="Transfer status (prefill → decode): three ascii integers, no tag.",
+    tolerates_extra=True,
+    releases=((3, RELEASE), (4, f"{RELEASE} parser (with a reason)")),
 )
 
 
-def _tag(tag: bytes) -> Field:
-    return Field("tag", c.Constant(tag), f"always {tag.decode()}")
-
-
-CONTROL_TAGS: dict[bytes, Layout[Any]] = {
-    b"ABORT": Layout(
-        PROFILE,
-        "ABORT",
-        Abort,
-        (
-            _tag(b"ABORT"),
-            Field("room", c.ASCII_UINT),
-            Field("decode_ip", c.ASCII),
-            Field("decode_port", c.ASCII_UINT),
-        ),
-        doc="Decode aborts a room (decode → prefill).",
-    ),
-    b"ABORT_ACK": Layout(
-        PROFILE,
-        "ABORT_ACK",
-        AbortAck,
-        (_tag(b"ABORT_ACK"), Field("room", c.ASCII_UINT), Field("prefill_rank", c.ASCII_UINT)),
-        doc="Prefill confirms an abort (prefill → decode).",
-    ),
-    b"STAGING_REQ": Layout(
-        PROFILE,
-        "STAGING_REQ",
-        StagingRequest,
-        (
-            _tag(b"STAGING_REQ"),
-            Field("room", c.ASCII_UINT),
-            Field("chunk_idx", c.ASCII_UINT),
-            Field("chunk_num_pages", c.ASCII_UINT),
-            Field("session_id", c.ASCII),
-        ),
-        doc="Prefill asks for staging-ring space for a chunk (prefill → decode).",
-    ),
-    b"STAGING_RSP": Layout(
-        PROFILE,
-        "STAGING_RSP",
-        StagingResponse,
-        (
-            _tag(b"STAGING_RSP"),
-            Field("room", c.ASCII_UINT),
-            Field("chunk_idx", c.ASCII_UINT),
-            Field("offset", c.ASCII_INT, "ring offset; -2 = the chunk can never fit"),
-            Field("round", c.ASCII_UINT),
-            Field("end", c.ASCII_UINT),
-            Field("session_id", c.ASCII),
-        ),
-        doc="Decode grants ring space (decode → prefill).",
-    ),
-    b"WATERMARK": Layout(
-        PROFILE,
-        "WATERMARK",
-        Watermark,
-        (
-            _tag(b"WATERMARK"),
-            Field("round", c.ASCII_UINT),
-            Field("tail", c.ASCII_UINT),
-            Field("session_id", c.ASCII),
-        ),
-        doc="Decode frees ring space up to tail (decode → prefill).",
-    ),
-    b"CHUNK_READY": Layout(
-        PROFILE,
-        "CHUNK_READY",
-        ChunkReady,
-        (
-            _tag(b"CHUNK_READY"),
-            Field("room", c.ASCII_UINT),
-            Field("chunk_idx", c.ASCII_UINT),
-            Field("page_start", c.ASCII_UINT),
-            Field("num_pages", c.ASCII_UINT),
-            Field("session_id", c.ASCII),
-            Field("prefill_rank", c.ASCII_UINT),
-        ),
-        doc="A staged chunk landed in the ring (prefill → decode).",
-    ),
-}
-
-
-class MooncakeProfile(Profile):
+class MooncakeProfile(SGLangProfile):
     name = PROFILE
     doc = (
-        "SGLang's Mooncake-backend messages. Frame 0 is a room id, the registration sentinel "
-        "'None', or a control tag: messages are told apart by that tag and by frame count."
+        "sglang 0.5.23's Mooncake-backend messages. Frame 0 is a control tag, the "
+        "registration sentinel 'None', or a room id: decode → prefill, 'None' is a "
+        "registration and a room id a TransferInfo; prefill → decode, an untagged message is "
+        "a transfer status."
     )
-    layouts = (REGISTER_INFO, TRANSFER_INFO, TRANSFER_STATUS, *CONTROL_TAGS.values())
+    # sglang's prefill takes BOOTSTRAP first (its worker recv), then the common tags.
+    to_prefill = (BOOTSTRAP, *TO_PREFILL)
+    to_decode = (AUX_DATA, *TO_DECODE)
+    layouts = (REGISTER_INFO, TRANSFER_INFO, TRANSFER_STATUS, *to_prefill, *to_decode)
 
-    def classify(self, frames: Sequence[bytes]) -> Layout[Any]:
-        require_frames(frames, self.name)
-        tagged = CONTROL_TAGS.get(bytes(frames[0]))
-        if tagged is not None:
-            return tagged
-        count = len(frames)
-        if count == len(TRANSFER_STATUS.fields):
+    def untagged(self, frames: Sequence[bytes], receiver: Receiver | None) -> Layout[Any]:
+        if receiver is Receiver.DECODE:
             return TRANSFER_STATUS
-        if TRANSFER_INFO.min_frames <= count <= len(TRANSFER_INFO.fields):
-            return TRANSFER_INFO
-        if REGISTER_INFO.min_frames <= count <= len(REGISTER_INFO.fields):
+        if bytes(frames[0]) == REGISTRATION_ROOM.encode("ascii"):
             return REGISTER_INFO
-        raise WireError(
-            f"{count} frames and frame 0 {bytes(frames[0])[:16]!r} match no message: a transfer "
-            f"status has 3 frames, a TransferInfo {TRANSFER_INFO.min_frames}-"
-            f"{len(TRANSFER_INFO.fields)}, a registration {REGISTER_INFO.min_frames}-"
-            f"{len(REGISTER_INFO.fields)}, control messages start with a tag "
-            f"({', '.join(tag.decode() for tag in CONTROL_TAGS)})",
-            profile=self.name,
-        )
+        if receiver is Receiver.PREFILL:
+            return TRANSFER_INFO
+        # Either side: a status has at most four frames, a TransferInfo at least eight.
+        if len(frames) <= len(TRANSFER_STATUS.fields):
+            return TRANSFER_STATUS
+        return TRANSFER_INFO
 
 
 MOONCAKE = MooncakeProfile()
