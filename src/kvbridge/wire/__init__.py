@@ -28,7 +28,7 @@ from kvbridge.wire.messages import (
 from kvbridge.wire.native import MAGIC as NATIVE_MAGIC
 from kvbridge.wire.native import NATIVE, Registration, TransferRequest
 from kvbridge.wire.profile import Inspection, Profile
-from kvbridge.wire.sglang.common import Receiver, SGLangProfile
+from kvbridge.wire.sglang.common import TO_DECODE, TO_PREFILL, Receiver, SGLangProfile
 from kvbridge.wire.sglang.mooncake import MOONCAKE
 from kvbridge.wire.sglang.nixl import GUARD, NIXL
 
@@ -67,7 +67,14 @@ def inspect_frames(
         result = chosen.inspect([GUARD, *frames], type_name, receiver)
         result.notes.insert(0, f"no guard frame: read as the frames after {GUARD!r}")
         return result
-    return chosen.inspect(frames, type_name, receiver)
+    result = chosen.inspect(frames, type_name, receiver)
+    if result.type_name in SHARED_CONTROL_MESSAGES:
+        result.notes.append("a control message both SGLang backends send alike (sglang-nixl too)")
+    return result
+
+
+# sglang's backend-independent control messages: the same bytes in both SGLang profiles.
+SHARED_CONTROL_MESSAGES = {layout.type_name for layout in (*TO_PREFILL, *TO_DECODE)}
 
 
 def _nixl_framed(frames: Sequence[bytes]) -> bool:
