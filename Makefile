@@ -11,7 +11,7 @@ SGLANG_STAMP := $(SGLANG_VENV)/.kvbridge-sglang-installed
 # kvbridge's SGLang profiles against sglang 0.5.23's own code, inside sglang's environment.
 SGLANG_TESTS := SGLANG_HOST_IP=127.0.0.1 PYTHONPATH=src $(SGLANG_VENV)/bin/python -m pytest tests/sglang_compat
 
-.PHONY: demo test test-sglang lint format docs bench mooncake sglang-env goldens clean
+.PHONY: demo test test-sglang lint format docs bench mooncake sglang-env vllm-env goldens clean
 
 $(STAMP): requirements/dev.txt requirements/engines.txt pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "kvbridge needs Python >= 3.10, $(PYTHON) is " + sys.version.split()[0])'
@@ -43,6 +43,11 @@ test-sglang: $(STAMP)
 	scripts/install-mooncake.sh $(BIN)/python --optional
 	$(MAKE) --no-print-directory $(SGLANG_STAMP)
 	$(SGLANG_TESTS)
+
+# vLLM 0.32.0's CPU build in its own environment (.venv-vllm), for the vLLM connector (issue 14;
+# not part of make test yet). tests/vllm_compat/vllm_probe.py runs it on a random Llama.
+vllm-env:
+	scripts/vllm-env.sh .venv-vllm
 
 # Regenerate tests/goldens/sglang-0.5.23.json (and the samples made from it) from sglang.
 goldens: $(STAMP) $(SGLANG_STAMP)
@@ -82,4 +87,4 @@ docs: $(STAMP)
 	$(BIN)/kvbridge protocol-doc --output docs/PROTOCOL.md
 
 clean:
-	rm -rf $(VENV) $(SGLANG_VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(SGLANG_VENV) .venv-vllm .pytest_cache .hypothesis

@@ -1,0 +1,57 @@
+"""Run vLLM 0.32's CPU build on a random-weight Llama made here (run inside .venv-vllm, which
+scripts/vllm-env.sh builds): the ground the kvbridge vLLM connector's tests stand on.
+
+    LD_PRELOAD=.venv-vllm/lib/libiomp5.so .venv-vllm/bin/python tests/vllm_compat/vllm_probe.py
+
+Prints the greedy tokens of a few prompts and how long start-up and generation took.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
+def make_model(folder: Path, layers: int = 2) -> Path:
+    """A random-weight Llama with Llama-3-8B's per-layer KV geometry (8 KV heads × 128)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=1024, hidden_size=1024, intermediate_size=1024, num_hidden_layers=layers,
+        num_attention_heads=8, num_key_value_heads=8, head_dim=128,
+        max_position_embeddings=8192, torch_dtype="bfloat16",
+    )  # fmt: skip
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(folder)
+    return folder
+
+
+def main() -> None:
+    from vllm import LLM, SamplingParams
+
+    with tempfile.TemporaryDirectory() as folder:
+        started = time.perf_counter()
+        model = make_model(Path(folder))
+        llm = LLM(
+            model=str(model), skip_tokenizer_init=True, block_size=32, max_model_len=4096,
+            kv_cache_memory_bytes=256 << 20, dtype="bfloat16", enforce_eager=True,
+        )  # fmt: skip
+        ready = time.perf_counter()
+        prompts = [{"prompt_token_ids": [(7 * i + j) % 1000 + 1 for j in range(n)]}
+                   for i, n in enumerate((5, 32, 97, 300))]  # fmt: skip
+        params = SamplingParams(temperature=0, max_tokens=8, detokenize=False)
+        outputs = llm.generate(prompts, params)
+        done = time.perf_counter()
+    for output in outputs:
+        print(len(output.prompt_token_ids), list(output.outputs[0].token_ids))
+    print(f"start-up {ready - started:.1f} s, generation {done - ready:.2f} s")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
