@@ -34,13 +34,25 @@ def make_model(folder: Path, layers: int = 2) -> Path:
 
 def main() -> None:
     from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
 
+    # With a path argument: load tests/vllm_compat/recording_connector.py into vLLM and write
+    # what it is called with to that JSON-lines file.
+    record = sys.argv[1] if len(sys.argv) > 1 else None
+    transfer = None
+    if record is not None:
+        sys.path.insert(0, str(Path(__file__).parent))
+        transfer = KVTransferConfig(
+            kv_connector="RecordingConnector", kv_connector_module_path="recording_connector",
+            kv_role="kv_both", kv_connector_extra_config={"record": record},
+        )  # fmt: skip
     with tempfile.TemporaryDirectory() as folder:
         started = time.perf_counter()
         model = make_model(Path(folder))
         llm = LLM(
             model=str(model), skip_tokenizer_init=True, block_size=32, max_model_len=4096,
             kv_cache_memory_bytes=256 << 20, dtype="bfloat16", enforce_eager=True,
+            kv_transfer_config=transfer, disable_hybrid_kv_cache_manager=transfer is not None,
         )  # fmt: skip
         ready = time.perf_counter()
         prompts = [{"prompt_token_ids": [(7 * i + j) % 1000 + 1 for j in range(n)]}
