@@ -26,6 +26,7 @@ from kvbridge.wire import (
     Profile,
     WireError,
     decode_frames,
+    detect_profile,
     encode_frames,
     inspect_frames,
 )
@@ -90,7 +91,10 @@ def _decode_or_wire_error(decode: Callable[[], Message]) -> Message | None:
 
 def _check_all_entry_points(frames: Sequence[bytes], profile: Profile, layout: Layout[Any]) -> None:
     _decode_or_wire_error(lambda: decode_frames(frames))
-    _decode_or_wire_error(lambda: decode_frames(frames, profile.name))
+    decoded = _decode_or_wire_error(lambda: decode_frames(frames, profile.name))
+    if decoded is not None and profile is not NATIVE:
+        # SGLang profiles: whatever they accept, they give back byte for byte (to_zmq).
+        assert encode_frames(decoded, profile.name) == list(frames)
     if profile is not NATIVE:
         _decode_or_wire_error(lambda: layout.decode(frames))
     result = inspect_frames(frames, profile.name)
@@ -158,6 +162,9 @@ def test_fuzz_100k_frame_lists() -> None:
             refused += 1
         else:
             decoded += 1
+            chosen = profile or detect_profile(frames).name
+            if chosen != NATIVE.name:  # SGLang profiles give back what they accepted
+                assert encode_frames(result, chosen) == list(frames), frames
         if case % 20 == 0 and frames:
             inspect_frames(frames, profile)
     elapsed = time.perf_counter() - started
