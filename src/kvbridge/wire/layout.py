@@ -195,6 +195,18 @@ class Layout(Generic[M]):
                 return self.first_frame + position
         return None
 
+    def frame_of(self, frames: Sequence[bytes], field_name: str) -> bytes | None:
+        """The raw frame of a field in frames as sent (prefix included); None if missing. For
+        telling messages apart before decoding them."""
+        position = len(self.prefix) + self.fields.index(
+            next(item for item in self.fields if item.name == field_name)
+        )
+        return bytes(frames[position]) if position < len(frames) else None
+
+    def has_prefix(self, frames: Sequence[bytes]) -> bool:
+        """Whether frames as sent start with this layout's prefix frames."""
+        return [bytes(frame) for frame in frames[: len(self.prefix)]] == list(self.prefix)
+
     def _error(self, reason: str, position: int | None, field: str | None) -> WireError:
         return WireError(
             reason,

@@ -23,8 +23,11 @@ from kvbridge.wire.messages import (
     ChunkReady,
     StagingRequest,
     StagingResponse,
+    StagingRing,
     Watermark,
+    check_dcp,
     check_port,
+    check_staging,
 )
 from kvbridge.wire.profile import Inspection, Profile, require_frames
 from kvbridge.wire.sglang import ZmqMessage
@@ -35,13 +38,24 @@ RELEASE = "sglang 0.5.23"
 REGISTRATION_ROOM = "None"
 
 
-def check_registration_room(room: str) -> None:
-    if room != REGISTRATION_ROOM:
-        raise FieldValueError(
-            "room",
-            f"a registration's room is {REGISTRATION_ROOM!r}, got {room!r}: sglang reads any "
-            "other value as a TransferInfo's room",
-        )
+class Registration(StagingRing):
+    """What both backends' registrations share, and their rules."""
+
+    room: str
+    dst_port: int
+    dst_dcp_size: int
+    dst_dcp_rank: int
+
+    def check(self) -> None:
+        if self.room != REGISTRATION_ROOM:
+            raise FieldValueError(
+                "room",
+                f"a registration's room is {REGISTRATION_ROOM!r}, got {self.room!r}: sglang reads "
+                "any other value as a TransferInfo's room",
+            )
+        check_port(self.dst_port, "dst_port")
+        check_staging(self.staging_base_ptr, self.staging_total_size)
+        check_dcp(self.dst_dcp_size, self.dst_dcp_rank, "dst_dcp_size", "dst_dcp_rank")
 
 
 class Receiver(str, enum.Enum):
@@ -347,11 +361,10 @@ class SGLangProfile(Profile):
         """The layout and its field frames (after any prefix frames such as NIXL's guard)."""
         layout = self.layout_named(type_name) if type_name else self.classify(frames, receiver)
         prefix = layout.prefix
-        head = [bytes(frame) for frame in frames[: len(prefix)]]
-        if head != list(prefix):
+        if not layout.has_prefix(frames):
             raise WireError(
                 f"expected {describe_bytes(prefix[0])} in frame 0, got "
-                f"{describe_bytes(head[0]) if head else 'no frame'}",
+                f"{describe_bytes(bytes(frames[0])) if len(frames) else 'no frame'}",
                 profile=self.name,
                 message_type=layout.type_name,
                 frame_index=0,

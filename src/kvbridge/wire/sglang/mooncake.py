@@ -21,11 +21,8 @@ from kvbridge.wire import codecs as c
 from kvbridge.wire.layout import Field, FieldValueError, Layout
 from kvbridge.wire.messages import (
     KVPoll,
-    StagingRing,
     TransferStatus,
-    check_dcp,
     check_port,
-    check_staging,
 )
 from kvbridge.wire.sglang import STAGING_FIELDS, ZmqMessage
 from kvbridge.wire.sglang.common import (
@@ -36,8 +33,8 @@ from kvbridge.wire.sglang.common import (
     TO_DECODE,
     TO_PREFILL,
     Receiver,
+    Registration,
     SGLangProfile,
-    check_registration_room,
 )
 
 PROFILE = "sglang-mooncake"
@@ -45,7 +42,7 @@ SEED_ERA = "seed era (staging 14/15, DCP 16/17)"
 
 
 @dataclass(eq=False)
-class KVArgsRegisterInfo(ZmqMessage, StagingRing):
+class KVArgsRegisterInfo(Registration, ZmqMessage):
     """Decode → prefill, once per peer: where the decode rank's buffers are."""
 
     room: str
@@ -70,12 +67,6 @@ class KVArgsRegisterInfo(ZmqMessage, StagingRing):
     # keeps it only when a ring is registered).
     staging_slot_layer_ids: list[int] = field(default_factory=list)
     dst_kv_item_lens: list[int] = field(default_factory=list)
-
-    def check(self) -> None:
-        check_registration_room(self.room)
-        check_port(self.dst_port, "dst_port")
-        check_staging(self.staging_base_ptr, self.staging_total_size)
-        check_dcp(self.dst_dcp_size, self.dst_dcp_rank, "dst_dcp_size", "dst_dcp_rank")
 
 
 KVArgsRegisterInfo.LAYOUT = REGISTER_INFO = Layout(
@@ -241,7 +232,7 @@ class MooncakeProfile(SGLangProfile):
     def untagged(self, frames: Sequence[bytes], receiver: Receiver | None) -> Layout[Any]:
         if receiver is Receiver.DECODE:
             return TRANSFER_STATUS
-        if bytes(frames[0]) == REGISTRATION_ROOM.encode("ascii"):
+        if REGISTER_INFO.frame_of(frames, "room") == REGISTRATION_ROOM.encode("ascii"):
             return REGISTER_INFO
         if receiver is Receiver.PREFILL:
             return TRANSFER_INFO

@@ -23,11 +23,8 @@ from kvbridge.wire.errors import WireError
 from kvbridge.wire.layout import Field, FieldValueError, Layout
 from kvbridge.wire.messages import (
     KVPoll,
-    StagingRing,
     TransferStatus,
-    check_dcp,
     check_port,
-    check_staging,
 )
 from kvbridge.wire.sglang import STAGING_FIELDS, ZmqMessage
 from kvbridge.wire.sglang.common import (
@@ -36,8 +33,8 @@ from kvbridge.wire.sglang.common import (
     TO_DECODE,
     TO_PREFILL,
     Receiver,
+    Registration,
     SGLangProfile,
-    check_registration_room,
     tagged_layout,
 )
 
@@ -61,7 +58,7 @@ def _every_buffer(earlier: Mapping[str, Any], value: Any) -> list[Any]:
 
 
 @dataclass(eq=False)
-class KVArgsRegisterInfo(ZmqMessage, StagingRing):
+class KVArgsRegisterInfo(Registration, ZmqMessage):
     """Decode → prefill, once per peer: the decode agent and where its buffers are.
 
     `dst_kv_mem_kinds` and `dst_kv_item_lens` left empty take sglang's defaults: VRAM and
@@ -99,10 +96,7 @@ class KVArgsRegisterInfo(ZmqMessage, StagingRing):
             self.dst_kv_item_lens = [self.dst_kv_item_len] * len(self.dst_kv_ptrs)
 
     def check(self) -> None:
-        check_registration_room(self.room)
-        check_port(self.dst_port, "dst_port")
-        check_staging(self.staging_base_ptr, self.staging_total_size)
-        check_dcp(self.dst_dcp_size, self.dst_dcp_rank, "dst_dcp_size", "dst_dcp_rank")
+        super().check()
         count = len(self.dst_kv_ptrs)
         for name in ("dst_kv_mem_kinds", "dst_kv_item_lens"):
             if len(getattr(self, name)) != count:
@@ -260,14 +254,14 @@ class NixlProfile(SGLangProfile):
     layouts = (REGISTER_INFO, TRANSFER_INFO, *to_prefill, *to_decode)
 
     def untagged(self, frames: Sequence[bytes], receiver: Receiver | None) -> Layout[Any]:
-        if bytes(frames[0]) != GUARD or receiver is Receiver.DECODE:
+        if not REGISTER_INFO.has_prefix(frames) or receiver is Receiver.DECODE:
             known = ", ".join(tag.decode() for tag in self.tags(receiver))
             raise WireError(
                 f"frame 0 is neither the guard {GUARD!r} nor a tag ({known})",
                 profile=self.name,
                 frame_index=0,
             )
-        if len(frames) > 1 and bytes(frames[1]) == REGISTRATION_ROOM.encode("ascii"):
+        if REGISTER_INFO.frame_of(frames, "room") == REGISTRATION_ROOM.encode("ascii"):
             return REGISTER_INFO
         return TRANSFER_INFO
 
