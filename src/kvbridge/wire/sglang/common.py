@@ -352,9 +352,6 @@ class SGLangProfile(Profile):
             )
         return self.untagged(frames, receiver)
 
-    def layouts_with_prefix(self) -> tuple[Layout[Any], ...]:
-        return tuple(layout for layout in self.layouts if layout.prefix)
-
     def split(
         self, frames: Sequence[bytes], type_name: str | None, receiver: Receiver | None
     ) -> tuple[Layout[Any], list[bytes]]:

@@ -45,11 +45,6 @@ SEED_ERA = "seed era (staging 14/15)"
 KV_MEM_KINDS = frozenset({"DRAM", "VRAM"})
 
 
-def add_guard(frames: Sequence[bytes]) -> list[bytes]:
-    """The frames as sent on the socket: guard first."""
-    return [GUARD, *frames]
-
-
 def _every_buffer(earlier: Mapping[str, Any], value: Any) -> list[Any]:
     # `inspect` goes on past a frame that failed to decode: then there is nothing to repeat.
     if value is None:
@@ -268,4 +263,4 @@ class NixlProfile(SGLangProfile):
 
 NIXL = NixlProfile()
 
-__all__ = ["GUARD", "NIXL", "KVArgsRegisterInfo", "TransferInfo", "add_guard"]
+__all__ = ["GUARD", "NIXL", "KVArgsRegisterInfo", "TransferInfo"]
