@@ -10,8 +10,12 @@ SGLANG_VENV := .venv-sglang
 SGLANG_STAMP := $(SGLANG_VENV)/.kvbridge-sglang-installed
 # kvbridge's SGLang profiles against sglang 0.5.23's own code, inside sglang's environment.
 SGLANG_TESTS := SGLANG_HOST_IP=127.0.0.1 PYTHONPATH=src $(SGLANG_VENV)/bin/python -m pytest tests/sglang_compat
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.kvbridge-vllm-installed
+# kvbridge's vLLM connector inside vLLM 0.32's CPU build, next to vLLM's own NixlConnector.
+VLLM_TESTS := $(VLLM_VENV)/bin/python -m pytest -p no:cacheprovider tests/vllm_compat
 
-.PHONY: demo test test-sglang lint format docs bench mooncake sglang-env vllm-env goldens clean
+.PHONY: demo test test-sglang test-vllm lint format docs bench mooncake sglang-env vllm-env goldens clean
 
 $(STAMP): requirements/dev.txt requirements/engines.txt pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "kvbridge needs Python >= 3.10, $(PYTHON) is " + sys.version.split()[0])'
@@ -44,10 +48,19 @@ test-sglang: $(STAMP)
 	$(MAKE) --no-print-directory $(SGLANG_STAMP)
 	$(SGLANG_TESTS)
 
-# vLLM 0.32.0's CPU build in its own environment (.venv-vllm), for the vLLM connector (issue 14;
-# not part of make test yet). tests/vllm_compat/vllm_probe.py runs it on a random Llama.
-vllm-env:
-	scripts/vllm-env.sh .venv-vllm
+# vLLM 0.32.0's CPU build in its own environment (.venv-vllm) with kvbridge installed into it,
+# for the vLLM connector's tests and benchmark. Built after install-mooncake.sh (Mooncake's
+# system library).
+$(VLLM_STAMP): scripts/vllm-env.sh pyproject.toml
+	scripts/vllm-env.sh $(VLLM_VENV)
+	@touch $@
+
+vllm-env: $(VLLM_STAMP)
+
+test-vllm: $(STAMP)
+	scripts/install-mooncake.sh $(BIN)/python --optional
+	$(MAKE) --no-print-directory $(VLLM_STAMP)
+	$(VLLM_TESTS)
 
 # Regenerate tests/goldens/sglang-0.5.23.json (and the samples made from it) from sglang.
 goldens: $(STAMP) $(SGLANG_STAMP)
@@ -59,12 +72,13 @@ demo: $(STAMP)
 
 test: $(STAMP) $(EXAMPLES_STAMP)
 	scripts/install-mooncake.sh $(BIN)/python --optional
-	$(MAKE) --no-print-directory $(SGLANG_STAMP)
+	$(MAKE) --no-print-directory $(SGLANG_STAMP) $(VLLM_STAMP)
 	$(BIN)/ruff check src tests benchmarks scripts examples
 	$(BIN)/ruff format --check src tests benchmarks scripts examples
 	$(BIN)/mypy --strict src
 	$(BIN)/python -m pytest
 	$(SGLANG_TESTS)
+	$(VLLM_TESTS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks scripts examples

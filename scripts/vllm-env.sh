@@ -17,5 +17,10 @@ pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check)
 "$venv/bin/python" -m pip uninstall --quiet --yes torchvision torchaudio torchcodec 2>/dev/null || true
 # vLLM's NixlConnector imports nixl._api; the CUDA-less use of the CUDA 12 build needs no deps.
 "${pip[@]}" --no-deps nixl==1.5.1 nixl-cu12==1.5.1
-"${pip[@]}" pytest==9.2.0 pytest-timeout==2.4.0
-"$venv/bin/python" -c "import vllm, nixl._api; print('vllm', vllm.__version__)"
+# The Mooncake engine for kvbridge (its system library comes from install-mooncake.sh).
+"$(dirname "$0")/install-mooncake.sh" "$venv/bin/python"
+# kvbridge itself, as a user installs it into vLLM's environment (its few dependencies, pyzmq,
+# numpy, click, rich and prometheus-client, come with vLLM).
+"${pip[@]}" hatchling==1.27.0 editables==0.5 pytest==9.2.0 pytest-timeout==2.4.0
+"${pip[@]}" --no-deps --no-build-isolation -e "$(dirname "$0")/.."
+"$venv/bin/python" -c "import vllm, nixl._api, kvbridge.integrations.vllm; print('vllm', vllm.__version__)"

@@ -202,7 +202,9 @@ class PrefillManager:
         scheduler's sender owns it (a room only a request created is unclaimed)."""
         state = self._rooms.get(room)
         if state is None and create and room not in self._finished_set:
-            state = self._rooms[room] = PrefillRoom(room, created_at=time.monotonic())
+            state = self._rooms[room] = PrefillRoom(
+                room, created_at=time.monotonic(), page_size=self.kv_args.page_size
+            )
             self.stats.rooms_started += 1
             self._unclaimed[room] = None
         if state is not None and claim:
@@ -327,6 +329,10 @@ class PrefillManager:
                 return
             if peer.error:
                 self._fail_locked(state, f"room {message.room}: {peer.error}", message.peer_id)
+                return
+            problem = state.prefix_problem(message)
+            if problem is not None:
+                self._fail_locked(state, problem, message.peer_id)
                 return
             state.on_request(message)
             self._schedule_locked(state)
@@ -796,6 +802,18 @@ class KVSender:
         with self.manager._lock:
             state = self.manager._rooms.get(self.room)
             return state.status.failure_reason if state is not None else "room cleared"
+
+    @property
+    def pages_free(self) -> bool:
+        """Whether the room's pages can go back to the allocator: the room ended and no write
+        of it is in flight (an engine may read them until then)."""
+        with self.manager._lock:
+            state = self.manager._rooms.get(self.room)
+            if state is None:
+                return True
+            return state.status.poll == KVPoll.Success or (
+                state.status.poll == KVPoll.Failed and not state.in_flight
+            )
 
     def abort(self, reason: str) -> None:
         with self.manager._lock:

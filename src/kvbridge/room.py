@@ -89,6 +89,9 @@ class PrefillRoom:
 
     room: int
     created_at: float = 0.0  # monotonic seconds, for the request deadline
+    # Tokens per page on this rank: a request's decode_prefix_len (tokens decode already has)
+    # skips this rank's pages that hold only those tokens.
+    page_size: int = 1
     status: RoomStatus = field(default_factory=RoomStatus)
     requests: dict[str, TransferRequest] = field(default_factory=dict)
     # Whether the scheduler made a KVSender for the room; a room that only a request created
@@ -112,6 +115,17 @@ class PrefillRoom:
     def claim_overdue(self, now: float, timeout_s: float) -> bool:
         """Created by a request, and no sender claimed it within `timeout_s`."""
         return not self.claimed and now - self.created_at > timeout_s
+
+    def prefix_problem(self, request: TransferRequest) -> str | None:
+        """Why this rank cannot skip the request's decode prefix, if it cannot: the prefix
+        must end on one of this rank's page boundaries."""
+        prefix = request.decode_prefix_len or 0
+        if prefix < 0 or prefix % self.page_size:
+            return (
+                f"room {self.room}: decode_prefix_len {prefix} does not end on a page of "
+                f"{self.page_size} tokens"
+            )
+        return None
 
     def on_request(self, request: TransferRequest) -> None:
         if self.status.finished:
@@ -147,13 +161,20 @@ class PrefillRoom:
         for peer_id, request in self.requests.items():
             if request.is_dummy:
                 continue
+            # Pages before decode's prefix are not sent; the request's pages begin at the
+            # prefix, so offsets count from there.
+            skip = (request.decode_prefix_len or 0) // self.page_size
+            cut = min(chunk.src_pages.size, max(0, skip - self.pages_sent))
+            src_pages = chunk.src_pages[cut:]
+            if src_pages.size == 0 and not chunk.last:
+                continue
             jobs.append(
                 ChunkJob(
                     room=self.room,
                     peer_id=peer_id,
                     chunk_idx=self.chunks_sent,
-                    src_pages=chunk.src_pages,
-                    page_offset=self.pages_sent,
+                    src_pages=src_pages,
+                    page_offset=max(0, self.pages_sent - skip),
                     dst_pages=request.dst_kv_indices,
                     last=chunk.last,
                     src_aux_index=chunk.aux_index if chunk.last else None,

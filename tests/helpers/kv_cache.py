@@ -45,17 +45,20 @@ def rank_cache(
     """Random contents when `seed` is given, zeros otherwise (a destination)."""
     rng = np.random.default_rng(seed)
     heads = total_kv_heads if kv_layout == KVLayout.MLA else max(1, total_kv_heads // attn_tp_size)
-    per_layer = 2 if kv_layout == KVLayout.MHA else 1
+    per_layer = kv_layout.buffers_per_layer
+    # vLLM's CPU cache: [pages, heads, page_size, K and V of head_dim each].
+    page_shape = (
+        (heads, page_size, 2 * head_dim)
+        if kv_layout == KVLayout.MHA_HEAD_MAJOR
+        else (page_size, heads, head_dim)
+    )
 
     def array(shape: tuple[int, ...], dtype: type) -> np.ndarray:
         if seed is None:
             return np.zeros(shape, dtype=dtype)
         return rng.integers(0, 2**16 if dtype is np.uint16 else 256, size=shape, dtype=dtype)
 
-    kv = [
-        array((num_pages, page_size, heads, head_dim), np.uint16)
-        for _ in range(per_layer * len(layer_ids))
-    ]
+    kv = [array((num_pages, *page_shape), np.uint16) for _ in range(per_layer * len(layer_ids))]
     aux = [array((aux_slots, size), np.uint8) for size in aux_item_bytes]
     state = [array((state_slots, size), np.uint8) for size in state_item_bytes]
     args = KVArgs.from_numpy(

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from kv_cache import RankCache, rank_cache
 
 from kvbridge.cache import PlanError, TransferPlan, page_runs, plan_kv, plan_slots
+from kvbridge.cache.plan import pair
 from kvbridge.engines.base import EngineError
 from kvbridge.engines.loopback import LoopbackEngine
 from kvbridge.wire import KVLayout
@@ -186,3 +187,13 @@ def test_writes_outside_registered_memory_are_refused() -> None:
     overrun = TransferPlan(plan.src, plan.dst, plan.length * np.uint64(10**6))
     with pytest.raises(EngineError, match="outside local source registered memory"):
         execute(overrun, src, dst)
+
+
+def test_head_major_pages_move_only_whole() -> None:
+    head_major = {"kv_layout": KVLayout.MHA_HEAD_MAJOR, "total_kv_heads": 4}
+    src = rank_cache(**head_major)
+    assert pair(src.args, rank_cache(seed=None, **head_major).args).whole_pages
+    with pytest.raises(PlanError, match=r"MHA_HEAD_MAJOR pages .* move whole"):
+        pair(src.args, rank_cache(seed=None, attn_tp_size=2, **head_major).args)
+    with pytest.raises(PlanError, match="KV layouts differ"):
+        pair(src.args, rank_cache(seed=None, total_kv_heads=4).args)

@@ -57,6 +57,39 @@ def test_prefill_room_slices_destination_pages_per_chunk() -> None:
         room.add_chunk(Chunk(np.array([1]), last=True))
 
 
+def test_decode_prefix_pages_are_skipped_and_offsets_count_from_the_prefix() -> None:
+    # Decode already holds the first 8 tokens (2 pages of 4): it asks for the pages after them.
+    room = PrefillRoom(1, page_size=4)
+    with_prefix = TransferRequest(1, "d0", False, np.array([30, 31, 32], np.int32), 0, [], 1, 8)
+    assert room.prefix_problem(with_prefix) is None
+    room.on_request(with_prefix)
+    room.add_chunk(Chunk(np.array([1]), last=False))  # room page 0: inside the prefix
+    room.add_chunk(Chunk(np.array([2, 3]), last=False))  # pages 1 (prefix) and 2
+    room.add_chunk(Chunk(np.array([4, 5]), last=True, aux_index=7))  # pages 3 and 4
+    (first,) = room.next_jobs()  # the first chunk had nothing to send: on to the next
+    assert (first.src_pages.tolist(), first.page_offset) == ([3], 0)
+    room.chunk_written(False)
+    (last,) = room.next_jobs()
+    assert (last.src_pages.tolist(), last.page_offset, last.src_aux_index) == ([4, 5], 1, 7)
+    room.chunk_written(True)
+    assert room.status.poll == KVPoll.Success
+
+
+def test_a_prefix_covering_the_whole_room_still_sends_the_last_chunk() -> None:
+    room = PrefillRoom(1, page_size=4)
+    room.on_request(TransferRequest(1, "d0", False, np.array([], np.int32), 2, [], 1, 8))
+    room.add_chunk(Chunk(np.array([1, 2]), last=True, aux_index=0))
+    (job,) = room.next_jobs()  # no pages, but the aux slot and the room's end
+    assert (job.src_pages.size, job.last, job.dst_aux_index) == (0, True, 2)
+
+
+def test_a_prefix_that_splits_a_page_is_refused() -> None:
+    room = PrefillRoom(1, page_size=16)
+    problem = room.prefix_problem(TransferRequest(1, "d0", False, np.array([3], np.int32),
+                                                  None, [], 1, 24))  # fmt: skip
+    assert problem == "room 1: decode_prefix_len 24 does not end on a page of 16 tokens"
+
+
 def test_dummy_requests_get_no_write_and_finish_with_the_last_chunk() -> None:
     room = PrefillRoom(1)
     room.add_chunk(Chunk(np.array([1, 2]), last=False))  # chunks queued before the request

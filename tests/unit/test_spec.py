@@ -115,3 +115,18 @@ def test_from_torch_with_real_tensors() -> None:
                              total_kv_heads=2)  # fmt: skip
     assert args.kv_buffers[1].ptr == tensors[1].data_ptr()
     assert args.page_bytes == 16 * 2 * 64 * 2
+
+
+def test_head_major_pages_hold_k_and_v_of_every_head() -> None:
+    # vLLM's CPU cache: one tensor per layer, [blocks, heads, block_size, 2 * head_dim].
+    layers = [np.zeros((10, 8, 32, 256), np.uint16) for _ in range(3)]
+    args = KVArgs.from_numpy(layers, kv_layout=KVLayout.MHA_HEAD_MAJOR, total_kv_heads=8)
+    assert (args.page_size, args.kv_heads, args.head_dim) == (32, 8, 128)
+    assert args.layer_ids == (0, 1, 2)
+    assert args.page_bytes == 8 * 32 * 256 * 2 == args.kv_buffers[0].item_len
+    with pytest.raises(GeometryError, match=r"\[pages, heads, page_size, 2 \* head_dim\]"):
+        KVArgs.from_numpy(
+            [np.zeros((10, 8, 32, 255), np.uint16)],
+            kv_layout=KVLayout.MHA_HEAD_MAJOR,
+            total_kv_heads=8,
+        )

@@ -16,20 +16,7 @@ from pathlib import Path
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
-
-def make_model(folder: Path, layers: int = 2) -> Path:
-    """A random-weight Llama with Llama-3-8B's per-layer KV geometry (8 KV heads × 128)."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=1024, hidden_size=1024, intermediate_size=1024, num_hidden_layers=layers,
-        num_attention_heads=8, num_key_value_heads=8, head_dim=128,
-        max_position_embeddings=8192, torch_dtype="bfloat16",
-    )  # fmt: skip
-    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(folder)
-    return folder
+from vllm_harness import make_model
 
 
 def main() -> None:

@@ -259,6 +259,8 @@ def plan_tokens(
     Per buffer, one block per token, merged wherever both sides are contiguous.
     """
     check_same_model(src, dst)
+    if src.kv_layout == KVLayout.MHA_HEAD_MAJOR:
+        raise PlanError("MHA_HEAD_MAJOR pages move whole: plan_tokens cannot slice them")
     if token_start % src.page_size:
         raise PlanError(f"chunk starts at token {token_start}, not a page boundary")
     count = source.heads.count
@@ -426,6 +428,12 @@ def pair(src: KVArgs, dst: KVArgs) -> Pairing:
         and dst.dcp_size == 1
         and source.heads.count == src.kv_heads == dst.kv_heads
     )
+    if source is not None and not whole and src.kv_layout == KVLayout.MHA_HEAD_MAJOR:
+        raise PlanError(
+            "MHA_HEAD_MAJOR pages (vLLM's CPU cache) move whole: both sides need the same KV "
+            f"heads per rank and page size, got {src.kv_heads} → {dst.kv_heads} heads, pages "
+            f"of {src.page_size} → {dst.page_size} tokens, DCP {dst.dcp_size}"
+        )
     stageable = (
         source is not None
         and not whole

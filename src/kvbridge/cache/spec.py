@@ -125,8 +125,8 @@ class KVArgs:
 
     @property
     def token_bytes(self) -> int:
-        """Bytes of one token in one KV buffer."""
-        return self.kv_heads * self.head_dim * self.dtype_size
+        """Bytes of one token in one KV buffer (its K and V with MHA_HEAD_MAJOR)."""
+        return self.kv_layout.kv_in_page * self.kv_heads * self.head_dim * self.dtype_size
 
     @property
     def page_bytes(self) -> int:
@@ -135,7 +135,7 @@ class KVArgs:
 
     @property
     def buffers_per_layer(self) -> int:
-        return 2 if self.kv_layout == KVLayout.MHA else 1
+        return self.kv_layout.buffers_per_layer
 
     @property
     def num_pages(self) -> int:
@@ -156,7 +156,7 @@ class KVArgs:
             )
         if self.kv_layout == KVLayout.MLA and self.total_kv_heads != 1:
             raise GeometryError(f"MLA has one latent head, got {self.total_kv_heads} heads")
-        if self.kv_layout == KVLayout.MHA:
+        if self.kv_layout != KVLayout.MLA:
             heads, tp = self.total_kv_heads, self.attn_tp_size
             if (heads % tp if tp <= heads else tp % heads) != 0:
                 raise GeometryError(
@@ -171,12 +171,13 @@ class KVArgs:
                 f"{self.kv_layout.name} with {len(self.layer_ids)} layers needs {expected} KV "
                 f"buffers ({self.buffers_per_layer} per layer), got {len(self.kv_buffers)}"
             )
+        kv_pair = " × 2 (K and V)" if self.kv_layout.kv_in_page == 2 else ""
         for index, buffer in enumerate(self.kv_buffers):
             if buffer.item_len != self.page_bytes:
                 raise GeometryError(
                     f"KV buffer {index}: item_len {buffer.item_len} is not one page "
                     f"({self.page_size} tokens × {self.kv_heads} heads × {self.head_dim} × "
-                    f"{self.dtype_size} B = {self.page_bytes})"
+                    f"{self.dtype_size} B{kv_pair} = {self.page_bytes})"
                 )
         if self.state_dims:
             if len(self.state_dims) != len(self.state_buffers):
@@ -220,19 +221,16 @@ class KVArgs:
         state: Sequence[npt.NDArray[Any]] = (),
         state_dims: Sequence[int] = (),
     ) -> KVArgs:
-        """From contiguous arrays shaped ``[pages, page_size, heads, head_dim]`` (KV) and
-        ``[slots, ...]`` (aux, state), in `KVArgs`' buffer order."""
+        """From contiguous arrays shaped ``[pages, page_size, heads, head_dim]`` (KV; with
+        MHA_HEAD_MAJOR ``[pages, heads, page_size, 2 * head_dim]``) and ``[slots, ...]`` (aux,
+        state), in `KVArgs`' buffer order."""
         if not kv:
             raise GeometryError("no KV arrays given")
         first = kv[0]
-        if first.ndim != 4:
-            raise GeometryError(
-                f"KV arrays are [pages, page_size, heads, head_dim], got shape {first.shape}"
-            )
-        per_layer = 2 if kv_layout == KVLayout.MHA else 1
+        page_size, heads, head_dim = _page_shape(kv_layout, tuple(first.shape), "arrays")
+        per_layer = kv_layout.buffers_per_layer
         layers = tuple(layer_ids) if layer_ids is not None else tuple(range(len(kv) // per_layer))
-        _, page_size, heads, head_dim = first.shape
-        _check_array_heads(int(heads), kv_layout, total_kv_heads, attn_tp_size)
+        _check_array_heads(heads, kv_layout, total_kv_heads, attn_tp_size)
         return KVArgs(
             kv_layout=kv_layout,
             layer_ids=layers,
@@ -266,23 +264,20 @@ class KVArgs:
         if not kv:
             raise GeometryError("no KV tensors given")
         first = kv[0]
-        if first.dim() != 4:
-            raise GeometryError(
-                "KV tensors are [pages, page_size, heads, head_dim], got shape "
-                f"{tuple(first.shape)}"
-            )
-        per_layer = 2 if kv_layout == KVLayout.MHA else 1
+        page_size, heads, head_dim = _page_shape(
+            kv_layout, tuple(int(n) for n in first.shape), "tensors"
+        )
+        per_layer = kv_layout.buffers_per_layer
         layers = tuple(layer_ids) if layer_ids is not None else tuple(range(len(kv) // per_layer))
-        _, page_size, heads, head_dim = first.shape
-        _check_array_heads(int(heads), kv_layout, total_kv_heads, attn_tp_size)
+        _check_array_heads(heads, kv_layout, total_kv_heads, attn_tp_size)
         on_gpu = first.device.type == "cuda"
         return KVArgs(
             kv_layout=kv_layout,
             layer_ids=layers,
             total_kv_heads=total_kv_heads,
-            head_dim=int(head_dim),
+            head_dim=head_dim,
             dtype=str(first.dtype).removeprefix("torch."),
-            page_size=int(page_size),
+            page_size=page_size,
             kv_buffers=tuple(_torch_buffer(tensor, "KV") for tensor in kv),
             kv_tensors=tuple(kv),
             keepalive=(*kv, *aux, *state),
@@ -294,6 +289,20 @@ class KVArgs:
             memory_kind=MemoryKind.VRAM if on_gpu else MemoryKind.DRAM,
             device_id=int(first.device.index or 0) if on_gpu else 0,
         )
+
+
+def _page_shape(kv_layout: KVLayout, shape: tuple[int, ...], what: str) -> tuple[int, int, int]:
+    """(page_size, heads, head_dim) of a KV array or tensor of this layout."""
+    if kv_layout == KVLayout.MHA_HEAD_MAJOR:
+        if len(shape) != 4 or shape[3] % 2:
+            raise GeometryError(
+                f"MHA_HEAD_MAJOR KV {what} are [pages, heads, page_size, 2 * head_dim], got "
+                f"shape {shape}"
+            )
+        return shape[2], shape[1], shape[3] // 2
+    if len(shape) != 4:
+        raise GeometryError(f"KV {what} are [pages, page_size, heads, head_dim], got shape {shape}")
+    return shape[1], shape[2], shape[3]
 
 
 def _numpy_dtype_name(array: npt.NDArray[Any]) -> str:

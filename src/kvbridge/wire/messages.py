@@ -31,10 +31,26 @@ class KVPoll(enum.IntEnum):
 
 
 class KVLayout(enum.IntEnum):
-    """How a rank stores KV: MHA keeps K and V buffers per layer, MLA one latent buffer."""
+    """How a rank stores KV.
+
+    MHA: a K buffer and a V buffer per layer, each page ``[token][head][dim]`` (SGLang; vLLM's
+    CUDA backends with the NHD layout). MLA: one latent buffer per layer. MHA_HEAD_MAJOR: one
+    buffer per layer, each page ``[head][K, V][token][dim]`` (vLLM's CPU attention backend):
+    its pages move whole, between equal head counts and page sizes.
+    """
 
     MHA = 1
     MLA = 2
+    MHA_HEAD_MAJOR = 3
+
+    @property
+    def buffers_per_layer(self) -> int:
+        return 2 if self == KVLayout.MHA else 1
+
+    @property
+    def kv_in_page(self) -> int:
+        """How many of K and V one page of a buffer holds."""
+        return 2 if self == KVLayout.MHA_HEAD_MAJOR else 1
 
 
 class MemoryKind(enum.IntEnum):

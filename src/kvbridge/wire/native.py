@@ -143,7 +143,7 @@ class Registration(Message, StagingRing):
             self.state_ptrs, self.state_item_lens, self.state_lengths, strict=True
         ):
             _check_buffers("state", ptrs, item_lens, lengths)
-        buffers_per_layer = 2 if self.kv_layout == KVLayout.MHA else 1
+        buffers_per_layer = self.kv_layout.buffers_per_layer
         if len(self.kv_ptrs) != buffers_per_layer * len(self.kv_layer_ids):
             raise FieldValueError(
                 "kv_ptrs",

@@ -1,0 +1,1 @@
+"""kvbridge inside serving engines: `kvbridge.integrations.vllm` is a vLLM KV connector."""

@@ -1,0 +1,410 @@
+"""kvbridge as a vLLM KV connector, loaded without patching vLLM:
+
+    --kv-transfer-config '{"kv_connector": "KVBridgeConnector",
+                           "kv_connector_module_path": "kvbridge.integrations.vllm",
+                           "kv_role": "kv_both"}'
+
+The flow is vLLM's PD flow: a prefill request carries ``kv_transfer_params:
+{"do_remote_decode": true}``; the ``kv_transfer_params`` of its output, passed with the decode
+request, make the decode instance load the KV and go on generating. Transfers are kvbridge's
+push: decode asks for the pages it lacks (a TransferRequest naming its blocks), the prefill
+instance writes them and says so; prefill keeps a finished request's blocks until decode has
+them, aborted, or `request_timeout_s` passed.
+
+vLLM makes one connector object per role. The scheduler side only keeps books (which requests
+send, load, or were aborted) and hands them to the workers in each step's metadata; the
+worker side owns kvbridge's managers (engine, control channel, bootstrap service) and reports
+finished transfers back through `get_finished`. The pure part is `vllm_core`.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import vllm
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.v1.request import RequestStatus
+
+from kvbridge.decode import DecodeManager, KVReceiver
+from kvbridge.integrations.vllm_core import (
+    ConnectorCounters,
+    ConnectorOptions,
+    LoadSpec,
+    RemotePrefill,
+    SendSpec,
+    StepMetadata,
+    check_vllm_version,
+    kv_args_from_vllm,
+    pages_to_load,
+    pages_to_send,
+    tokens_to_load,
+)
+from kvbridge.prefill import KVSender, PrefillManager
+from kvbridge.wire.messages import KVPoll
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger("kvbridge.vllm")
+
+
+class KVBridgeMetadata(KVConnectorMetadata):  # type: ignore[misc]
+    """One step's `StepMetadata`, in the class vLLM expects."""
+
+    def __init__(self, step: StepMetadata) -> None:
+        self.step = step
+
+
+@dataclass
+class KVBridgeHandshake(KVConnectorHandshakeMetadata):  # type: ignore[misc]
+    """From the prefill workers to their scheduler: where decode finds this instance."""
+
+    bootstrap_url: str
+
+
+class KVBridgeConnector(KVConnectorBase_V1):  # type: ignore[misc]
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
+        check_vllm_version(vllm.__version__)
+        super().__init__(vllm_config, role, kv_cache_config)
+        transfer = vllm_config.kv_transfer_config
+        self.options = ConnectorOptions.from_extra_config(transfer.kv_connector_extra_config)
+        self.engine_id = str(transfer.engine_id)
+        self.block_size = int(vllm_config.cache_config.block_size)
+        self.produces = bool(transfer.is_kv_producer)
+        self.consumes = bool(transfer.is_kv_consumer)
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler: _SchedulerSide | None = _SchedulerSide(self)
+            self._worker: _WorkerSide | None = None
+        else:
+            self._scheduler = None
+            self._worker = _WorkerSide(self, vllm_config)
+
+    # --- worker side -----------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._worker_side.register(kv_caches)
+
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        url = self._worker_side.bootstrap_url
+        return KVBridgeHandshake(url) if url is not None else None
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        self._worker_side.start(self._step_metadata())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None  # loads are asynchronous: a request runs only once its KV is in place
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        return None  # prefill writes finished requests' blocks when decode asks for them
+
+    def wait_for_save(self) -> None:
+        return None
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        metadata = self._step_metadata() if self.has_connector_metadata() else StepMetadata()
+        return self._worker_side.finished(metadata.idle)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker_side.take_load_errors()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+
+    def counters(self) -> ConnectorCounters:
+        """This worker's transfer counters."""
+        return self._worker_side.counters
+
+    # --- scheduler side --------------------------------------------------------------------
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
+        handshake = metadata.get(0)
+        if isinstance(handshake, KVBridgeHandshake):
+            self._scheduler_side.bootstrap_url = handshake.bootstrap_url
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        return self._scheduler_side.matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        self._scheduler_side.after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVBridgeMetadata:
+        idle = int(scheduler_output.total_num_scheduled_tokens) == 0
+        return KVBridgeMetadata(self._scheduler_side.take_step(idle))
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        self._scheduler_side.on_output(connector_output)
+
+    def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler_side.finished(request, block_ids)
+
+    def has_pending_push_work(self) -> bool:
+        # Keeps a prefill engine stepping while decode instances still have blocks to fetch,
+        # so that get_finished frees them when they are done.
+        return self._scheduler is not None and self._scheduler.pending
+
+    # --- plumbing --------------------------------------------------------------------------
+
+    def _step_metadata(self) -> StepMetadata:
+        metadata = self._get_connector_metadata()
+        assert isinstance(metadata, KVBridgeMetadata)
+        return metadata.step
+
+    @property
+    def _worker_side(self) -> _WorkerSide:
+        if self._worker is None:
+            raise RuntimeError("a worker-side hook was called on the scheduler's connector")
+        return self._worker
+
+    @property
+    def _scheduler_side(self) -> _SchedulerSide:
+        if self._scheduler is None:
+            raise RuntimeError("a scheduler-side hook was called on a worker's connector")
+        return self._scheduler
+
+
+class _SchedulerSide:
+    """Book-keeping only: which requests send, load or were given up, handed to the workers
+    in the next step's metadata."""
+
+    def __init__(self, connector: KVBridgeConnector) -> None:
+        self.connector = connector
+        self.bootstrap_url: str | None = None
+        self._step = StepMetadata()
+        self._computed: dict[str, int] = {}  # decode request → tokens in the local prefix
+        self._sending: set[str] = set()
+        self._loading: set[str] = set()
+
+    @property
+    def pending(self) -> bool:
+        return bool(self._sending or self._loading)
+
+    def matched_tokens(self, request: Any, num_computed: int) -> tuple[int, bool]:
+        params = request.kv_transfer_params
+        remote = RemotePrefill.from_params(params)
+        if remote is None or not params.get("do_remote_prefill"):
+            return 0, False
+        count = tokens_to_load(remote, request.num_prompt_tokens, num_computed)
+        self._computed[request.request_id] = num_computed
+        return (count, True) if count > 0 else (0, False)
+
+    def after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        params = request.kv_transfer_params
+        remote = RemotePrefill.from_params(params)
+        if remote is None or not params.get("do_remote_prefill"):
+            return
+        params["do_remote_prefill"] = False  # one transfer per request
+        prefix = self._computed.pop(request.request_id, 0)
+        if num_external_tokens == 0:  # every token is in the local prefix cache
+            self._step.releases.append(remote)
+            return
+        pages = pages_to_load(
+            blocks.get_block_ids()[0], self.connector.block_size, prefix, num_external_tokens
+        )
+        self._step.loads.append(LoadSpec(request.request_id, remote, pages, prefix))
+        self._loading.add(request.request_id)
+
+    def finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        params = request.kv_transfer_params or {}
+        request_id = request.request_id
+        self._computed.pop(request_id, None)
+        if request_id in self._loading:
+            # Ended while its load is in flight (the client went away): the blocks stay until
+            # no prefill write can land in them.
+            self._step.aborts.append(request_id)
+            return True, None
+        remote = RemotePrefill.from_params(params)
+        if remote is not None and params.get("do_remote_prefill"):
+            self._step.releases.append(remote)  # ended before it was scheduled
+            return False, None
+        if not params.get("do_remote_decode") or not self.connector.produces:
+            return False, None
+        if request.status not in (
+            RequestStatus.FINISHED_LENGTH_CAPPED,
+            RequestStatus.FINISHED_STOPPED,
+        ):
+            return False, None
+        if self.bootstrap_url is None:
+            log.error("request %s: no bootstrap service on this instance", request_id)
+            return False, None
+        pages = pages_to_send(block_ids, self.connector.block_size, request.num_computed_tokens)
+        if not pages:
+            return False, None
+        room = secrets.randbits(63)
+        self._step.sends.append(SendSpec(request_id, room, pages))
+        self._sending.add(request_id)
+        remote = RemotePrefill(
+            self.bootstrap_url, room, request.num_computed_tokens, self.connector.engine_id,
+            request_id,
+        )  # fmt: skip
+        return True, remote.to_params()
+
+    def take_step(self, idle: bool) -> StepMetadata:
+        step, self._step = self._step, StepMetadata()
+        step.idle = idle and self.pending
+        return step
+
+    def on_output(self, output: Any) -> None:
+        self._sending.difference_update(output.finished_sending or ())
+        self._loading.difference_update(output.finished_recving or ())
+
+
+@dataclass
+class _Load:
+    receiver: KVReceiver
+    pages: tuple[int, ...]
+    aborted: bool = False
+
+
+class _WorkerSide:
+    """kvbridge's managers for this worker's KV caches, and the rooms in flight."""
+
+    def __init__(self, connector: KVBridgeConnector, vllm_config: Any) -> None:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        self.connector = connector
+        self.options = connector.options
+        self.tp_rank = int(get_tensor_model_parallel_rank())
+        self.tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
+        self.total_kv_heads = int(
+            vllm_config.model_config.get_total_num_kv_heads()
+        )  # fmt: skip
+        self.prefill: PrefillManager | None = None
+        self.decode: DecodeManager | None = None
+        self._sends: dict[str, KVSender] = {}
+        self._pages_of_send: dict[str, int] = {}
+        self._loads: dict[str, _Load] = {}
+        self._releases: list[KVReceiver] = []
+        self._load_errors: set[int] = set()
+        self.counters = ConnectorCounters()
+
+    @property
+    def bootstrap_url(self) -> str | None:
+        if self.prefill is None or self.tp_rank != 0:
+            return None
+        return self.prefill.bootstrap_url
+
+    def register(self, kv_caches: dict[str, Any]) -> None:
+        args = kv_args_from_vllm(
+            kv_caches, total_kv_heads=self.total_kv_heads, attn_tp_rank=self.tp_rank,
+            attn_tp_size=self.tp_size,
+        )  # fmt: skip
+        if self.connector.produces:
+            if self.tp_size > 1 and self.options.bootstrap_port == 0:
+                raise RuntimeError(
+                    "kvbridge with TP > 1 on a prefill instance needs "
+                    "kv_connector_extra_config.bootstrap_port: every rank registers there"
+                )
+            url = f"http://{self.options.host}:{self.options.bootstrap_port}"
+            config = self.options.manager_config(
+                run_bootstrap=self.tp_rank == 0, bootstrap_url=None if self.tp_rank == 0 else url
+            )
+            self.prefill = PrefillManager(args, config)
+            log.info(
+                "kvbridge prefill rank %d: %s engine, bootstrap %s, %d layers of %d pages",
+                self.tp_rank, config.engine, self.prefill.bootstrap_url, len(args.layer_ids),
+                args.num_pages,
+            )  # fmt: skip
+        if self.connector.consumes:
+            self.decode = DecodeManager(
+                args, self.options.manager_config(run_bootstrap=False, bootstrap_url=None)
+            )
+
+    def start(self, step: StepMetadata) -> None:
+        for send in step.sends:
+            if self.prefill is None:
+                continue
+            sender = self.prefill.sender(send.room)
+            sender.send(list(send.pages), last=True)
+            self._sends[send.request_id] = sender
+            self._pages_of_send[send.request_id] = len(send.pages)
+        for load in step.loads:
+            self._start_load(load)
+        for request_id in step.aborts:
+            ongoing = self._loads.get(request_id)
+            if ongoing is not None:
+                ongoing.aborted = True
+                ongoing.receiver.abort("the request ended on decode")
+        for remote in step.releases:
+            if self.decode is not None:  # tell prefill at once rather than at its deadline
+                receiver = self.decode.receiver(remote.room, remote.bootstrap_url)
+                receiver.abort("decode needs none of the request's blocks")
+                self._releases.append(receiver)
+
+    def _start_load(self, load: LoadSpec) -> None:
+        if self.decode is None:
+            log.error("request %s: kv_role %s cannot load", load.request_id, "without consumer")
+            return
+        receiver = self.decode.receiver(load.remote.room, load.remote.bootstrap_url)
+        receiver.init(list(load.pages), decode_prefix_len=load.prefix_tokens)
+        self._loads[load.request_id] = _Load(receiver, load.pages)
+
+    def finished(self, idle: bool) -> tuple[set[str] | None, set[str] | None]:
+        sent, loaded = self._poll()
+        if idle and not sent and not loaded:
+            time.sleep(self.options.idle_poll_s)  # an idle engine step: do not spin a core
+        return sent or None, loaded or None
+
+    def _poll(self) -> tuple[set[str], set[str]]:
+        sent = set()
+        for request_id, sender in list(self._sends.items()):
+            if sender.pages_free:
+                pages = self._pages_of_send.pop(request_id, 0)
+                if sender.poll() == KVPoll.Failed:
+                    log.warning("request %s: not sent: %s", request_id, sender.failure_reason)
+                    self.counters.sends_failed += 1
+                else:
+                    self.counters.requests_sent += 1
+                    self.counters.pages_sent += pages
+                sender.clear()
+                del self._sends[request_id]
+                sent.add(request_id)
+        loaded = set()
+        for request_id, load in list(self._loads.items()):
+            poll = load.receiver.poll()
+            if poll == KVPoll.Failed and load.receiver.pages_safe:
+                if load.aborted:
+                    self.counters.loads_aborted += 1
+                else:
+                    log.warning(
+                        "request %s: KV load failed: %s", request_id, load.receiver.failure_reason
+                    )
+                    self._load_errors.update(load.pages)
+                    self.counters.loads_failed += 1
+            elif poll == KVPoll.Success:
+                self.counters.requests_loaded += 1
+                self.counters.pages_loaded += len(load.pages)
+            else:
+                continue
+            load.receiver.clear()
+            del self._loads[request_id]
+            loaded.add(request_id)
+        for receiver in list(self._releases):
+            if receiver.pages_safe:
+                receiver.clear()
+                self._releases.remove(receiver)
+                self.counters.rooms_released += 1
+        return sent, loaded
+
+    def take_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def close(self) -> None:
+        for manager in (self.decode, self.prefill):
+            if manager is not None:
+                manager.close()
+        self.decode = self.prefill = None

@@ -1,0 +1,300 @@
+"""The vLLM connector's pure part: its options, the request parameters it exchanges through
+vLLM's PD flow, the per-step metadata, which pages a decode request loads, and vLLM's KV
+tensors described as `KVArgs`. No vLLM import, no sockets: `kvbridge.integrations.vllm` is
+the shell that vLLM loads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from kvbridge.cache.spec import GeometryError, KVArgs
+from kvbridge.config import ManagerConfig
+from kvbridge.engines import DEFAULT_ENGINE, ENGINES
+from kvbridge.wire.auth import secret_from_env
+from kvbridge.wire.messages import KVLayout
+
+# The vLLM releases whose connector API this integration follows.
+SUPPORTED_VLLM = "0.32"
+# Keys kvbridge adds to vLLM's kv_transfer_params (the rest are vLLM's PD keys).
+BOOTSTRAP_KEY = "kvbridge_bootstrap_url"
+ROOM_KEY = "kvbridge_room"
+
+
+class OptionsError(ValueError):
+    """A kv_connector_extra_config that kvbridge cannot use; the message names the key."""
+
+
+def check_vllm_version(version: str) -> None:
+    """Refuse, at start-up, a vLLM whose connector API this release does not follow."""
+    release = ".".join(version.split("+")[0].split(".")[:2])
+    if release != SUPPORTED_VLLM:
+        raise RuntimeError(
+            f"kvbridge's vLLM connector follows vLLM {SUPPORTED_VLLM}.x; this is vLLM {version}"
+        )
+
+
+@dataclass(frozen=True)
+class ConnectorOptions:
+    """kvbridge's options inside vLLM, from ``kv_connector_extra_config``.
+
+    engine: transfer engine (nixl, mooncake). host: address kvbridge binds and advertises.
+    bootstrap_port: the prefill instance's bootstrap service (0: a free port; with TP > 1 every
+        rank must know it, so set it). metrics_port: kvbridge's Prometheus metrics (0: a free
+        port; unset: none). request_timeout_s: how long prefill keeps a finished request's
+        blocks for a decode instance that has not asked for them. transfer_timeout_s: how long
+        decode waits for a transfer. peer_timeout_s / heartbeat_interval_s: liveness (a silent
+        peer is declared dead after peer_timeout_s). staging / staging_bytes: the staging ring
+        for different TP sizes. idle_poll_s: how long an engine step with nothing to compute
+        sleeps while transfers are pending, so that a waiting instance does not spin a core.
+    """
+
+    engine: str = DEFAULT_ENGINE
+    host: str = "127.0.0.1"
+    bootstrap_port: int = 0
+    metrics_port: int | None = None
+    request_timeout_s: float = 120.0
+    transfer_timeout_s: float = 120.0
+    peer_timeout_s: float = 3.0
+    heartbeat_interval_s: float = 0.5
+    staging: bool = True
+    staging_bytes: int = 64 << 20
+    idle_poll_s: float = 0.005
+    secret: str | None = field(default=None, repr=False)
+
+    @staticmethod
+    def from_extra_config(extra: Mapping[str, Any] | None) -> ConnectorOptions:
+        known = {option.name: option for option in fields(ConnectorOptions)}
+        given = dict(extra or {})
+        unknown = sorted(set(given) - set(known))
+        if unknown:
+            raise OptionsError(
+                f"kv_connector_extra_config: unknown option(s) {', '.join(unknown)}; kvbridge "
+                f"knows {', '.join(known)}"
+            )
+        values: dict[str, Any] = {}
+        for name, value in given.items():
+            values[name] = _option_value(name, known[name].type, value)
+        options = ConnectorOptions(**values)
+        if options.engine not in ENGINES or options.engine == "loopback":
+            raise OptionsError(
+                f"kv_connector_extra_config.engine: {options.engine!r} is not a transfer engine "
+                "between processes; choose nixl or mooncake"
+            )
+        return options
+
+    def manager_config(self, *, run_bootstrap: bool, bootstrap_url: str | None) -> ManagerConfig:
+        return ManagerConfig(
+            engine=self.engine,
+            host=self.host,
+            bootstrap_url=bootstrap_url,
+            run_bootstrap=run_bootstrap,
+            bootstrap_port=self.bootstrap_port,
+            transfer_timeout_s=self.transfer_timeout_s,
+            request_timeout_s=self.request_timeout_s,
+            staging=self.staging,
+            staging_bytes=self.staging_bytes,
+            heartbeat_interval_s=self.heartbeat_interval_s,
+            peer_timeout_s=self.peer_timeout_s,
+            metrics_port=self.metrics_port,
+            secret=self.secret.encode() if self.secret else secret_from_env(),
+        )
+
+
+def _option_value(name: str, annotation: object, value: object) -> object:
+    """An extra-config value checked against the option's type (JSON gives int for floats)."""
+    expected = str(annotation)
+    if "bool" in expected:
+        ok = isinstance(value, bool)
+    elif "float" in expected:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0
+        value = float(value) if ok else value  # type: ignore[arg-type]
+    elif "int" in expected:
+        ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
+        ok = ok or (value is None and "None" in expected)
+    else:
+        ok = isinstance(value, str) or (value is None and "None" in expected)
+    if not ok:
+        raise OptionsError(
+            f"kv_connector_extra_config.{name}: {value!r} is not a valid {expected}"
+            + (" (at least 0)" if "int" in expected or "float" in expected else "")
+        )
+    return value
+
+
+@dataclass(frozen=True)
+class RemotePrefill:
+    """What a decode instance needs to load a request's KV from the prefill instance: it
+    travels in vLLM's ``kv_transfer_params``, from the prefill output to the decode request."""
+
+    bootstrap_url: str
+    room: int
+    num_tokens: int
+    engine_id: str
+    request_id: str
+
+    def to_params(self) -> dict[str, Any]:
+        host, _, port = self.bootstrap_url.removeprefix("http://").rpartition(":")
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": self.engine_id,
+            "remote_request_id": self.request_id,
+            "remote_host": host,
+            "remote_port": int(port),
+            "remote_num_tokens": self.num_tokens,
+            BOOTSTRAP_KEY: self.bootstrap_url,
+            ROOM_KEY: self.room,
+        }
+
+    @staticmethod
+    def from_params(params: Mapping[str, Any] | None) -> RemotePrefill | None:
+        """The remote prefill a request's parameters name; None if they name none (a request
+        for another connector, or a plain one). Malformed kvbridge keys raise OptionsError."""
+        if not params or BOOTSTRAP_KEY not in params:
+            return None
+        url, room = params.get(BOOTSTRAP_KEY), params.get(ROOM_KEY)
+        tokens = params.get("remote_num_tokens")
+        if not isinstance(url, str) or not url.startswith("http://"):
+            raise OptionsError(f"kv_transfer_params.{BOOTSTRAP_KEY}: {url!r} is not an http URL")
+        for key, value in ((ROOM_KEY, room), ("remote_num_tokens", tokens)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise OptionsError(f"kv_transfer_params.{key}: {value!r} is not an integer ≥ 0")
+        assert isinstance(room, int)
+        assert isinstance(tokens, int)
+        return RemotePrefill(
+            url,
+            room,
+            tokens,
+            str(params.get("remote_engine_id", "")),
+            str(params.get("remote_request_id", "")),
+        )
+
+
+@dataclass(frozen=True)
+class SendSpec:
+    """Prefill: a finished request whose pages decode will ask for."""
+
+    request_id: str
+    room: int
+    pages: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """Decode: load a request's KV into these pages (its pages after the local prefix)."""
+
+    request_id: str
+    remote: RemotePrefill
+    pages: tuple[int, ...]
+    prefix_tokens: int
+
+
+@dataclass
+class StepMetadata:
+    """What the scheduler side tells the workers in one step (vLLM pickles it across)."""
+
+    sends: list[SendSpec] = dataclasses.field(default_factory=list)
+    loads: list[LoadSpec] = dataclasses.field(default_factory=list)
+    # Decode requests that ended while their load was in flight (a client went away).
+    aborts: list[str] = dataclasses.field(default_factory=list)
+    # Rooms a decode instance will never ask for (a full local prefix hit, or a request that
+    # ended before it was scheduled): prefill can free their blocks now.
+    releases: list[RemotePrefill] = dataclasses.field(default_factory=list)
+    # Nothing is computed in this step: the worker may wait a little for transfers.
+    idle: bool = False
+
+
+@dataclass
+class ConnectorCounters:
+    """What one worker's connector moved, since it started (kvbridge's own managers keep the
+    transfer-level metrics)."""
+
+    requests_sent: int = 0
+    sends_failed: int = 0
+    pages_sent: int = 0
+    requests_loaded: int = 0
+    loads_failed: int = 0
+    loads_aborted: int = 0
+    pages_loaded: int = 0
+    rooms_released: int = 0
+
+
+def tokens_to_load(remote: RemotePrefill, num_prompt_tokens: int, num_computed: int) -> int:
+    """How many tokens decode loads: the prompt tokens prefill computed beyond the ones this
+    instance already has in its own prefix cache."""
+    return max(0, min(remote.num_tokens, num_prompt_tokens) - num_computed)
+
+
+def pages_to_load(
+    block_ids: list[int], block_size: int, prefix_tokens: int, num_tokens: int
+) -> tuple[int, ...]:
+    """The request's blocks that the load fills: after the cached prefix (whole blocks),
+    up to the block holding its last loaded token."""
+    if prefix_tokens % block_size:
+        raise ValueError(f"a prefix of {prefix_tokens} tokens is not whole blocks of {block_size}")
+    first = prefix_tokens // block_size
+    last = math.ceil((prefix_tokens + num_tokens) / block_size)
+    if last > len(block_ids):
+        raise ValueError(f"{num_tokens} tokens after {prefix_tokens} need {last} blocks")
+    return tuple(block_ids[first:last])
+
+
+def pages_to_send(block_ids: Sequence[Any], block_size: int, num_tokens: int) -> tuple[int, ...]:
+    """Prefill's blocks that hold a finished request's computed tokens. vLLM passes one list
+    of block ids, or one list per KV-cache group (the attention group comes first)."""
+    if block_ids and not isinstance(block_ids[0], int):
+        block_ids = block_ids[0]
+    return tuple(int(block) for block in block_ids[: math.ceil(num_tokens / block_size)])
+
+
+def layer_index(name: str) -> int:
+    """The layer number in a vLLM layer name ("model.layers.12.self_attn.attn" → 12)."""
+    numbers = re.findall(r"\.(\d+)\.", f".{name}.")
+    if not numbers:
+        raise GeometryError(f"vLLM layer {name!r} has no layer number in its name")
+    return int(numbers[-1])
+
+
+def kv_args_from_vllm(
+    kv_caches: Mapping[str, Any], *, total_kv_heads: int, attn_tp_rank: int, attn_tp_size: int
+) -> KVArgs:
+    """vLLM's per-layer KV tensors as `KVArgs`, pairing layers by their number.
+
+    vLLM's CPU attention keeps ``[blocks, heads, block_size, 2 * head_dim]`` per layer (K and V
+    of each head side by side: `KVLayout.MHA_HEAD_MAJOR`); its CUDA backends with the NHD
+    layout ``[2, blocks, block_size, heads, head_dim]`` (K then V: `KVLayout.MHA`).
+    """
+    if not kv_caches:
+        raise GeometryError("vLLM registered no KV caches")
+    layers = sorted(kv_caches.items(), key=lambda item: layer_index(item[0]))
+    layer_ids = [layer_index(name) for name, _ in layers]
+    tensors = [tensor for _, tensor in layers]
+    first = tensors[0]
+
+    def describe(buffers: list[Any], kv_layout: KVLayout) -> KVArgs:
+        return KVArgs.from_torch(
+            buffers, kv_layout=kv_layout, layer_ids=layer_ids, total_kv_heads=total_kv_heads,
+            attn_tp_rank=attn_tp_rank, attn_tp_size=attn_tp_size,
+        )  # fmt: skip
+
+    if first.dim() == 4:
+        return describe(tensors, KVLayout.MHA_HEAD_MAJOR)
+    if first.dim() == 5 and first.shape[0] == 2:
+        if not all(tensor.is_contiguous() for tensor in tensors):
+            raise GeometryError(
+                "vLLM's KV tensors are not contiguous [2, blocks, block_size, heads, head_dim] "
+                "(kvbridge needs the NHD layout: VLLM_KV_CACHE_LAYOUT=NHD)"
+            )
+        keys = [tensor[0] for tensor in tensors]
+        values = [tensor[1] for tensor in tensors]
+        return describe([*keys, *values], KVLayout.MHA)
+    raise GeometryError(
+        f"vLLM KV tensors of shape {tuple(first.shape)} are neither the CPU layout [blocks, "
+        "heads, block_size, 2 * head_dim] nor NHD [2, blocks, block_size, heads, head_dim]"
+    )

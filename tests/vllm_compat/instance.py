@@ -1,0 +1,165 @@
+"""One vLLM instance (vLLM 0.32's CPU build, in-process engine) driven by JSON lines: the
+prefill, decode or plain instance of the vLLM tests and benchmark.
+
+    instance.py MODEL_DIR '{"kv_connector": "KVBridgeConnector", ...}' | 'null'
+
+Commands on stdin, one JSON object per line; each answer is one line on stdout starting with
+``@@`` (vLLM and kvbridge log to stderr):
+- ``{"op": "generate", "prompts": [[ids]], "max_tokens": n, "params": [kv_transfer_params]}``
+  → ``{"outputs": [{"tokens", "kv_transfer_params", "finish_reason"}], "wall_s"}``
+- ``{"op": "submit", ...same...}`` adds the requests and answers at once; ``{"op": "abort"}``
+  aborts every submitted request still running; ``{"op": "collect"}`` waits for them.
+- ``{"op": "stats"}`` → free KV blocks, the connector's counters.
+Between commands the engine keeps stepping while the scheduler has work (a prefill instance
+frees a request's blocks only once decode has them), as `vllm serve`'s engine loop does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import select
+import sys
+import time
+import uuid
+from typing import Any
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+
+BLOCK_SIZE = 32
+MAX_MODEL_LEN = 8192
+
+
+def reply(message: dict[str, Any]) -> None:
+    sys.stdout.write("@@" + json.dumps(message) + "\n")
+    sys.stdout.flush()
+
+
+def main() -> None:
+    import logging
+
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    logging.basicConfig(
+        stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(name)s %(message)s"
+    )
+    model, transfer_json = sys.argv[1], sys.argv[2]
+    transfer = json.loads(transfer_json)
+    kv_transfer_config = KVTransferConfig(**transfer) if transfer else None
+    started = time.perf_counter()
+    llm = LLM(
+        model=model, skip_tokenizer_init=True, block_size=BLOCK_SIZE,
+        max_model_len=MAX_MODEL_LEN, kv_cache_memory_bytes=int(os.environ.get(
+            "KVBRIDGE_TEST_KV_BYTES", 256 << 20)), dtype="bfloat16", enforce_eager=True,
+        kv_transfer_config=kv_transfer_config,
+        disable_hybrid_kv_cache_manager=kv_transfer_config is not None, seed=0,
+    )  # fmt: skip
+    engine = llm.llm_engine
+    core = engine.engine_core.engine_core
+    scheduler = core.scheduler
+    submitted: list[str] = []
+    finished: dict[str, Any] = {}
+
+    def add(command: dict[str, Any]) -> list[str]:
+        ids = []
+        prompts = command["prompts"]
+        params = command.get("params") or [None] * len(prompts)
+        for prompt, kv_params in zip(prompts, params, strict=True):
+            request_id = uuid.uuid4().hex
+            extra = {"kv_transfer_params": kv_params} if kv_params is not None else None
+            sampling = SamplingParams(
+                temperature=0, max_tokens=command.get("max_tokens", 8), detokenize=False,
+                extra_args=extra,
+            )  # fmt: skip
+            engine.add_request(request_id, {"prompt_token_ids": prompt}, sampling)
+            ids.append(request_id)
+        return ids
+
+    def step() -> None:
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output
+
+    def collect(ids: list[str]) -> list[dict[str, Any]]:
+        while not all(request_id in finished for request_id in ids):
+            step()
+        outputs = []
+        for request_id in ids:
+            output = finished.pop(request_id)
+            completion = output.outputs[0] if output.outputs else None
+            outputs.append({
+                "tokens": list(completion.token_ids) if completion else [],
+                "finish_reason": completion.finish_reason if completion else None,
+                "kv_transfer_params": output.kv_transfer_params,
+            })  # fmt: skip
+        return outputs
+
+    reply({"ready": True, "startup_s": time.perf_counter() - started, "pid": os.getpid()})
+    for line in _commands(lambda: scheduler.has_requests(), step):
+        command = json.loads(line)
+        op = command["op"]
+        if op == "generate":
+            began = time.perf_counter()
+            outputs = collect(add(command))
+            reply({"outputs": outputs, "wall_s": time.perf_counter() - began})
+        elif op == "submit":
+            submitted = add(command)
+            reply({"submitted": len(submitted)})
+        elif op == "abort":
+            running = [request_id for request_id in submitted if request_id not in finished]
+            engine.abort_request(running)
+            reply({"aborted": len(running)})
+        elif op == "collect":
+            outputs = collect(submitted)
+            reply({"outputs": outputs})
+        elif op == "stats":
+            reply(_stats(scheduler))
+        elif op == "quit":
+            reply({"bye": True})
+            break
+        else:
+            reply({"error": f"unknown op {op!r}"})
+    llm.llm_engine.engine_core.shutdown()
+
+
+def _commands(busy: Any, step: Any) -> Any:
+    """stdin's lines; while none is waiting and the scheduler has work, step the engine."""
+    buffered = ""
+    while True:
+        ready, _, _ = select.select([sys.stdin], [], [], 0.0 if busy() else 0.05)
+        if not ready:
+            if busy():
+                step()
+            continue
+        chunk = os.read(sys.stdin.fileno(), 65536).decode()
+        if not chunk:
+            return
+        buffered += chunk
+        while "\n" in buffered:
+            line, buffered = buffered.split("\n", 1)
+            if line.strip():
+                yield line
+
+
+def _stats(scheduler: Any) -> dict[str, Any]:
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    stats: dict[str, Any] = {
+        "free_blocks": scheduler.kv_cache_manager.block_pool.get_num_free_blocks(),
+        "running": len(scheduler.running),
+        "waiting": len(scheduler.waiting),
+    }
+    from kvbridge.integrations.vllm import KVBridgeConnector
+
+    if has_kv_transfer_group():
+        connector = get_kv_transfer_group()
+        if isinstance(connector, KVBridgeConnector):
+            stats["connector"] = dataclasses.asdict(connector.counters())
+    return stats
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,196 @@
+"""kvbridge's KV connector inside a real vLLM (0.32's CPU build, in .venv-vllm, which
+`make test` builds): prefill and decode instances as separate processes, loaded through
+``kv_connector_module_path``, against a plain single-instance run of the same model. In
+kvbridge's own environment, where vLLM is not installed, this module is skipped.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip("vLLM is not installed here (make test runs this in .venv-vllm)",
+                allow_module_level=True)  # fmt: skip
+
+from vllm_harness import BLOCK_SIZE, Instance, kvbridge_config, make_model, prompt
+
+# Shorter than a block, exactly one, several, not a multiple of the block size, long.
+LENGTHS = (5, 32, 97, 300, 1000)
+PROMPTS = [prompt(length, seed) for seed, length in enumerate(LENGTHS)]
+# Shares its first three blocks with PROMPTS[3].
+SHARED_PREFIX = PROMPTS[3][:96] + prompt(54, 99)
+MAX_TOKENS = 8
+PREFILL_ONLY = {"do_remote_decode": True}
+ENGINES = ["nixl", "mooncake"]
+
+
+def pages(length: int) -> int:
+    return math.ceil(length / BLOCK_SIZE)
+
+
+@pytest.fixture(scope="session")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_model(tmp_path_factory.mktemp("model"))
+
+
+@pytest.fixture(scope="session")
+def reference(model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[int, ...], Any]:
+    """Greedy tokens of a plain single-instance vLLM run, per prompt."""
+    plain = Instance(model, None, tmp_path_factory.mktemp("logs") / "plain.log")
+    try:
+        prompts = [*PROMPTS, SHARED_PREFIX]
+        outputs = plain.generate(prompts, MAX_TOKENS)["outputs"]
+    finally:
+        plain.close()
+    return {tuple(p): output["tokens"] for p, output in zip(prompts, outputs, strict=True)}
+
+
+class Pair:
+    def __init__(self, model: Path, logs: Path, engine: str, **options: Any) -> None:
+        self.engine = engine
+        self.prefill = Instance(
+            model, kvbridge_config("kv_producer", engine, **options), logs / f"prefill-{engine}.log"
+        )
+        try:
+            self.decode = Instance(
+                model, kvbridge_config("kv_consumer", engine, **options),
+                logs / f"decode-{engine}.log",
+            )  # fmt: skip
+        except BaseException:
+            self.prefill.close()
+            raise
+        self.prefill_free = self.prefill.call("stats")["free_blocks"]
+        self.decode_free = self.decode.call("stats")["free_blocks"]
+
+    def run(self, prompts: list[list[int]]) -> tuple[list[Any], list[dict[str, Any]]]:
+        """Prefill (max_tokens=1), then decode with the prefill outputs' kv_transfer_params,
+        as a PD proxy does; the decode outputs and the parameters."""
+        prefilled = self.prefill.generate(prompts, 1, [PREFILL_ONLY] * len(prompts))["outputs"]
+        params = [output["kv_transfer_params"] for output in prefilled]
+        return self.decode.generate(prompts, MAX_TOKENS, params)["outputs"], params
+
+    def close(self) -> None:
+        self.decode.close()
+        self.prefill.close()
+
+
+@pytest.fixture(scope="module", params=ENGINES)
+def pair(request: pytest.FixtureRequest, model: Path, tmp_path_factory: pytest.TempPathFactory
+         ) -> Iterator[Pair]:  # fmt: skip
+    engine = request.param
+    if engine == "mooncake" and importlib.util.find_spec("mooncake") is None:
+        pytest.skip("Mooncake is not installed in .venv-vllm (scripts/install-mooncake.sh)")
+    pair = Pair(model, tmp_path_factory.mktemp(f"logs-{engine}"), engine)
+    yield pair
+    pair.close()
+
+
+def test_decode_tokens_equal_a_plain_run(pair: Pair, reference: dict[Any, Any]) -> None:
+    outputs, params = pair.run(PROMPTS)
+    assert [output["tokens"] for output in outputs] == [reference[tuple(p)] for p in PROMPTS]
+    assert all(p["kvbridge_room"] and p["remote_num_tokens"] == len(q)
+               for p, q in zip(params, PROMPTS, strict=True))  # fmt: skip
+    decode = pair.decode.call("stats")["connector"]
+    assert decode["loads_failed"] == 0
+    assert decode["requests_loaded"] == len(PROMPTS)
+    assert decode["pages_loaded"] == sum(pages(len(p)) for p in PROMPTS)
+    # Prefill frees every block once decode has it; decode holds what its prefix cache keeps.
+    prefill = pair.prefill.wait_for(lambda s: s["free_blocks"] == pair.prefill_free)
+    assert prefill["free_blocks"] == pair.prefill_free
+    assert prefill["connector"]["requests_sent"] == len(PROMPTS)
+
+
+def test_only_the_blocks_decode_lacks_move(pair: Pair, reference: dict[Any, Any]) -> None:
+    pair.run([PROMPTS[3]])  # decode's prefix cache now holds PROMPTS[3]'s full blocks
+    before = pair.decode.call("stats")["connector"]
+    outputs, _ = pair.run([SHARED_PREFIX])
+    after = pair.decode.call("stats")["connector"]
+    assert outputs[0]["tokens"] == reference[tuple(SHARED_PREFIX)]
+    assert after["loads_failed"] == before["loads_failed"]
+    # 150 tokens: 3 blocks cached locally, 2 move.
+    assert after["pages_loaded"] - before["pages_loaded"] == pages(150) - 3
+    assert after["requests_loaded"] - before["requests_loaded"] == 1
+
+
+def test_a_prefill_no_decode_picks_up_frees_its_blocks_after_the_deadline(
+    model: Path, tmp_path: Path
+) -> None:
+    prefill = Instance(
+        model, kvbridge_config("kv_producer", "nixl", request_timeout_s=2.0), tmp_path / "p.log"
+    )
+    try:
+        free = prefill.call("stats")["free_blocks"]
+        prefill.generate([PROMPTS[4]], 1, [PREFILL_ONLY])
+        held = prefill.call("stats")
+        assert held["free_blocks"] == free - pages(len(PROMPTS[4]))
+        began = time.monotonic()
+        after = prefill.wait_for(lambda s: s["free_blocks"] == free, timeout_s=20)
+        assert after["free_blocks"] == free
+        assert 1.5 < time.monotonic() - began < 10
+        assert after["connector"]["sends_failed"] == 1
+        assert "0 of any transfer request(s) from decode in 2 s" in prefill.log()
+    finally:
+        prefill.close()
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_prefill_killed_mid_transfer_ends_decode_per_policy(
+    model: Path, tmp_path: Path, reference: dict[Any, Any], policy: str
+) -> None:
+    options = {"peer_timeout_s": 2.0, "policy": policy}
+    pair = Pair(model, tmp_path, "nixl", **options)
+    try:
+        pair.run([PROMPTS[0]])  # both sides know each other: decode's next room is in flight
+        prefilled = pair.prefill.generate([PROMPTS[2]], 1, [PREFILL_ONLY])["outputs"]
+        pair.prefill.signal(signal.SIGSTOP)  # hung: the request reaches it, nothing moves
+        began = time.monotonic()
+        pair.decode.call(
+            "submit", prompts=[PROMPTS[2]], max_tokens=MAX_TOKENS,
+            params=[prefilled[0]["kv_transfer_params"]],
+        )  # fmt: skip
+        time.sleep(0.5)
+        pair.prefill.signal(signal.SIGKILL)
+        (output,) = pair.decode.call("collect", timeout_s=60)["outputs"]
+        elapsed = time.monotonic() - began
+        # Declared dead after 2 s of silence, its write lease out 0.5 s later: not minutes.
+        assert elapsed < 15, elapsed
+        log = pair.decode.log()
+        assert "KV load failed" in log, log[-3000:]
+        assert "silent for 2.0 s (peer timeout 2 s)" in log
+        if policy == "recompute":
+            assert output["tokens"] == reference[tuple(PROMPTS[2])]
+        else:
+            assert output["finish_reason"] == "error", output
+    finally:
+        pair.close()
+
+
+def test_a_decode_abort_frees_the_blocks_on_both_sides(model: Path, tmp_path: Path) -> None:
+    pair = Pair(model, tmp_path, "nixl")
+    try:
+        pair.run([PROMPTS[0]])
+        prefilled = pair.prefill.generate([PROMPTS[4]], 1, [PREFILL_ONLY])["outputs"]
+        pair.prefill.signal(signal.SIGSTOP)  # the request waits in its socket
+        pair.decode.call(
+            "submit", prompts=[PROMPTS[4]], max_tokens=MAX_TOKENS,
+            params=[prefilled[0]["kv_transfer_params"]],
+        )  # fmt: skip
+        time.sleep(0.3)
+        assert pair.decode.call("abort")["aborted"] == 1  # the client went away
+        time.sleep(0.3)
+        pair.prefill.signal(signal.SIGCONT)  # back within its peer timeout: hears the abort
+        prefill = pair.prefill.wait_for(lambda s: s["free_blocks"] == pair.prefill_free)
+        assert prefill["free_blocks"] == pair.prefill_free
+        decode = pair.decode.wait_for(lambda s: s["connector"]["loads_aborted"] == 1)
+        assert decode["connector"]["loads_aborted"] == 1
+        assert decode["running"] == decode["waiting"] == 0
+    finally:
+        pair.close()

@@ -1,0 +1,154 @@
+"""Start and drive vLLM instances (tests/vllm_compat/instance.py) as separate processes, the
+way the tests and the benchmark deploy them: a random Llama made here, one process per
+instance, each with its own connector configuration."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).parent
+INSTANCE = HERE / "instance.py"
+BLOCK_SIZE = 32
+
+
+def make_model(folder: Path, layers: int = 2) -> Path:
+    """A random-weight Llama with Llama-3-8B's per-layer KV geometry (8 KV heads × 128)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=1024, hidden_size=1024, intermediate_size=1024, num_hidden_layers=layers,
+        num_attention_heads=8, num_key_value_heads=8, head_dim=128,
+        max_position_embeddings=16384, torch_dtype="bfloat16",
+    )  # fmt: skip
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(folder)
+    return folder
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def kvbridge_config(
+    role: str, engine: str, policy: str | None = None, **options: Any
+) -> dict[str, Any]:
+    """vLLM's kv_transfer_config for kvbridge; `options` go to kv_connector_extra_config."""
+    return {
+        "kv_connector": "KVBridgeConnector",
+        "kv_connector_module_path": "kvbridge.integrations.vllm",
+        "kv_role": role,
+        "kv_connector_extra_config": {"engine": engine, **options},
+        **({"kv_load_failure_policy": policy} if policy else {}),
+    }
+
+
+def nixl_config(role: str) -> dict[str, Any]:
+    return {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu"}
+
+
+def prompt(length: int, seed: int) -> list[int]:
+    return [(7 * seed + 13 * j + j * j) % 1000 + 1 for j in range(length)]
+
+
+class InstanceError(RuntimeError):
+    pass
+
+
+class Instance:
+    """One vLLM instance process; `call` sends a command and waits for its answer."""
+
+    def __init__(
+        self,
+        model: Path,
+        transfer: dict[str, Any] | None,
+        log_path: Path,
+        env: dict[str, str] | None = None,
+        startup_timeout_s: float = 300.0,
+    ) -> None:
+        self.log_path = log_path
+        environment = {
+            **os.environ,
+            "LD_PRELOAD": str(Path(sys.prefix) / "lib" / "libiomp5.so"),
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+            "VLLM_LOGGING_STREAM": "ext://sys.stderr",
+            "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
+            "OMP_NUM_THREADS": "1",
+            **(env or {}),
+        }
+        self._log = open(log_path, "w")  # noqa: SIM115 (closed in close())
+        self.process = subprocess.Popen(
+            [sys.executable, str(INSTANCE), str(model), json.dumps(transfer)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True,
+            env=environment,
+        )  # fmt: skip
+        self._answers: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+        self.ready = self._answer(startup_timeout_s)
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            if line.startswith("@@"):
+                self._answers.put(json.loads(line[2:]))
+        self._answers.put(None)
+
+    def _answer(self, timeout_s: float) -> dict[str, Any]:
+        try:
+            answer = self._answers.get(timeout=timeout_s)
+        except queue.Empty:
+            raise InstanceError(f"no answer in {timeout_s:g} s; log:\n{self.log()}") from None
+        if answer is None:
+            raise InstanceError(f"the instance exited ({self.process.poll()}); log:\n{self.log()}")
+        return answer
+
+    def call(self, op: str, timeout_s: float = 240.0, **arguments: Any) -> dict[str, Any]:
+        assert self.process.stdin is not None
+        self.process.stdin.write(json.dumps({"op": op, **arguments}) + "\n")
+        self.process.stdin.flush()
+        return self._answer(timeout_s)
+
+    def generate(
+        self, prompts: list[list[int]], max_tokens: int, params: list[Any] | None = None
+    ) -> dict[str, Any]:
+        return self.call("generate", prompts=prompts, max_tokens=max_tokens, params=params)
+
+    def wait_for(self, predicate: Any, timeout_s: float = 30.0) -> dict[str, Any]:
+        """Poll `stats` until predicate(stats) holds; the last stats either way."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            stats = self.call("stats")
+            if predicate(stats) or time.monotonic() > deadline:
+                return stats
+            time.sleep(0.1)
+
+    def signal(self, number: int) -> None:
+        os.kill(self.process.pid, number)
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")[-20000:]
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            try:
+                self.signal(signal.SIGCONT)
+                self.call("quit", timeout_s=30)
+                self.process.wait(timeout=30)
+            except (InstanceError, subprocess.TimeoutExpired, BrokenPipeError, OSError):
+                self.process.kill()
+                self.process.wait()
+        self._log.close()
