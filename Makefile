@@ -96,6 +96,8 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/e2e.py
 	$(BIN)/python benchmarks/hetero.py
 	$(BIN)/kvbridge bench --preset quick
+	$(MAKE) --no-print-directory $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/python benchmarks/vllm_pd.py
 
 docs: $(STAMP)
 	$(BIN)/kvbridge protocol-doc --output docs/PROTOCOL.md

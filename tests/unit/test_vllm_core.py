@@ -11,10 +11,12 @@ from kvbridge.cache import GeometryError
 from kvbridge.integrations.vllm_core import (
     BOOTSTRAP_KEY,
     ROOM_KEY,
+    ConnectorCounters,
     ConnectorOptions,
     OptionsError,
     RemotePrefill,
     check_vllm_version,
+    cpu_list,
     kv_args_from_vllm,
     layer_index,
     pages_to_load,
@@ -121,3 +123,15 @@ def test_vllm_cpu_and_cuda_layouts_become_kv_args() -> None:
     with pytest.raises(GeometryError, match=r"shape \(6, 32\)"):
         kv_args_from_vllm({"layers.0.attn": torch.zeros(6, 32)}, total_kv_heads=1,
                           attn_tp_rank=0, attn_tp_size=1)  # fmt: skip
+
+
+def test_counters_report_what_moved_since_the_last_report() -> None:
+    earlier = ConnectorCounters(requests_loaded=2, pages_loaded=10)
+    now = ConnectorCounters(requests_loaded=3, pages_loaded=14, loads_failed=1)
+    assert now.since(earlier) == {"requests_loaded": 1, "pages_loaded": 4, "loads_failed": 1}
+    assert now.since(now) == {}
+
+
+def test_cpu_lists_read_as_linux_writes_them() -> None:
+    assert cpu_list("0-3,8,10-11") == {0, 1, 2, 3, 8, 10, 11}
+    assert cpu_list("1") == {1}

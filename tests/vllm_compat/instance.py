@@ -6,7 +6,7 @@ prefill, decode or plain instance of the vLLM tests and benchmark.
 Commands on stdin, one JSON object per line; each answer is one line on stdout starting with
 ``@@`` (vLLM and kvbridge log to stderr):
 - ``{"op": "generate", "prompts": [[ids]], "max_tokens": n, "params": [kv_transfer_params]}``
-  → ``{"outputs": [{"tokens", "kv_transfer_params", "finish_reason"}], "wall_s"}``
+  → ``{"outputs": [{"tokens", "kv_transfer_params", "finish_reason", "ttft_s"}], "wall_s"}``
 - ``{"op": "submit", ...same...}`` adds the requests and answers at once; ``{"op": "abort"}``
   aborts every submitted request still running; ``{"op": "collect"}`` waits for them.
 - ``{"op": "stats"}`` → free KV blocks, the connector's counters.
@@ -42,6 +42,7 @@ def main() -> None:
 
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
+    from vllm.sampling_params import RequestOutputKind
 
     logging.basicConfig(
         stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(name)s %(message)s"
@@ -62,6 +63,9 @@ def main() -> None:
     scheduler = core.scheduler
     submitted: list[str] = []
     finished: dict[str, Any] = {}
+    # When each request was added and when its first token came out (time to first token).
+    added_at: dict[str, float] = {}
+    first_token_at: dict[str, float] = {}
 
     def add(command: dict[str, Any]) -> list[str]:
         ids = []
@@ -72,14 +76,17 @@ def main() -> None:
             extra = {"kv_transfer_params": kv_params} if kv_params is not None else None
             sampling = SamplingParams(
                 temperature=0, max_tokens=command.get("max_tokens", 8), detokenize=False,
-                extra_args=extra,
+                extra_args=extra, output_kind=RequestOutputKind.CUMULATIVE,
             )  # fmt: skip
+            added_at[request_id] = time.perf_counter()
             engine.add_request(request_id, {"prompt_token_ids": prompt}, sampling)
             ids.append(request_id)
         return ids
 
     def step() -> None:
         for output in engine.step():
+            if output.outputs and output.outputs[0].token_ids:
+                first_token_at.setdefault(output.request_id, time.perf_counter())
             if output.finished:
                 finished[output.request_id] = output
 
@@ -90,10 +97,13 @@ def main() -> None:
         for request_id in ids:
             output = finished.pop(request_id)
             completion = output.outputs[0] if output.outputs else None
+            first = first_token_at.pop(request_id, None)
+            added = added_at.pop(request_id)
             outputs.append({
                 "tokens": list(completion.token_ids) if completion else [],
                 "finish_reason": completion.finish_reason if completion else None,
                 "kv_transfer_params": output.kv_transfer_params,
+                "ttft_s": first - added if first is not None else None,
             })  # fmt: skip
         return outputs
 

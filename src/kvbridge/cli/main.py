@@ -436,6 +436,58 @@ def _print_demo(result: DemoResult) -> None:
             console.print(f"[red]{report.role} {report.rank}: {report.error}[/red]")
 
 
+@app.command("vllm-proxy")
+@click.option(
+    "--prefill",
+    "prefill",
+    multiple=True,
+    required=True,
+    metavar="URL",
+    help="A prefill vLLM instance, http://host:port (repeatable: taken in turn).",
+)
+@click.option(
+    "--decode",
+    "decode",
+    multiple=True,
+    required=True,
+    metavar="URL",
+    help="A decode vLLM instance, http://host:port (repeatable: taken in turn).",
+)
+@click.option(
+    "--host",
+    default="127.0.0.1",
+    show_default=True,
+    callback=_validate_host,
+    help="Address the proxy listens on.",
+)
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True,
+              help="Port the proxy listens on (0: a free one, printed).")  # fmt: skip
+def vllm_proxy_command(prefill: tuple[str, ...], decode: tuple[str, ...], host: str, port: int
+                       ) -> None:  # fmt: skip
+    """A PD proxy for vLLM instances: each OpenAI completion or chat request goes to a
+    prefill instance (max_tokens 1, do_remote_decode), then to a decode instance with the
+    kv_transfer_params of prefill's answer. Works with KVBridgeConnector and NixlConnector.
+
+    \b
+    Example:
+      kvbridge vllm-proxy --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200
+    """
+    from kvbridge.integrations.vllm_proxy import PDProxy
+
+    try:
+        proxy = PDProxy(prefill, decode, host, port)
+    except (ValueError, OSError) as exc:
+        raise _fail(str(exc)) from None
+    console.print(f"kvbridge vllm-proxy on {proxy.url}: prefill {', '.join(prefill)}; decode "
+                  f"{', '.join(decode)}", highlight=False)  # fmt: skip
+    try:
+        proxy.serve_forever()
+    except KeyboardInterrupt as exc:
+        raise _interrupted(exc, "vllm-proxy") from None
+    finally:
+        proxy.server.server_close()
+
+
 @app.command("bench")
 @click.option("--preset", type=click.Choice(sorted(PRESETS)), default="quick", show_default=True,
               help="smoke: seconds; quick: ~1 min per engine; full: all of it.")  # fmt: skip

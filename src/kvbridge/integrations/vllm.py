@@ -19,11 +19,17 @@ finished transfers back through `get_finished`. The pure part is `vllm_core`.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
 import secrets
+import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import vllm
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -32,6 +38,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.v1.request import RequestStatus
 
 from kvbridge.decode import DecodeManager, KVReceiver
@@ -39,10 +46,12 @@ from kvbridge.integrations.vllm_core import (
     ConnectorCounters,
     ConnectorOptions,
     LoadSpec,
+    OptionsError,
     RemotePrefill,
     SendSpec,
     StepMetadata,
     check_vllm_version,
+    cpu_list,
     kv_args_from_vllm,
     pages_to_load,
     pages_to_send,
@@ -55,6 +64,58 @@ if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger("kvbridge.vllm")
+T = TypeVar("T")
+
+
+def _log_through_vllm() -> None:
+    """kvbridge's records in vLLM's log, through vLLM's handlers (its format, stream and
+    level), unless the application set up kvbridge's logging itself. Without this they go
+    nowhere in vLLM's engine and worker processes."""
+    ours, theirs = logging.getLogger("kvbridge"), logging.getLogger("vllm")
+    configured = [h for h in ours.handlers if not isinstance(h, logging.NullHandler)]
+    if configured or not theirs.handlers:
+        return
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(theirs.level or logging.INFO)
+    ours.propagate = False
+
+
+def _unpin() -> None:
+    """Let the calling thread run on every CPU this process may use. vLLM's CPU worker binds
+    its compute threads to cores, and threads inherit the binding of the thread that starts
+    them: kvbridge's control, transfer and I/O threads would then share one core with a
+    worker that spins between steps, and starve (heartbeats late, leases running out)."""
+    try:
+        allowed = Path("/sys/fs/cgroup/cpuset.cpus.effective").read_text().strip()
+        cpus = cpu_list(allowed) if allowed else set(range(os.cpu_count() or 1))
+    except (OSError, ValueError):
+        cpus = set(range(os.cpu_count() or 1))
+    try:
+        os.sched_setaffinity(0, cpus)
+    except OSError as exc:  # a narrower cgroup than it said, or no permission
+        log.debug("kvbridge threads keep vLLM's CPU binding: %s", exc)
+
+
+def _unpinned(build: Callable[[], T]) -> T:
+    """`build()` run in a thread that `_unpin` released: every thread it starts (kvbridge's,
+    ZMQ's, the engine's) runs on any CPU."""
+    result: list[T] = []
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        _unpin()
+        try:
+            result.append(build())
+        except BaseException as exc:
+            failure.append(exc)
+
+    thread = threading.Thread(target=run, name="kvbridge-vllm-start")
+    thread.start()
+    thread.join()
+    if failure:
+        raise failure[0]
+    return result[0]
 
 
 class KVBridgeMetadata(KVConnectorMetadata):  # type: ignore[misc]
@@ -71,9 +132,30 @@ class KVBridgeHandshake(KVConnectorHandshakeMetadata):  # type: ignore[misc]
     bootstrap_url: str
 
 
+@dataclass
+class KVBridgeStats(KVConnectorStats):  # type: ignore[misc]
+    """The connector's counters over one interval, for vLLM's "KV Transfer metrics" log line
+    (summed over workers); kvbridge's own Prometheus metrics go further (`metrics_port`)."""
+
+    def reset(self) -> None:
+        self.data: dict[str, int] = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVBridgeStats:
+        for name, value in other.data.items():
+            self.data[name] = self.data.get(name, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return dict(self.data)
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
 class KVBridgeConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
         check_vllm_version(vllm.__version__)
+        _log_through_vllm()
         super().__init__(vllm_config, role, kv_cache_config)
         transfer = vllm_config.kv_transfer_config
         self.options = ConnectorOptions.from_extra_config(transfer.kv_connector_extra_config)
@@ -125,6 +207,16 @@ class KVBridgeConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def counters(self) -> ConnectorCounters:
         """This worker's transfer counters."""
         return self._worker_side.counters
+
+    def get_kv_connector_stats(self) -> KVBridgeStats | None:
+        if self._worker is None:  # the scheduler asks too; its side moves nothing
+            return None
+        changed = self._worker.take_interval()
+        return KVBridgeStats(data=changed) if changed else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVBridgeStats:
+        return KVBridgeStats(data=dict(data or {}))
 
     # --- scheduler side --------------------------------------------------------------------
 
@@ -187,14 +279,26 @@ class _SchedulerSide:
         self._computed: dict[str, int] = {}  # decode request → tokens in the local prefix
         self._sending: set[str] = set()
         self._loading: set[str] = set()
+        self._refused: set[str] = set()  # requests whose parameters were malformed (logged)
 
     @property
     def pending(self) -> bool:
         return bool(self._sending or self._loading)
 
+    def _remote(self, request: Any) -> RemotePrefill | None:
+        """The remote prefill a request names; None for none, or for malformed parameters
+        (a client's input: the request is then computed here, the engine goes on)."""
+        try:
+            return RemotePrefill.from_params(request.kv_transfer_params)
+        except OptionsError as exc:
+            if request.request_id not in self._refused:
+                self._refused.add(request.request_id)
+                log.warning("request %s: computed locally: %s", request.request_id, exc)
+            return None
+
     def matched_tokens(self, request: Any, num_computed: int) -> tuple[int, bool]:
         params = request.kv_transfer_params
-        remote = RemotePrefill.from_params(params)
+        remote = self._remote(request)
         if remote is None or not params.get("do_remote_prefill"):
             return 0, False
         count = tokens_to_load(remote, request.num_prompt_tokens, num_computed)
@@ -203,7 +307,7 @@ class _SchedulerSide:
 
     def after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         params = request.kv_transfer_params
-        remote = RemotePrefill.from_params(params)
+        remote = self._remote(request)
         if remote is None or not params.get("do_remote_prefill"):
             return
         params["do_remote_prefill"] = False  # one transfer per request
@@ -211,10 +315,16 @@ class _SchedulerSide:
         if num_external_tokens == 0:  # every token is in the local prefix cache
             self._step.releases.append(remote)
             return
-        pages = pages_to_load(
-            blocks.get_block_ids()[0], self.connector.block_size, prefix, num_external_tokens
-        )
-        self._step.loads.append(LoadSpec(request.request_id, remote, pages, prefix))
+        block_ids = blocks.get_block_ids()[0]
+        try:
+            load = LoadSpec(
+                request.request_id, remote,
+                pages_to_load(block_ids, self.connector.block_size, prefix, num_external_tokens),
+                prefix,
+            )  # fmt: skip
+        except ValueError as exc:  # vLLM allocated otherwise than counted: a failed load
+            load = LoadSpec(request.request_id, remote, tuple(block_ids), prefix, str(exc))
+        self._step.loads.append(load)
         self._loading.add(request.request_id)
 
     def finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
@@ -226,7 +336,8 @@ class _SchedulerSide:
             # no prefill write can land in them.
             self._step.aborts.append(request_id)
             return True, None
-        remote = RemotePrefill.from_params(params)
+        remote = self._remote(request)
+        self._refused.discard(request_id)
         if remote is not None and params.get("do_remote_prefill"):
             self._step.releases.append(remote)  # ended before it was scheduled
             return False, None
@@ -263,10 +374,21 @@ class _SchedulerSide:
 
 
 @dataclass
-class _Load:
-    receiver: KVReceiver
-    pages: tuple[int, ...]
+class _Room:
+    """A decode-side room being opened off the engine's step (the first room toward a prefill
+    instance looks its bootstrap service up, which may take up to bootstrap_timeout_s), then
+    in flight. `pages` are empty for a release (decode tells prefill it needs nothing)."""
+
+    opening: Future[KVReceiver]
+    pages: tuple[int, ...] = ()
     aborted: bool = False
+    abort_sent: bool = False
+
+    def receiver(self) -> KVReceiver | None:
+        """The receiver once opened; None while opening (or if opening raised)."""
+        if not self.opening.done() or self.opening.exception() is not None:
+            return None
+        return self.opening.result()
 
 
 class _WorkerSide:
@@ -285,11 +407,16 @@ class _WorkerSide:
         self.prefill: PrefillManager | None = None
         self.decode: DecodeManager | None = None
         self._sends: dict[str, KVSender] = {}
+        self._unsendable: set[str] = set()
         self._pages_of_send: dict[str, int] = {}
-        self._loads: dict[str, _Load] = {}
-        self._releases: list[KVReceiver] = []
+        self._loads: dict[str, _Room] = {}
+        self._releases: list[_Room] = []
+        self._opener = ThreadPoolExecutor(
+            max_workers=8, thread_name_prefix="kvbridge-vllm-open", initializer=_unpin
+        )
         self._load_errors: set[int] = set()
         self.counters = ConnectorCounters()
+        self._reported = ConnectorCounters()  # as of the last get_kv_connector_stats
 
     @property
     def bootstrap_url(self) -> str | None:
@@ -312,22 +439,30 @@ class _WorkerSide:
             config = self.options.manager_config(
                 run_bootstrap=self.tp_rank == 0, bootstrap_url=None if self.tp_rank == 0 else url
             )
-            self.prefill = PrefillManager(args, config)
+            self.prefill = _unpinned(lambda: PrefillManager(args, config))
             log.info(
                 "kvbridge prefill rank %d: %s engine, bootstrap %s, %d layers of %d pages",
                 self.tp_rank, config.engine, self.prefill.bootstrap_url, len(args.layer_ids),
                 args.num_pages,
             )  # fmt: skip
         if self.connector.consumes:
-            self.decode = DecodeManager(
-                args, self.options.manager_config(run_bootstrap=False, bootstrap_url=None)
-            )
+            decode_config = self.options.manager_config(run_bootstrap=False, bootstrap_url=None)
+            self.decode = _unpinned(lambda: DecodeManager(args, decode_config))
+        for role, manager in (("prefill", self.prefill), ("decode", self.decode)):
+            if manager is not None and manager.metrics.port is not None:
+                log.info("kvbridge %s rank %d: Prometheus metrics on http://%s:%d/metrics",
+                         role, self.tp_rank, self.options.host, manager.metrics.port)  # fmt: skip
 
     def start(self, step: StepMetadata) -> None:
         for send in step.sends:
             if self.prefill is None:
                 continue
-            sender = self.prefill.sender(send.room)
+            try:
+                sender = self.prefill.sender(send.room)
+            except ValueError as exc:  # the room id ended here before: free the blocks
+                log.error("request %s: not sent: %s", send.request_id, exc)
+                self._unsendable.add(send.request_id)
+                continue
             sender.send(list(send.pages), last=True)
             self._sends[send.request_id] = sender
             self._pages_of_send[send.request_id] = len(send.pages)
@@ -337,20 +472,36 @@ class _WorkerSide:
             ongoing = self._loads.get(request_id)
             if ongoing is not None:
                 ongoing.aborted = True
-                ongoing.receiver.abort("the request ended on decode")
         for remote in step.releases:
             if self.decode is not None:  # tell prefill at once rather than at its deadline
-                receiver = self.decode.receiver(remote.room, remote.bootstrap_url)
-                receiver.abort("decode needs none of the request's blocks")
-                self._releases.append(receiver)
+                self._releases.append(_Room(self._opener.submit(self._open, remote), aborted=True))
+        for room in (*self._loads.values(), *self._releases):
+            self._send_abort(room)
+
+    def _open(self, remote: RemotePrefill, load: LoadSpec | None = None) -> KVReceiver:
+        """Runs on the opener pool: look the prefill instance up, send the request."""
+        assert self.decode is not None
+        receiver = self.decode.receiver(remote.room, remote.bootstrap_url)
+        if load is not None:
+            receiver.init(list(load.pages), decode_prefix_len=load.prefix_tokens)
+        return receiver
 
     def _start_load(self, load: LoadSpec) -> None:
-        if self.decode is None:
-            log.error("request %s: kv_role %s cannot load", load.request_id, "without consumer")
-            return
-        receiver = self.decode.receiver(load.remote.room, load.remote.bootstrap_url)
-        receiver.init(list(load.pages), decode_prefix_len=load.prefix_tokens)
-        self._loads[load.request_id] = _Load(receiver, load.pages)
+        if self.decode is None or load.error is not None:
+            opening: Future[KVReceiver] = Future()  # fails at once: the blocks count as failed
+            opening.set_exception(
+                RuntimeError(load.error or "this instance's kv_role does not consume KV")
+            )
+        else:
+            opening = self._opener.submit(self._open, load.remote, load)
+        self._loads[load.request_id] = _Room(opening, load.pages)
+
+    def _send_abort(self, room: _Room) -> None:
+        receiver = room.receiver()
+        if room.aborted and not room.abort_sent and receiver is not None:
+            room.abort_sent = True
+            reason = "the request ended on decode" if room.pages else "decode needs no block"
+            receiver.abort(reason)
 
     def finished(self, idle: bool) -> tuple[set[str] | None, set[str] | None]:
         sent, loaded = self._poll()
@@ -359,7 +510,8 @@ class _WorkerSide:
         return sent or None, loaded or None
 
     def _poll(self) -> tuple[set[str], set[str]]:
-        sent = set()
+        sent, self._unsendable = self._unsendable, set()
+        self.counters.sends_failed += len(sent)
         for request_id, sender in list(self._sends.items()):
             if sender.pages_free:
                 pages = self._pages_of_send.pop(request_id, 0)
@@ -374,36 +526,58 @@ class _WorkerSide:
                 sent.add(request_id)
         loaded = set()
         for request_id, load in list(self._loads.items()):
-            poll = load.receiver.poll()
-            if poll == KVPoll.Failed and load.receiver.pages_safe:
-                if load.aborted:
-                    self.counters.loads_aborted += 1
-                else:
-                    log.warning(
-                        "request %s: KV load failed: %s", request_id, load.receiver.failure_reason
-                    )
-                    self._load_errors.update(load.pages)
-                    self.counters.loads_failed += 1
-            elif poll == KVPoll.Success:
-                self.counters.requests_loaded += 1
-                self.counters.pages_loaded += len(load.pages)
-            else:
-                continue
-            load.receiver.clear()
-            del self._loads[request_id]
-            loaded.add(request_id)
-        for receiver in list(self._releases):
-            if receiver.pages_safe:
-                receiver.clear()
-                self._releases.remove(receiver)
+            if self._load_done(request_id, load):
+                del self._loads[request_id]
+                loaded.add(request_id)
+        for release in list(self._releases):
+            self._send_abort(release)
+            receiver = release.receiver()
+            if release.opening.done() and (receiver is None or receiver.pages_safe):
+                if receiver is not None:
+                    receiver.clear()
+                self._releases.remove(release)
                 self.counters.rooms_released += 1
         return sent, loaded
+
+    def _load_done(self, request_id: str, load: _Room) -> bool:
+        """Whether the load ended and its pages are safe; counts and logs how it ended."""
+        if not load.opening.done():
+            return False
+        self._send_abort(load)
+        receiver = load.receiver()
+        if receiver is None:  # opening raised: nothing was sent
+            reason: str | None = repr(load.opening.exception())
+        else:
+            poll = receiver.poll()
+            if poll == KVPoll.Success:
+                receiver.clear()
+                self.counters.requests_loaded += 1
+                self.counters.pages_loaded += len(load.pages)
+                return True
+            if poll != KVPoll.Failed or not receiver.pages_safe:
+                return False
+            reason = receiver.failure_reason
+            receiver.clear()
+        if load.aborted:
+            self.counters.loads_aborted += 1
+        else:
+            log.warning("request %s: KV load failed: %s", request_id, reason)
+            self._load_errors.update(load.pages)
+            self.counters.loads_failed += 1
+        return True
+
+    def take_interval(self) -> dict[str, int]:
+        """The counters that moved since the last call."""
+        changed = self.counters.since(self._reported)
+        self._reported = dataclasses.replace(self.counters)
+        return changed
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
 
     def close(self) -> None:
+        self._opener.shutdown(wait=True, cancel_futures=True)
         for manager in (self.decode, self.prefill):
             if manager is not None:
                 manager.close()

@@ -44,19 +44,22 @@ class ConnectorOptions:
     """kvbridge's options inside vLLM, from ``kv_connector_extra_config``.
 
     engine: transfer engine (nixl, mooncake). host: address kvbridge binds and advertises.
-    bootstrap_port: the prefill instance's bootstrap service (0: a free port; with TP > 1 every
-        rank must know it, so set it). metrics_port: kvbridge's Prometheus metrics (0: a free
-        port; unset: none). request_timeout_s: how long prefill keeps a finished request's
-        blocks for a decode instance that has not asked for them. transfer_timeout_s: how long
-        decode waits for a transfer. peer_timeout_s / heartbeat_interval_s: liveness (a silent
-        peer is declared dead after peer_timeout_s). staging / staging_bytes: the staging ring
-        for different TP sizes. idle_poll_s: how long an engine step with nothing to compute
-        sleeps while transfers are pending, so that a waiting instance does not spin a core.
+    bootstrap_port: the prefill instance's bootstrap service (0: a free port; with TP > 1
+        every rank must know it, so set it). bootstrap_timeout_s: how long decode tries to
+        reach a prefill instance's bootstrap service before the load fails. metrics_port:
+        kvbridge's Prometheus metrics (0: a free port; unset: none). request_timeout_s: how
+        long prefill keeps a finished request's blocks for a decode instance that has not
+        asked for them. transfer_timeout_s: how long decode waits for a transfer.
+        peer_timeout_s / heartbeat_interval_s: liveness (a silent peer is declared dead after
+        peer_timeout_s). staging / staging_bytes: the staging ring for different TP sizes.
+        idle_poll_s: how long an engine step with nothing to compute sleeps while transfers
+        are pending, so that a waiting instance does not spin a core.
     """
 
     engine: str = DEFAULT_ENGINE
     host: str = "127.0.0.1"
     bootstrap_port: int = 0
+    bootstrap_timeout_s: float = 5.0
     metrics_port: int | None = None
     request_timeout_s: float = 120.0
     transfer_timeout_s: float = 120.0
@@ -95,6 +98,7 @@ class ConnectorOptions:
             bootstrap_url=bootstrap_url,
             run_bootstrap=run_bootstrap,
             bootstrap_port=self.bootstrap_port,
+            bootstrap_timeout_s=self.bootstrap_timeout_s,
             transfer_timeout_s=self.transfer_timeout_s,
             request_timeout_s=self.request_timeout_s,
             staging=self.staging,
@@ -176,6 +180,38 @@ class RemotePrefill:
         )
 
 
+# What a PD proxy adds to a request for the prefill instance (vLLM's PD flow).
+PREFILL_PARAMS: dict[str, Any] = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+
+def prefill_request(body: Mapping[str, Any]) -> dict[str, Any]:
+    """An OpenAI completion or chat request, as a PD proxy sends it to prefill: one token,
+    not streamed, asking prefill to keep the KV for a remote decode."""
+    request = {key: value for key, value in body.items() if key != "stream_options"}
+    request.update(kv_transfer_params=dict(PREFILL_PARAMS), max_tokens=1, stream=False)
+    if "max_completion_tokens" in request:
+        request["max_completion_tokens"] = 1
+    return request
+
+
+def decode_request(body: Mapping[str, Any], prefill_answer: Mapping[str, Any]) -> dict[str, Any]:
+    """The same request for decode, with the kv_transfer_params of prefill's answer."""
+    params = prefill_answer.get("kv_transfer_params")
+    if not isinstance(params, dict):
+        raise OptionsError(
+            "the prefill instance answered without kv_transfer_params: is it running with a "
+            "KV connector and kv_role kv_producer or kv_both?"
+        )
+    return {**body, "kv_transfer_params": params}
+
+
 @dataclass(frozen=True)
 class SendSpec:
     """Prefill: a finished request whose pages decode will ask for."""
@@ -193,6 +229,8 @@ class LoadSpec:
     remote: RemotePrefill
     pages: tuple[int, ...]
     prefix_tokens: int
+    # Why the scheduler could not plan the load (its blocks then count as failed loads).
+    error: str | None = None
 
 
 @dataclass
@@ -223,6 +261,11 @@ class ConnectorCounters:
     loads_aborted: int = 0
     pages_loaded: int = 0
     rooms_released: int = 0
+
+    def since(self, earlier: ConnectorCounters) -> dict[str, int]:
+        """What changed since `earlier`, the counters that moved only."""
+        now, then = dataclasses.asdict(self), dataclasses.asdict(earlier)
+        return {name: now[name] - then[name] for name in now if now[name] != then[name]}
 
 
 def tokens_to_load(remote: RemotePrefill, num_prompt_tokens: int, num_computed: int) -> int:
@@ -298,3 +341,12 @@ def kv_args_from_vllm(
         f"vLLM KV tensors of shape {tuple(first.shape)} are neither the CPU layout [blocks, "
         "heads, block_size, 2 * head_dim] nor NHD [2, blocks, block_size, heads, head_dim]"
     )
+
+
+def cpu_list(text: str) -> set[int]:
+    """The CPUs of a Linux CPU list ("0-3,8,10-11")."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        first, _, last = part.partition("-")
+        cpus.update(range(int(first), int(last or first) + 1))
+    return cpus

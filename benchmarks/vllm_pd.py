@@ -1,0 +1,170 @@
+"""kvbridge's vLLM connector against vLLM's own NixlConnector, on identical work in one run.
+
+    .venv-vllm/bin/python benchmarks/vllm_pd.py [--quick] [--layers N]
+
+Same deployment (a prefill and a decode instance of vLLM 0.32's CPU build, separate
+processes), same random model with Llama-3-8B's per-layer KV geometry (8 KV heads × 128) and a
+few layers, same prompts. Per workload (prompt length × concurrent requests) and connector:
+the prefill batch runs first (max_tokens 1), then the decode batch, all requests at once. Decode
+time to first token p50/p99 (from the request's arrival at decode to its first token: the KV
+transfer plus the first decode step), KV GB/s (the KV bytes of the batch over the decode wall),
+whole decode-batch wall; greedy tokens checked equal between the two connectors. Writes
+bench-results/vllm.json and bench-results/vllm.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "vllm_compat"))
+
+from vllm_harness import Instance, kvbridge_config, make_model, nixl_config, prompt
+
+RESULTS = Path("bench-results")
+KV_HEADS, HEAD_DIM, DTYPE_BYTES = 8, 128, 2
+CONNECTORS = ("kvbridge-nixl", "kvbridge-mooncake", "vllm-nixl")
+
+
+def transfer_config(connector: str, role: str) -> dict[str, Any]:
+    if connector == "vllm-nixl":
+        return nixl_config("kv_both")
+    return kvbridge_config(role, connector.removeprefix("kvbridge-"))
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, math.ceil(q * len(ordered)) - 1)]
+
+
+def measure(
+    connector: str, model: Path, logs: Path, workloads: list[tuple[int, int]], layers: int
+) -> list[dict[str, Any]]:
+    largest = max(length * concurrent for length, concurrent in workloads)
+    kv_bytes = int(1.5 * largest * layers * 2 * KV_HEADS * HEAD_DIM * DTYPE_BYTES)
+    env = {"KVBRIDGE_TEST_KV_BYTES": str(kv_bytes)}
+    prefill = Instance(model, transfer_config(connector, "kv_producer"),
+                       logs / f"{connector}-prefill.log", env=env)  # fmt: skip
+    decode = Instance(model, transfer_config(connector, "kv_consumer"),
+                      logs / f"{connector}-decode.log", env=env)  # fmt: skip
+    rows = []
+    try:
+        for length, concurrent in workloads:
+            # Distinct prompts per run: nothing comes from decode's prefix cache.
+            prompts = [prompt(length, 1000 * length + i) for i in range(concurrent)]
+            prefilled = prefill.generate(prompts, 1, [{"do_remote_decode": True}] * concurrent)
+            params = [output["kv_transfer_params"] for output in prefilled["outputs"]]
+            began = time.perf_counter()
+            decoded = decode.generate(prompts, 4, params)
+            wall = time.perf_counter() - began
+            ttft = [output["ttft_s"] for output in decoded["outputs"]]
+            kv = concurrent * length * layers * 2 * KV_HEADS * HEAD_DIM * DTYPE_BYTES
+            rows.append({
+                "connector": connector, "tokens": length, "concurrent": concurrent,
+                "ttft_p50_ms": round(1000 * percentile(ttft, 0.5), 1),
+                "ttft_p99_ms": round(1000 * percentile(ttft, 0.99), 1),
+                "decode_wall_s": round(wall, 3), "kv_gbps": round(kv / wall / 1e9, 3),
+                "tokens_out": [output["tokens"] for output in decoded["outputs"]],
+            })  # fmt: skip
+            print(f"{connector:18} {length:5} tokens × {concurrent:2}: TTFT p50 "
+                  f"{rows[-1]['ttft_p50_ms']:8.1f} ms, p99 {rows[-1]['ttft_p99_ms']:8.1f} ms, "
+                  f"{rows[-1]['kv_gbps']:.2f} GB/s", flush=True)  # fmt: skip
+            # Prefill frees the blocks once decode has them (NixlConnector: once notified).
+            prefill.wait_for(lambda s: s["running"] == 0, timeout_s=30)
+    finally:
+        decode.close()
+        prefill.close()
+    return rows
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    workloads = sorted({(row["tokens"], row["concurrent"]) for row in rows})
+    labels = [f"{tokens}×{concurrent}" for tokens, concurrent in workloads]
+    figure, axes = plt.subplots(1, 2, figsize=(11, 4))
+    width = 0.8 / len(CONNECTORS)
+    for index, connector in enumerate(CONNECTORS):
+        mine = {(r["tokens"], r["concurrent"]): r for r in rows if r["connector"] == connector}
+        if not mine:
+            continue
+        xs = [i + index * width for i in range(len(workloads))]
+        axes[0].bar(xs, [mine[w]["ttft_p50_ms"] for w in workloads], width, label=connector)
+        axes[1].bar(xs, [mine[w]["ttft_p99_ms"] for w in workloads], width, label=connector)
+    for axis, title in zip(axes, ("decode TTFT p50 (ms)", "decode TTFT p99 (ms)"), strict=True):
+        axis.set_xticks([i + 0.4 - width / 2 for i in range(len(workloads))], labels)
+        axis.set_xlabel("prompt tokens × concurrent requests")
+        axis.set_title(title)
+        axis.legend()
+    figure.tight_layout()
+    figure.savefig(path)
+    return True
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="1k and 4k tokens × 8 only")
+    parser.add_argument("--layers", type=int, default=4)
+    options = parser.parse_args()
+    layers = options.layers
+    workloads = (
+        [(1024, 8), (4096, 8)]
+        if options.quick
+        else [(1024, 8), (1024, 32), (4096, 8), (8192, 8), (8192, 16)]
+    )
+    RESULTS.mkdir(exist_ok=True)
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as folder:
+        model = make_model(Path(folder) / "model", layers=layers)
+        logs = Path(folder)
+        for connector in CONNECTORS:
+            if connector == "kvbridge-mooncake" and importlib.util.find_spec("mooncake") is None:
+                print("kvbridge-mooncake: Mooncake is not installed, skipped")
+                continue
+            rows += measure(connector, model, logs, workloads, layers)
+    baseline = {(r["tokens"], r["concurrent"]): r for r in rows if r["connector"] == "vllm-nixl"}
+    summary = []
+    for row in rows:
+        base = baseline.get((row["tokens"], row["concurrent"]))
+        if base is None or row["connector"] == "vllm-nixl":
+            continue
+        summary.append({
+            "connector": row["connector"], "tokens": row["tokens"],
+            "concurrent": row["concurrent"],
+            "ttft_p50_vs_nixl": round(row["ttft_p50_ms"] / base["ttft_p50_ms"], 2),
+            "ttft_p99_vs_nixl": round(row["ttft_p99_ms"] / base["ttft_p99_ms"], 2),
+            "tokens_equal": row["tokens_out"] == base["tokens_out"],
+        })  # fmt: skip
+    print("\nconnector          workload      TTFT p50 ×NixlConnector  p99 ×  tokens equal")
+    for line in summary:
+        print(f"{line['connector']:18} {line['tokens']:5}×{line['concurrent']:<3}      "
+              f"{line['ttft_p50_vs_nixl']:5.2f}              {line['ttft_p99_vs_nixl']:5.2f}  "
+              f"{line['tokens_equal']}")  # fmt: skip
+    for row in rows:
+        del row["tokens_out"]
+    document = {
+        "date": time.strftime("%Y-%m-%d"), "layers": layers, "block_size": 32,
+        "model": f"random Llama, {layers} layers, 8 KV heads × 128, bf16",
+        "rows": rows, "vs_nixl_connector": summary,
+    }  # fmt: skip
+    (RESULTS / "vllm.json").write_text(json.dumps(document, indent=2) + "\n")
+    plotted = plot(rows, RESULTS / "vllm.png")
+    print(f"wrote {RESULTS / 'vllm.json'}" + (f" and {RESULTS / 'vllm.png'}" if plotted else ""))
+    if not all(line["tokens_equal"] for line in summary):
+        raise SystemExit("tokens differ between the connectors")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,155 @@
+"""`kvbridge vllm-proxy` between stand-in prefill and decode servers (real HTTP on loopback):
+what each instance receives, streamed and whole answers, and errors named for the client.
+The proxy with real vLLM instances runs in tests/vllm_compat."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+
+from kvbridge.integrations.vllm_core import PREFILL_PARAMS, decode_request, prefill_request
+from kvbridge.integrations.vllm_proxy import PDProxy
+
+REMOTE = {"do_remote_prefill": True, "kvbridge_room": 7, "kvbridge_bootstrap_url": "http://x:1"}
+
+
+class StandIn:
+    """An HTTP server answering POSTs with `answer(body)`; it records every body."""
+
+    def __init__(self, answer: Any, stream: bool = False) -> None:
+        self.bodies: list[dict[str, Any]] = []
+        stand_in = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                stand_in.bodies.append(body)
+                status, reply = answer(body)
+                data = json.dumps(reply).encode()
+                self.send_response(status)
+                if stream:  # server-sent events, chunked
+                    self.send_header("Content-Type", "text/event-stream")
+                    self.send_header("Transfer-Encoding", "chunked")
+                    self.end_headers()
+                    for event in (b"data: " + data + b"\n\n", b"data: [DONE]\n\n"):
+                        self.wfile.write(b"%x\r\n%s\r\n" % (len(event), event))
+                    self.wfile.write(b"0\r\n\r\n")
+                    return
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def proxied(request: pytest.FixtureRequest) -> Iterator[tuple[PDProxy, StandIn, StandIn]]:
+    stream, prefill_status = getattr(request, "param", (False, 200))
+    prefill = StandIn(lambda body: (prefill_status, {"kv_transfer_params": REMOTE}))
+    decode = StandIn(lambda body: (200, {"choices": [{"token_ids": [1, 2, 3]}]}), stream=stream)
+    proxy = PDProxy([prefill.url], [decode.url])
+    thread = threading.Thread(target=proxy.serve_forever, daemon=True)
+    thread.start()
+    yield proxy, prefill, decode
+    proxy.shutdown()
+    prefill.close()
+    decode.close()
+
+
+def post(url: str, path: str, body: Any) -> tuple[int, bytes]:
+    host, port = url.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=10)
+    try:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        connection.request("POST", path, data, {"Content-Type": "application/json"})
+        response = connection.getresponse()
+        return response.status, response.read()
+    finally:
+        connection.close()
+
+
+def test_requests_are_rewritten_as_vllms_pd_flow() -> None:
+    body = {"prompt": [1, 2], "max_tokens": 50, "stream": True, "stream_options": {"x": 1}}
+    prefill = prefill_request(body)
+    assert prefill["kv_transfer_params"] == PREFILL_PARAMS
+    assert (prefill["max_tokens"], prefill["stream"]) == (1, False)
+    assert "stream_options" not in prefill
+    assert (
+        prefill_request({"messages": [], "max_completion_tokens": 9})["max_completion_tokens"] == 1
+    )
+    assert decode_request(body, {"kv_transfer_params": REMOTE}) == {
+        **body,
+        "kv_transfer_params": REMOTE,
+    }
+    with pytest.raises(ValueError, match="answered without kv_transfer_params"):
+        decode_request(body, {"choices": []})
+
+
+def test_a_request_goes_to_prefill_then_decode_with_prefills_parameters(
+    proxied: tuple[PDProxy, StandIn, StandIn],
+) -> None:
+    proxy, prefill, decode = proxied
+    status, data = post(proxy.url, "/v1/completions", {"prompt": [5, 6], "max_tokens": 8})
+    assert (status, json.loads(data)) == (200, {"choices": [{"token_ids": [1, 2, 3]}]})
+    assert prefill.bodies[0]["kv_transfer_params"]["do_remote_decode"] is True
+    assert prefill.bodies[0]["max_tokens"] == 1
+    assert decode.bodies == [{"prompt": [5, 6], "max_tokens": 8, "kv_transfer_params": REMOTE}]
+
+
+@pytest.mark.parametrize("proxied", [(True, 200)], indirect=True)
+def test_a_streamed_answer_is_relayed_as_it_comes(
+    proxied: tuple[PDProxy, StandIn, StandIn],
+) -> None:
+    proxy, _, _ = proxied
+    status, data = post(proxy.url, "/v1/completions", {"prompt": [5], "stream": True})
+    assert status == 200
+    assert data.endswith(b"data: [DONE]\n\n")
+    assert b'"token_ids": [1, 2, 3]' in data
+
+
+@pytest.mark.parametrize("proxied", [(False, 500)], indirect=True)
+def test_errors_reach_the_client_with_the_instance_named(
+    proxied: tuple[PDProxy, StandIn, StandIn],
+) -> None:
+    proxy, prefill, decode = proxied
+    status, data = post(proxy.url, "/v1/completions", {"prompt": [5]})
+    assert status == 500
+    assert f"prefill {prefill.url}" in json.loads(data)["error"]
+    assert decode.bodies == []
+    status, data = post(proxy.url, "/v1/completions", b"not json")
+    assert status == 400
+    assert "bad request body" in json.loads(data)["error"]
+    assert post(proxy.url, "/v1/embeddings", {})[0] == 404
+
+
+def test_an_unreachable_instance_is_a_502_and_a_bad_url_refused_at_start() -> None:
+    with pytest.raises(ValueError, match="is not an http://host:port URL"):
+        PDProxy(["tcp://127.0.0.1:1"], ["http://127.0.0.1:2"])
+    proxy = PDProxy(["http://127.0.0.1:9"], ["http://127.0.0.1:9"])
+    thread = threading.Thread(target=proxy.serve_forever, daemon=True)
+    thread.start()
+    try:
+        status, data = post(proxy.url, "/v1/completions", {"prompt": [1]})
+        assert status == 502
+        assert "http://127.0.0.1:9 unreachable" in json.loads(data)["error"]
+    finally:
+        proxy.shutdown()
