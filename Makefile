@@ -97,7 +97,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/hetero.py
 	$(BIN)/kvbridge bench --preset quick
 	$(MAKE) --no-print-directory $(VLLM_STAMP)
-	$(VLLM_VENV)/bin/python benchmarks/vllm_pd.py
+	$(VLLM_VENV)/bin/python benchmarks/vllm_pd.py --quick
 
 docs: $(STAMP)
 	$(BIN)/kvbridge protocol-doc --output docs/PROTOCOL.md

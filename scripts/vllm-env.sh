@@ -22,5 +22,7 @@ pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check)
 # kvbridge itself, as a user installs it into vLLM's environment (its few dependencies, pyzmq,
 # numpy, click, rich and prometheus-client, come with vLLM).
 "${pip[@]}" hatchling==1.27.0 editables==0.5 pytest==9.2.0 pytest-timeout==2.4.0
+# The benchmark's plot (benchmarks/vllm_pd.py), the version of requirements/dev.txt.
+"${pip[@]}" matplotlib==3.11.2
 "${pip[@]}" --no-deps --no-build-isolation -e "$(dirname "$0")/.."
 "$venv/bin/python" -c "import vllm, nixl._api, kvbridge.integrations.vllm; print('vllm', vllm.__version__)"

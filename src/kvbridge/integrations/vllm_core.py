@@ -61,7 +61,7 @@ class ConnectorOptions:
     bootstrap_port: int = 0
     bootstrap_timeout_s: float = 5.0
     metrics_port: int | None = None
-    request_timeout_s: float = 120.0
+    request_timeout_s: float = 480.0
     transfer_timeout_s: float = 120.0
     peer_timeout_s: float = 3.0
     heartbeat_interval_s: float = 0.5
