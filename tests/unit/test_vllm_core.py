@@ -60,6 +60,7 @@ def test_remote_prefill_travels_in_kv_transfer_params() -> None:
     assert RemotePrefill.from_params(params) == remote
     assert RemotePrefill.from_params({"do_remote_prefill": True, "remote_block_ids": [1]}) is None
     assert RemotePrefill.from_params(None) is None
+    assert RemotePrefill.from_params([BOOTSTRAP_KEY]) is None
     with pytest.raises(OptionsError, match=f"{ROOM_KEY}: '7' is not an integer"):
         RemotePrefill.from_params({**params, ROOM_KEY: "7"})
     with pytest.raises(OptionsError, match=f"{BOOTSTRAP_KEY}: 'tcp://x' is not an http URL"):

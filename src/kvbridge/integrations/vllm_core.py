@@ -160,7 +160,7 @@ class RemotePrefill:
     def from_params(params: Mapping[str, Any] | None) -> RemotePrefill | None:
         """The remote prefill a request's parameters name; None if they name none (a request
         for another connector, or a plain one). Malformed kvbridge keys raise OptionsError."""
-        if not params or BOOTSTRAP_KEY not in params:
+        if not isinstance(params, Mapping) or BOOTSTRAP_KEY not in params:
             return None
         url, room = params.get(BOOTSTRAP_KEY), params.get(ROOM_KEY)
         tokens = params.get("remote_num_tokens")
