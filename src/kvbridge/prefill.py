@@ -330,7 +330,8 @@ class PrefillManager:
             if peer.error:
                 self._fail_locked(state, f"room {message.room}: {peer.error}", message.peer_id)
                 return
-            problem = state.prefix_problem(message)
+            dst = peer.kv_args
+            problem = state.prefix_problem(message, dst.page_size * dst.dcp_size if dst else 1)
             if problem is not None:
                 self._fail_locked(state, problem, message.peer_id)
                 return

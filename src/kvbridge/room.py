@@ -116,15 +116,17 @@ class PrefillRoom:
         """Created by a request, and no sender claimed it within `timeout_s`."""
         return not self.claimed and now - self.created_at > timeout_s
 
-    def prefix_problem(self, request: TransferRequest) -> str | None:
+    def prefix_problem(self, request: TransferRequest, dst_page_tokens: int) -> str | None:
         """Why this rank cannot skip the request's decode prefix, if it cannot: the prefix
-        must end on one of this rank's page boundaries."""
+        must end on a page boundary of this rank and of the decode rank (`dst_page_tokens`:
+        its page size times its DCP size, as sglang requires), or tokens would shift."""
         prefix = request.decode_prefix_len or 0
-        if prefix < 0 or prefix % self.page_size:
-            return (
-                f"room {self.room}: decode_prefix_len {prefix} does not end on a page of "
-                f"{self.page_size} tokens"
-            )
+        for where, page in (("this prefill rank's", self.page_size), ("decode's", dst_page_tokens)):
+            if prefix < 0 or prefix % page:
+                return (
+                    f"room {self.room}: decode_prefix_len {prefix} does not end on one of "
+                    f"{where} pages of {page} tokens"
+                )
         return None
 
     def on_request(self, request: TransferRequest) -> None:

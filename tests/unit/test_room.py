@@ -61,7 +61,7 @@ def test_decode_prefix_pages_are_skipped_and_offsets_count_from_the_prefix() -> 
     # Decode already holds the first 8 tokens (2 pages of 4): it asks for the pages after them.
     room = PrefillRoom(1, page_size=4)
     with_prefix = TransferRequest(1, "d0", False, np.array([30, 31, 32], np.int32), 0, [], 1, 8)
-    assert room.prefix_problem(with_prefix) is None
+    assert room.prefix_problem(with_prefix, dst_page_tokens=8) is None
     room.on_request(with_prefix)
     room.add_chunk(Chunk(np.array([1]), last=False))  # room page 0: inside the prefix
     room.add_chunk(Chunk(np.array([2, 3]), last=False))  # pages 1 (prefix) and 2
@@ -85,9 +85,16 @@ def test_a_prefix_covering_the_whole_room_still_sends_the_last_chunk() -> None:
 
 def test_a_prefix_that_splits_a_page_is_refused() -> None:
     room = PrefillRoom(1, page_size=16)
-    problem = room.prefix_problem(TransferRequest(1, "d0", False, np.array([3], np.int32),
-                                                  None, [], 1, 24))  # fmt: skip
-    assert problem == "room 1: decode_prefix_len 24 does not end on a page of 16 tokens"
+    request = TransferRequest(1, "d0", False, np.array([3], np.int32), None, [], 1, 24)
+    problem = room.prefix_problem(request, dst_page_tokens=8)
+    assert problem == (
+        "room 1: decode_prefix_len 24 does not end on one of this prefill rank's pages of 16 tokens"
+    )
+    # A DCP decode rank's pages hold page_size × dcp_size tokens of the request.
+    request = TransferRequest(1, "d0", False, np.array([3], np.int32), None, [], 1, 32)
+    assert room.prefix_problem(request, dst_page_tokens=16 * 4) == (
+        "room 1: decode_prefix_len 32 does not end on one of decode's pages of 64 tokens"
+    )
 
 
 def test_dummy_requests_get_no_write_and_finish_with_the_last_chunk() -> None:
