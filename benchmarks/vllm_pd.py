@@ -1,16 +1,19 @@
 """kvbridge's vLLM connector against vLLM's own NixlConnector, on identical work in one run.
 
-    .venv-vllm/bin/python benchmarks/vllm_pd.py [--quick] [--layers N]
+    .venv-vllm/bin/python benchmarks/vllm_pd.py [--quick] [--layers N] [--rounds N]
 
 Same deployment (a prefill and a decode instance of vLLM 0.32's CPU build, separate
 processes), same random model with Llama-3-8B's per-layer KV geometry (8 KV heads × 128) and a
-few layers, same prompts. Per workload (prompt length × concurrent requests) and connector,
-after one warm-up request (the instances' first contact is not steady state): the prefill
-batch runs first (max_tokens 1), then the decode batch, all requests at once. Decode
-time to first token p50/p99 (from the request's arrival at decode to its first token: the KV
-transfer plus the first decode step), KV GB/s (the KV bytes of the batch over the decode wall),
-whole decode-batch wall; greedy tokens checked equal between the two connectors. Writes
-bench-results/vllm.json and bench-results/vllm.png.
+few layers, same prompts. Per connector, after one warm-up
+request (the instances' first contact is not steady state), and per workload (prompt length ×
+concurrent requests): one untimed round, then `--rounds` timed ones; in each the prefill batch
+runs first (max_tokens 1), then the decode batch, all requests at once. Over the timed rounds'
+requests: decode time to first token p50/p99 (from the request's arrival at decode to its
+first token: the KV transfer plus vLLM's first compute step), KV in place p50/p99 (from the
+arrival to the step in which vLLM's scheduler hears the KV is loaded: the transfer plane's
+part, seen the same way for every connector), KV GB/s (the batch's KV bytes over the median
+decode-batch wall), the wall itself; greedy tokens checked equal between the connectors.
+Writes bench-results/vllm.json and bench-results/vllm.png.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import argparse
 import importlib.util
 import json
 import math
+import statistics
 import sys
 import tempfile
 import time
@@ -50,8 +54,9 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def measure(
-    connector: str, model: Path, logs: Path, workloads: list[tuple[int, int]], layers: int
-) -> list[dict[str, Any]]:
+    connector: str, model: Path, logs: Path, workloads: list[tuple[int, int]], layers: int,
+    rounds: int,
+) -> list[dict[str, Any]]:  # fmt: skip
     largest = max(length * concurrent for length, concurrent in workloads)
     kv_bytes = int(1.5 * largest * layers * 2 * KV_HEADS * HEAD_DIM * DTYPE_BYTES)
     env = {"KVBRIDGE_TEST_KV_BYTES": str(kv_bytes)}
@@ -67,37 +72,67 @@ def measure(
         warmed = prefill.generate(warm, 1, [{"do_remote_decode": True}])["outputs"]
         decode.generate(warm, 2, [warmed[0]["kv_transfer_params"]])
         for length, concurrent in workloads:
-            # Distinct prompts per run: nothing comes from decode's prefix cache.
-            prompts = [prompt(length, 1000 * length + i) for i in range(concurrent)]
-            prefilled = prefill.generate(prompts, 1, [{"do_remote_decode": True}] * concurrent)
-            params = [output["kv_transfer_params"] for output in prefilled["outputs"]]
-            began = time.perf_counter()
-            decoded = decode.generate(prompts, 4, params)
-            wall = time.perf_counter() - began
-            failures = failed(decoded["outputs"])
-            if failures:
-                raise SystemExit(
-                    f"{connector}: {failures} of {concurrent} decode requests of {length} tokens "
-                    f"ended without a token; logs in {logs}"
-                )
-            ttft = [output["ttft_s"] for output in decoded["outputs"]]
+            ttft: list[float] = []
+            kv_ready: list[float] = []
+            walls: list[float] = []
+            tokens_out: list[list[int]] = []
+            # Round 0 is not counted: it is the first use of that many blocks on both sides
+            # (first-touch costs, vLLM's shapes); each later round is the same work again.
+            for round_index in range(rounds + 1):
+                # Distinct prompts per round: nothing comes from decode's prefix cache.
+                seed = 1000 * length + 100 * round_index
+                prompts = [prompt(length, seed + i) for i in range(concurrent)]
+                params = [{"do_remote_decode": True}] * concurrent
+                prefilled = prefill.generate(prompts, 1, params)["outputs"]
+                began = time.perf_counter()
+                decoded = decode.generate(
+                    prompts, 4, [output["kv_transfer_params"] for output in prefilled]
+                )["outputs"]
+                wall = time.perf_counter() - began
+                failures = failed(decoded)
+                if failures:
+                    raise SystemExit(
+                        f"{connector}: {failures} of {concurrent} decode requests of {length} "
+                        f"tokens ended without a token; logs in {logs}"
+                    )
+                # Prefill frees the blocks once decode has them (NixlConnector: once notified).
+                prefill.wait_for(lambda s: s["running"] == 0, timeout_s=30)
+                if round_index == 0:
+                    continue
+                ttft += [output["ttft_s"] for output in decoded]
+                missing = sum(1 for output in decoded if output["kv_ready_s"] is None)
+                if missing:
+                    raise SystemExit(f"{connector}: vLLM never heard that {missing} loads ended")
+                kv_ready += [output["kv_ready_s"] for output in decoded]
+                walls.append(wall)
+                tokens_out += [output["tokens"] for output in decoded]
             kv = concurrent * length * layers * 2 * KV_HEADS * HEAD_DIM * DTYPE_BYTES
+            wall = statistics.median(walls)
             rows.append({
                 "connector": connector, "tokens": length, "concurrent": concurrent,
+                "rounds": rounds,
                 "ttft_p50_ms": round(1000 * percentile(ttft, 0.5), 1),
                 "ttft_p99_ms": round(1000 * percentile(ttft, 0.99), 1),
+                "kv_ready_p50_ms": round(1000 * percentile(kv_ready, 0.5), 1),
+                "kv_ready_p99_ms": round(1000 * percentile(kv_ready, 0.99), 1),
                 "decode_wall_s": round(wall, 3), "kv_gbps": round(kv / wall / 1e9, 3),
-                "tokens_out": [output["tokens"] for output in decoded["outputs"]],
+                "tokens_out": tokens_out,
             })  # fmt: skip
+            row = rows[-1]
             print(f"{connector:18} {length:5} tokens × {concurrent:2}: TTFT p50 "
-                  f"{rows[-1]['ttft_p50_ms']:8.1f} ms, p99 {rows[-1]['ttft_p99_ms']:8.1f} ms, "
-                  f"{rows[-1]['kv_gbps']:.2f} GB/s", flush=True)  # fmt: skip
-            # Prefill frees the blocks once decode has them (NixlConnector: once notified).
-            prefill.wait_for(lambda s: s["running"] == 0, timeout_s=30)
+                  f"{row['ttft_p50_ms']:7.1f} ms, p99 {row['ttft_p99_ms']:7.1f} ms; KV in "
+                  f"place p50 {row['kv_ready_p50_ms']:6.1f} ms, p99 {row['kv_ready_p99_ms']:6.1f}"
+                  f" ms; {row['kv_gbps']:.2f} GB/s", flush=True)  # fmt: skip
     finally:
         decode.close()
         prefill.close()
     return rows
+
+
+METRICS = (
+    ("ttft_p50_ms", "decode TTFT p50 (ms)"), ("ttft_p99_ms", "decode TTFT p99 (ms)"),
+    ("kv_ready_p50_ms", "KV in place p50 (ms)"), ("kv_ready_p99_ms", "KV in place p99 (ms)"),
+)  # fmt: skip
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> bool:
@@ -110,16 +145,14 @@ def plot(rows: list[dict[str, Any]], path: Path) -> bool:
         return False
     workloads = sorted({(row["tokens"], row["concurrent"]) for row in rows})
     labels = [f"{tokens}×{concurrent}" for tokens, concurrent in workloads]
-    figure, axes = plt.subplots(1, 2, figsize=(11, 4))
+    figure, axes = plt.subplots(2, 2, figsize=(11, 8))
     width = 0.8 / len(CONNECTORS)
-    for index, connector in enumerate(CONNECTORS):
-        mine = {(r["tokens"], r["concurrent"]): r for r in rows if r["connector"] == connector}
-        if not mine:
-            continue
-        xs = [i + index * width for i in range(len(workloads))]
-        axes[0].bar(xs, [mine[w]["ttft_p50_ms"] for w in workloads], width, label=connector)
-        axes[1].bar(xs, [mine[w]["ttft_p99_ms"] for w in workloads], width, label=connector)
-    for axis, title in zip(axes, ("decode TTFT p50 (ms)", "decode TTFT p99 (ms)"), strict=True):
+    for (key, title), axis in zip(METRICS, axes.flat, strict=True):
+        for index, connector in enumerate(CONNECTORS):
+            mine = {(r["tokens"], r["concurrent"]): r for r in rows if r["connector"] == connector}
+            if mine:
+                xs = [i + index * width for i in range(len(workloads))]
+                axis.bar(xs, [mine[w][key] for w in workloads], width, label=connector)
         axis.set_xticks([i + 0.4 - width / 2 for i in range(len(workloads))], labels)
         axis.set_xlabel("prompt tokens × concurrent requests")
         axis.set_title(title)
@@ -133,6 +166,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="1k and 2k tokens × 8 only")
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=3, help="timed rounds per workload")
     options = parser.parse_args()
     layers = options.layers
     workloads = (
@@ -150,29 +184,32 @@ def main() -> None:
             if connector == "kvbridge-mooncake" and importlib.util.find_spec("mooncake") is None:
                 print("kvbridge-mooncake: Mooncake is not installed, skipped")
                 continue
-            rows += measure(connector, model, logs, workloads, layers)
+            rows += measure(connector, model, logs, workloads, layers, options.rounds)
     baseline = {(r["tokens"], r["concurrent"]): r for r in rows if r["connector"] == "vllm-nixl"}
     summary = []
     for row in rows:
         base = baseline.get((row["tokens"], row["concurrent"]))
         if base is None or row["connector"] == "vllm-nixl":
             continue
-        summary.append({
+        line: dict[str, Any] = {
             "connector": row["connector"], "tokens": row["tokens"],
             "concurrent": row["concurrent"],
-            "ttft_p50_vs_nixl": round(row["ttft_p50_ms"] / base["ttft_p50_ms"], 2),
-            "ttft_p99_vs_nixl": round(row["ttft_p99_ms"] / base["ttft_p99_ms"], 2),
-            "tokens_equal": row["tokens_out"] == base["tokens_out"],
-        })  # fmt: skip
-    print("\nconnector          workload      TTFT p50 ×NixlConnector  p99 ×  tokens equal")
+        }  # fmt: skip
+        for key, _ in METRICS:
+            line[key.removesuffix("_ms") + "_vs_nixl"] = round(row[key] / base[key], 2)
+        line["tokens_equal"] = row["tokens_out"] == base["tokens_out"]
+        summary.append(line)
+    print("\n× NixlConnector     workload   TTFT p50   p99   KV in place p50   p99   tokens equal")
     for line in summary:
-        print(f"{line['connector']:18} {line['tokens']:5}×{line['concurrent']:<3}      "
-              f"{line['ttft_p50_vs_nixl']:5.2f}              {line['ttft_p99_vs_nixl']:5.2f}  "
+        print(f"{line['connector']:18} {line['tokens']:5}×{line['concurrent']:<3}   "
+              f"{line['ttft_p50_vs_nixl']:8.2f} {line['ttft_p99_vs_nixl']:5.2f} "
+              f"{line['kv_ready_p50_vs_nixl']:17.2f} {line['kv_ready_p99_vs_nixl']:5.2f}   "
               f"{line['tokens_equal']}")  # fmt: skip
     for row in rows:
         del row["tokens_out"]
     document = {
         "date": time.strftime("%Y-%m-%d"), "layers": layers, "block_size": 32,
+        "rounds": options.rounds,
         "model": f"random Llama, {layers} layers, 8 KV heads × 128, bf16",
         "rows": rows, "vs_nixl_connector": summary,
     }  # fmt: skip

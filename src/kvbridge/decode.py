@@ -115,6 +115,9 @@ class DecodeManager:
         self._scatter_thread.start()
         self.engine.register(memory_regions(kv_args))
         self._lock = threading.Lock()
+        # Set whenever a room may have ended or its pages become safe: what an owner waiting
+        # for that waits on (a vLLM engine step with nothing to compute); may be set spuriously.
+        self.activity = threading.Event()
         self._rooms: dict[int, DecodeRoom] = {}
         self._groups: dict[str, list[PrefillRank]] = {}
         self._registered: set[str] = set()
@@ -154,6 +157,12 @@ class DecodeManager:
 
     def receiver(self, room: int, bootstrap_url: str | None = None) -> KVReceiver:
         return KVReceiver(self, room, bootstrap_url or self.config.bootstrap_url)
+
+    def knows_prefill(self, url: str) -> bool:
+        """Whether the prefill group behind `url` is cached: opening a room toward it then
+        makes no blocking lookup."""
+        with self._lock:
+            return url in self._groups
 
     def prefill_group(self, url: str) -> list[PrefillRank]:
         """The prefill ranks behind a bootstrap URL (looked up once, then cached)."""
@@ -227,6 +236,7 @@ class DecodeManager:
                 state = self._rooms.get(message.room)
                 if state is not None:
                     state.on_abort_ack(message.prefill_rank)
+                    self.activity.set()
             if state is None:
                 self._ignore("abort ack for unknown room %d", message.room)
             return
@@ -250,6 +260,7 @@ class DecodeManager:
                 state = self._rooms.get(message.room)
                 if state is not None:
                     state.on_status(message.prefill_rank, message.status, message.reason)
+                    self.activity.set()
             if state is None:
                 self._ignore("status for unknown or cleared room %d", message.room)
         else:
@@ -355,6 +366,7 @@ class DecodeManager:
             state = self._rooms.get(ready.room)
             if state is not None:
                 state.chunk_scattered()
+        self.activity.set()
         assert self._ring is not None
         grants = []
         with self._ring_lock:
@@ -405,6 +417,7 @@ class DecodeManager:
             self._forget_prefill(endpoint)
             if affected:
                 log.warning("%s: %d room(s) failed", reason, len(affected))
+                self.activity.set()
 
     def _forget_prefill(self, endpoint: str) -> None:
         """A prefill rank was declared dead: forget it and every cached group it was in, so
@@ -443,6 +456,8 @@ class DecodeManager:
                 busy = busy or state.status.poll == KVPoll.Transferring
         for state in expired:  # stop the prefill ranks that may still write, and hear them
             self._abort_unsettled(state, state.status.failure_reason or "deadline")
+        if notifications or expired:
+            self.activity.set()
         return busy
 
     def _abort_unsettled(self, state: DecodeRoom, reason: str) -> None:

@@ -4,6 +4,7 @@ with a real engine (NIXL): the state machine, chunking, slots and the failure pa
 from __future__ import annotations
 
 import dataclasses
+import threading
 import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -296,6 +297,32 @@ def test_pages_of_a_finished_room_are_safe() -> None:
         idle.init([2])  # prefill never sends: abort, the idle prefill confirms at once
         idle.abort("no longer needed")
         wait_for(lambda: idle.pages_safe)
+
+
+def ends_wake(activity: threading.Event, ended: Callable[[], bool]) -> None:
+    """Wait for `ended` the way vLLM's idle step does: clear, look, wait on the event. The
+    end must set the event; one missed would time the wait out."""
+    for _ in range(1000):
+        activity.clear()
+        if ended():
+            return
+        assert activity.wait(timeout=30), "the room ended without setting the activity event"
+    raise AssertionError("woken 1000 times and the room never ended")
+
+
+def test_the_activity_events_wake_a_waiter_when_rooms_end() -> None:
+    src, dst = rank_cache(num_pages=16, seed=2, **GEOMETRY), rank_cache(seed=None, **GEOMETRY)
+    with pair(src, dst) as (prefill, decode):
+        sender, receiver = prefill.sender(6), decode.receiver(6)
+        receiver.init([5, 1, 7])
+        sender.send([0, 9], last=False)
+        sender.send([3], last=True)
+        ends_wake(decode.activity, lambda: receiver.poll() == KVPoll.Success)
+        ends_wake(prefill.activity, lambda: sender.pages_free)
+        aborted = decode.receiver(7)
+        aborted.init([2])
+        aborted.abort("the request ended on decode")  # prefill's acknowledgement wakes it
+        ends_wake(decode.activity, lambda: aborted.pages_safe)
 
 
 def test_a_prefill_room_without_a_request_fails_at_its_deadline() -> None:

@@ -15,6 +15,7 @@ from kvbridge.integrations.vllm_core import (
     ConnectorOptions,
     OptionsError,
     RemotePrefill,
+    StepTimes,
     check_vllm_version,
     cpu_list,
     kv_args_from_vllm,
@@ -136,3 +137,17 @@ def test_counters_report_what_moved_since_the_last_report() -> None:
 def test_cpu_lists_read_as_linux_writes_them() -> None:
     assert cpu_list("0-3,8,10-11") == {0, 1, 2, 3, 8, 10, 11}
     assert cpu_list("1") == {1}
+
+
+def test_step_times_average_compute_steps_and_bound_the_batch_window() -> None:
+    times = StepTimes()
+    assert times.batch_window(0.05) == 0.0  # nothing measured: finished loads never wait
+    times.record(0.1)
+    assert times.typical_s == pytest.approx(0.1)
+    assert times.batch_window(0.05) == pytest.approx(0.05)  # the cap
+    assert times.batch_window(1.0) == pytest.approx(0.05)  # half a step
+    for _ in range(50):
+        times.record(0.02)
+    assert times.typical_s == pytest.approx(0.02, rel=1e-3)  # follows the recent steps
+    assert times.batch_window(0.05) == pytest.approx(0.01, rel=1e-3)
+    assert times.batch_window(0.0) == 0.0  # idle_batch_s 0: each load is reported at once

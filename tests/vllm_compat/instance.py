@@ -66,6 +66,18 @@ def main() -> None:
     # When each request was added and when its first token came out (time to first token).
     added_at: dict[str, float] = {}
     first_token_at: dict[str, float] = {}
+    # When vLLM's scheduler heard that a request's KV was in place (the connector reported it
+    # in finished_recving): the transfer plane's part of the time to first token, seen the
+    # same way for every connector.
+    kv_ready_at: dict[str, float] = {}
+    hear_finished = scheduler._update_from_kv_xfer_finished
+
+    def heard_finished(output: Any) -> None:
+        for request_id in output.finished_recving or ():  # vLLM's id: ours, "-", a suffix
+            kv_ready_at.setdefault(request_id.split("-")[0], time.perf_counter())
+        hear_finished(output)
+
+    scheduler._update_from_kv_xfer_finished = heard_finished
 
     def add(command: dict[str, Any]) -> list[str]:
         ids = []
@@ -83,8 +95,13 @@ def main() -> None:
             ids.append(request_id)
         return ids
 
+    step_times: list[float] = []
+
     def step() -> None:
-        for output in engine.step():
+        began = time.perf_counter()
+        outputs = engine.step()
+        step_times.append(time.perf_counter() - began)
+        for output in outputs:
             if output.outputs and output.outputs[0].token_ids:
                 first_token_at.setdefault(output.request_id, time.perf_counter())
             if output.finished:
@@ -98,12 +115,14 @@ def main() -> None:
             output = finished.pop(request_id)
             completion = output.outputs[0] if output.outputs else None
             first = first_token_at.pop(request_id, None)
+            ready = kv_ready_at.pop(request_id, None)
             added = added_at.pop(request_id)
             outputs.append({
                 "tokens": list(completion.token_ids) if completion else [],
                 "finish_reason": completion.finish_reason if completion else None,
                 "kv_transfer_params": output.kv_transfer_params,
                 "ttft_s": first - added if first is not None else None,
+                "kv_ready_s": ready - added if ready is not None else None,
             })  # fmt: skip
         return outputs
 
@@ -113,8 +132,15 @@ def main() -> None:
         op = command["op"]
         if op == "generate":
             began = time.perf_counter()
+            step_times.clear()
             outputs = collect(add(command))
-            reply({"outputs": outputs, "wall_s": time.perf_counter() - began})
+            reply(
+                {
+                    "outputs": outputs,
+                    "wall_s": time.perf_counter() - began,
+                    "steps_ms": [round(1000 * t, 1) for t in step_times],
+                }
+            )
         elif op == "submit":
             submitted = add(command)
             reply({"submitted": len(submitted)})

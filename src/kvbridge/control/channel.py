@@ -1,7 +1,10 @@
 """The control channel: one PULL socket for this rank, PUSH sockets to peers, one owner thread.
 
 ZMQ sockets are not thread-safe, so every socket operation happens on the channel's own
-thread; other threads hand it messages through a queue. Incoming messages are decoded (native
+thread; other threads hand it messages through a queue and wake it through a pipe that its
+poller watches, so a message leaves at once rather than at the loop's next poll timeout (up
+to `IDLE_POLL_MS`: on the request path, decode's transfer request and prefill's status
+would each wait for it). Incoming messages are decoded (native
 profile) and given to the manager's handler on that thread; a malformed message or a failing
 handler is logged and counted, and the listener keeps serving.
 
@@ -14,8 +17,10 @@ up; `failure` then says why, and the manager reports itself unhealthy.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
+import os
 import queue
 import threading
 import time
@@ -90,6 +95,11 @@ class ControlChannel:
         self._secret = secret
         self._guard = ReplayGuard() if secret else None
         self._outgoing: queue.SimpleQueue[tuple[str, Message]] = queue.SimpleQueue()
+        # send() writes a byte here when the loop may be asleep in its poll; the loop clears
+        # `_wake_pending` before it drains the queue, so no queued message waits for a timeout.
+        self._wake_read, self._wake_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._wake_pending = False
+        self._wake_lock = threading.Lock()  # no write to a pipe that close() let go
         # endpoint → (socket, last use), least recently used first
         self._push: OrderedDict[str, tuple[zmq.Socket[bytes], float]] = OrderedDict()
         self._stop = threading.Event()
@@ -107,10 +117,29 @@ class ControlChannel:
     def send(self, endpoint: str, message: Message) -> None:
         """Queue a message for a peer's control endpoint (any thread)."""
         self._outgoing.put((endpoint, message))
+        self._wake()
+
+    def _wake(self) -> None:
+        """Make the loop's poll return now (any thread)."""
+        if self._wake_pending:
+            return
+        with self._wake_lock:
+            if self._wake_pending or self._wake_write < 0:
+                return
+            self._wake_pending = True
+            with contextlib.suppress(BlockingIOError):  # full: the loop will wake anyway
+                os.write(self._wake_write, b"\0")
+
+    def _drain_wake(self) -> None:
+        self._wake_pending = False
+        with contextlib.suppress(BlockingIOError):
+            while os.read(self._wake_read, 4096):
+                pass
 
     def _run(self) -> None:
         poller = zmq.Poller()
         poller.register(self._pull, zmq.POLLIN)
+        poller.register(self._wake_read, zmq.POLLIN)
         busy = False
         failures_in_a_row = 0
         try:
@@ -119,6 +148,8 @@ class ControlChannel:
                     events = dict(poller.poll(BUSY_POLL_MS if busy else IDLE_POLL_MS))
                     if self._pull in events:
                         self._receive()
+                    if self._wake_read in events:
+                        self._drain_wake()
                     self._flush()
                     self._close_idle(time.monotonic())
                     failures_in_a_row = 0
@@ -143,6 +174,7 @@ class ControlChannel:
                 socket.close(linger=0)
             self._push.clear()
             self._pull.close(linger=0)
+            self._close_wake()
 
     def _receive(self) -> None:
         for _ in range(MAX_RECEIVE_BATCH):
@@ -233,6 +265,13 @@ class ControlChannel:
                 return
             self._evict(1)
 
+    def _close_wake(self) -> None:
+        with self._wake_lock:
+            for descriptor in (self._wake_read, self._wake_write):
+                if descriptor >= 0:
+                    os.close(descriptor)
+            self._wake_read = self._wake_write = -1
+
     @property
     def peer_sockets(self) -> int:
         return len(self._push)
@@ -242,10 +281,12 @@ class ControlChannel:
         is left to die with the process rather than hanging here (`Context.term` waits for
         every socket, and the loop's sockets are only its own to close)."""
         self._stop.set()
+        self._wake()
         if self._thread.is_alive():
             self._thread.join(timeout=CLOSE_TIMEOUT_S)
         elif self._thread.ident is None:  # never started
             self._pull.close(linger=0)
+            self._close_wake()
         if self._thread.is_alive():
             log.error("control channel did not stop within %g s; left running", CLOSE_TIMEOUT_S)
             return

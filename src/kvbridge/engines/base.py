@@ -96,8 +96,9 @@ class TransferHandle(ABC):
                 raise EngineError(self.engine, "write", self.error or "unknown engine error")
             if time.monotonic() >= deadline:
                 raise EngineTimeout(self.engine, "write", f"not complete after {timeout_s:g} s")
-            if poll_interval_s:
-                time.sleep(poll_interval_s)
+            # Even 0 sleeps: a loop that never lets go of the GIL starves this process's other
+            # threads (control channel, the serving engine) for Python's switch interval.
+            time.sleep(poll_interval_s)
 
 
 class TransferEngine(ABC):

@@ -50,6 +50,7 @@ from kvbridge.integrations.vllm_core import (
     RemotePrefill,
     SendSpec,
     StepMetadata,
+    StepTimes,
     check_vllm_version,
     cpu_list,
     kv_args_from_vllm,
@@ -415,6 +416,8 @@ class _WorkerSide:
             max_workers=8, thread_name_prefix="kvbridge-vllm-open", initializer=_unpin
         )
         self._load_errors: set[int] = set()
+        self._last_step_ended: float | None = None  # when get_finished last returned
+        self._step_times = StepTimes()
         self.counters = ConnectorCounters()
         self._reported = ConnectorCounters()  # as of the last get_kv_connector_stats
 
@@ -474,7 +477,7 @@ class _WorkerSide:
                 ongoing.aborted = True
         for remote in step.releases:
             if self.decode is not None:  # tell prefill at once rather than at its deadline
-                self._releases.append(_Room(self._opener.submit(self._open, remote), aborted=True))
+                self._releases.append(_Room(self._opening(remote), aborted=True))
         for room in (*self._loads.values(), *self._releases):
             self._send_abort(room)
 
@@ -486,6 +489,19 @@ class _WorkerSide:
             receiver.init(list(load.pages), decode_prefix_len=load.prefix_tokens)
         return receiver
 
+    def _opening(self, remote: RemotePrefill, load: LoadSpec | None = None) -> Future[KVReceiver]:
+        """The room opened here when its prefill instance is known (no blocking lookup: a
+        hop to the pool would only add thread hand-offs), else on the pool."""
+        assert self.decode is not None
+        if not self.decode.knows_prefill(remote.bootstrap_url):
+            return self._opener.submit(self._open, remote, load)
+        opened: Future[KVReceiver] = Future()
+        try:
+            opened.set_result(self._open(remote, load))
+        except Exception as exc:  # the load's failure, as from the pool
+            opened.set_exception(exc)
+        return opened
+
     def _start_load(self, load: LoadSpec) -> None:
         if self.decode is None or load.error is not None:
             opening: Future[KVReceiver] = Future()  # fails at once: the blocks count as failed
@@ -493,7 +509,7 @@ class _WorkerSide:
                 RuntimeError(load.error or "this instance's kv_role does not consume KV")
             )
         else:
-            opening = self._opener.submit(self._open, load.remote, load)
+            opening = self._opening(load.remote, load)
         self._loads[load.request_id] = _Room(opening, load.pages)
 
     def _send_abort(self, room: _Room) -> None:
@@ -504,10 +520,49 @@ class _WorkerSide:
             receiver.abort(reason)
 
     def finished(self, idle: bool) -> tuple[set[str] | None, set[str] | None]:
+        # vLLM calls this once per step, after the forward (and start_load_kv): the time since
+        # the last call is what a step that computed something costs.
+        if not idle and self._last_step_ended is not None:
+            self._step_times.record(time.monotonic() - self._last_step_ended)
         sent, loaded = self._poll()
-        if idle and not sent and not loaded:
-            time.sleep(self.options.idle_poll_s)  # an idle engine step: do not spin a core
+        if idle:
+            sent, loaded = self._wait_while_idle(sent, loaded)
+        self._last_step_ended = time.monotonic()
         return sent or None, loaded or None
+
+    def _wait_while_idle(self, sent: set[str], loaded: set[str]) -> tuple[set[str], set[str]]:
+        """An engine step with nothing to compute while transfers are pending. With nothing
+        ended, wait for one to end (at most idle_poll_s) rather than spin a core. Once loads
+        ended, give the loads still in flight a short window to end as well: the requests
+        then start computing in one step, where the late ones would otherwise wait a whole
+        compute step behind the early ones."""
+        activity = self._activity()
+        if not sent and not loaded:
+            activity.clear()  # cleared before polling: an end after the poll wakes the wait
+            sent, loaded = self._poll()
+            if not sent and not loaded:
+                activity.wait(self.options.idle_poll_s)
+                sent, loaded = self._poll()
+        if not loaded:
+            return sent, loaded
+        deadline = time.monotonic() + self._step_times.batch_window(self.options.idle_batch_s)
+        while self._loads and (remaining := deadline - time.monotonic()) > 0:
+            activity.clear()
+            more_sent, more_loaded = self._poll()
+            sent |= more_sent
+            loaded |= more_loaded
+            if not more_sent and not more_loaded:
+                activity.wait(remaining)
+        return sent, loaded
+
+    def _activity(self) -> threading.Event:
+        """What signals that a pending transfer may have ended: decode's loads first (an idle
+        step waits on them), else prefill's sends."""
+        if self.decode is not None and (self._loads or self._releases or self.prefill is None):
+            return self.decode.activity
+        if self.prefill is not None:
+            return self.prefill.activity
+        return threading.Event()  # neither side: the wait is a sleep
 
     def _poll(self) -> tuple[set[str], set[str]]:
         sent, self._unsendable = self._unsendable, set()

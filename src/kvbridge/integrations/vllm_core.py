@@ -52,8 +52,12 @@ class ConnectorOptions:
         asked for them. transfer_timeout_s: how long decode waits for a transfer.
         peer_timeout_s / heartbeat_interval_s: liveness (a silent peer is declared dead after
         peer_timeout_s). staging / staging_bytes: the staging ring for different TP sizes.
-        idle_poll_s: how long an engine step with nothing to compute sleeps while transfers
-        are pending, so that a waiting instance does not spin a core.
+        idle_poll_s: how long an engine step with nothing to compute waits for a transfer to
+        end while transfers are pending (it returns as soon as one ends), so that a waiting
+        instance does not spin a core. idle_batch_s: in such a step, once some loads ended,
+        how long at most they may wait for the other loads in flight so that all start
+        computing in one step (the wait is half a recent compute step, capped here; 0: report
+        each load at once).
     """
 
     engine: str = DEFAULT_ENGINE
@@ -68,6 +72,7 @@ class ConnectorOptions:
     staging: bool = True
     staging_bytes: int = 64 << 20
     idle_poll_s: float = 0.005
+    idle_batch_s: float = 0.25
     secret: str | None = field(default=None, repr=False)
 
     @staticmethod
@@ -108,6 +113,28 @@ class ConnectorOptions:
             metrics_port=self.metrics_port,
             secret=self.secret.encode() if self.secret else secret_from_env(),
         )
+
+
+@dataclass
+class StepTimes:
+    """How long the engine's steps that compute something take (a moving average): the scale
+    against which an idle step decides how long finished loads may wait for the others."""
+
+    typical_s: float = 0.0
+    weight: float = 0.2
+
+    def record(self, seconds: float) -> None:
+        if self.typical_s == 0.0:
+            self.typical_s = seconds
+        else:
+            self.typical_s += self.weight * (seconds - self.typical_s)
+
+    def batch_window(self, cap_s: float) -> float:
+        """How long finished loads may wait for the loads still in flight. Starting them now
+        makes the late ones wait a whole compute step behind the early ones; waiting at most
+        half a step for them costs the early ones less than that saves the late ones.
+        Nothing measured yet: no wait."""
+        return min(cap_s, 0.5 * self.typical_s)
 
 
 def _option_value(name: str, annotation: object, value: object) -> object:
