@@ -141,13 +141,19 @@ def test_cpu_lists_read_as_linux_writes_them() -> None:
 
 def test_step_times_average_compute_steps_and_bound_the_batch_window() -> None:
     times = StepTimes()
-    assert times.batch_window(0.05) == 0.0  # nothing measured: finished loads never wait
+    assert times.batch_window(1.0, ended=1, in_flight=7) == 0.0  # nothing measured: no wait
     times.record(0.1)
     assert times.typical_s == pytest.approx(0.1)
-    assert times.batch_window(0.05) == pytest.approx(0.05)  # the cap
-    assert times.batch_window(1.0) == pytest.approx(0.05)  # half a step
+    # The share of a step the loads still in flight are worth: most of it while most loads
+    # are still coming, little once most are here, never a whole step.
+    assert times.batch_window(1.0, ended=1, in_flight=7) == pytest.approx(0.0875)
+    assert times.batch_window(1.0, ended=4, in_flight=4) == pytest.approx(0.05)
+    assert times.batch_window(1.0, ended=7, in_flight=1) == pytest.approx(0.0125)
+    assert times.batch_window(1.0, ended=1, in_flight=10**6) < times.typical_s
+    assert times.batch_window(0.02, ended=1, in_flight=7) == pytest.approx(0.02)  # the cap
+    assert times.batch_window(1.0, ended=8, in_flight=0) == 0.0  # nothing left to wait for
     for _ in range(50):
         times.record(0.02)
     assert times.typical_s == pytest.approx(0.02, rel=1e-3)  # follows the recent steps
-    assert times.batch_window(0.05) == pytest.approx(0.01, rel=1e-3)
-    assert times.batch_window(0.0) == 0.0  # idle_batch_s 0: each load is reported at once
+    assert times.batch_window(1.0, ended=4, in_flight=4) == pytest.approx(0.01, rel=1e-3)
+    assert times.batch_window(0.0, ended=1, in_flight=7) == 0.0  # 0: each load reported at once

@@ -55,8 +55,10 @@ def kvbridge_config(
     }
 
 
-def nixl_config(role: str) -> dict[str, Any]:
-    return {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu"}
+def nixl_config(role: str, **extra: Any) -> dict[str, Any]:
+    """vLLM's own NixlConnector; `extra` goes to its kv_connector_extra_config."""
+    config = {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu"}
+    return {**config, "kv_connector_extra_config": extra} if extra else config
 
 
 def prompt(length: int, seed: int) -> list[int]:
@@ -193,9 +195,12 @@ class Instance:
         return self._answer(timeout_s)
 
     def generate(
-        self, prompts: list[list[int]], max_tokens: int, params: list[Any] | None = None
-    ) -> dict[str, Any]:
-        return self.call("generate", prompts=prompts, max_tokens=max_tokens, params=params)
+        self, prompts: list[list[int]], max_tokens: int, params: list[Any] | None = None,
+        timeout_s: float = 240.0,
+    ) -> dict[str, Any]:  # fmt: skip
+        return self.call(
+            "generate", timeout_s, prompts=prompts, max_tokens=max_tokens, params=params
+        )
 
     def wait_for(self, predicate: Any, timeout_s: float = 30.0) -> dict[str, Any]:
         """Poll `stats` until predicate(stats) holds; the last stats either way."""

@@ -471,6 +471,9 @@ class _WorkerSide:
             self._pages_of_send[send.request_id] = len(send.pages)
         for load in step.loads:
             self._start_load(load)
+        if step.sends or step.loads:
+            log.debug("step: %d send(s), %d load(s) started; %d load(s) in flight",
+                      len(step.sends), len(step.loads), len(self._loads))  # fmt: skip
         for request_id in step.aborts:
             ongoing = self._loads.get(request_id)
             if ongoing is not None:
@@ -545,14 +548,29 @@ class _WorkerSide:
                 sent, loaded = self._poll()
         if not loaded:
             return sent, loaded
-        deadline = time.monotonic() + self._step_times.batch_window(self.options.idle_batch_s)
-        while self._loads and (remaining := deadline - time.monotonic()) > 0:
+        # The window is decided afresh whenever loads end (what was waited is spent; what
+        # counts is whether the ones still coming are worth more waiting), and never runs past
+        # idle_batch_s from the first end.
+        latest = deadline = time.monotonic() + self.options.idle_batch_s
+        more_loaded = loaded
+        while self._loads:
+            now = time.monotonic()
+            if more_loaded:
+                window = self._step_times.batch_window(
+                    self.options.idle_batch_s, ended=len(loaded), in_flight=len(self._loads)
+                )
+                deadline = min(latest, now + window)
+            if (remaining := deadline - now) <= 0:
+                break
             activity.clear()
             more_sent, more_loaded = self._poll()
             sent |= more_sent
             loaded |= more_loaded
             if not more_sent and not more_loaded:
                 activity.wait(remaining)
+        log.debug("idle step: %d load(s) ended, %d in flight, waited %.1f ms for them",
+                  len(loaded), len(self._loads),
+                  1000 * (time.monotonic() - latest + self.options.idle_batch_s))  # fmt: skip
         return sent, loaded
 
     def _activity(self) -> threading.Event:

@@ -56,8 +56,9 @@ class ConnectorOptions:
         end while transfers are pending (it returns as soon as one ends), so that a waiting
         instance does not spin a core. idle_batch_s: in such a step, once some loads ended,
         how long at most they may wait for the other loads in flight so that all start
-        computing in one step (the wait is half a recent compute step, capped here; 0: report
-        each load at once).
+        computing in one step (each time loads end, the wait is decided anew: a recent compute
+        step × the share of loads still in flight; all of it never runs past idle_batch_s after
+        the first end; 0: report each load at once).
     """
 
     engine: str = DEFAULT_ENGINE
@@ -72,7 +73,7 @@ class ConnectorOptions:
     staging: bool = True
     staging_bytes: int = 64 << 20
     idle_poll_s: float = 0.005
-    idle_batch_s: float = 0.25
+    idle_batch_s: float = 1.0
     secret: str | None = field(default=None, repr=False)
 
     @staticmethod
@@ -129,12 +130,17 @@ class StepTimes:
         else:
             self.typical_s += self.weight * (seconds - self.typical_s)
 
-    def batch_window(self, cap_s: float) -> float:
-        """How long finished loads may wait for the loads still in flight. Starting them now
-        makes the late ones wait a whole compute step behind the early ones; waiting at most
-        half a step for them costs the early ones less than that saves the late ones.
-        Nothing measured yet: no wait."""
-        return min(cap_s, 0.5 * self.typical_s)
+    def batch_window(self, cap_s: float, ended: int, in_flight: int) -> float:
+        """How long `ended` finished loads may wait for the `in_flight` ones. A late load that
+        ends t after the early ones start computing waits the rest of that step, step - t;
+        waiting t for it costs each early load t. Waiting pays while ended × t < in_flight ×
+        (step - t): a window of step × in_flight / (ended + in_flight) — most of a step while
+        most loads are still coming, little once most are here, never a whole step (a load
+        later than that loses nothing: the step has ended when it arrives) and never more
+        than `cap_s`. Nothing measured yet, or nothing in flight: no wait."""
+        if ended <= 0 or in_flight <= 0:
+            return 0.0
+        return min(cap_s, self.typical_s * in_flight / (ended + in_flight))
 
 
 def _option_value(name: str, annotation: object, value: object) -> object:
