@@ -551,14 +551,16 @@ class _WorkerSide:
         # The window is decided afresh whenever loads end (what was waited is spent; what
         # counts is whether the ones still coming are worth more waiting), and never runs past
         # idle_batch_s from the first end.
-        latest = deadline = time.monotonic() + self.options.idle_batch_s
+        first_end = time.monotonic()
+        latest = deadline = first_end + self.options.idle_batch_s
         more_loaded = loaded
         while self._loads:
             now = time.monotonic()
             if more_loaded:
                 window = self._step_times.batch_window(
-                    self.options.idle_batch_s, ended=len(loaded), in_flight=len(self._loads)
-                )
+                    self.options.idle_batch_s, ended=len(loaded), in_flight=len(self._loads),
+                    gap_s=(now - first_end) / (len(loaded) - 1) if len(loaded) > 1 else 0.0,
+                )  # fmt: skip
                 deadline = min(latest, now + window)
             if (remaining := deadline - now) <= 0:
                 break

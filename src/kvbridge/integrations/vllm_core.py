@@ -56,9 +56,10 @@ class ConnectorOptions:
         end while transfers are pending (it returns as soon as one ends), so that a waiting
         instance does not spin a core. idle_batch_s: in such a step, once some loads ended,
         how long at most they may wait for the other loads in flight so that all start
-        computing in one step (each time loads end, the wait is decided anew: a recent compute
-        step × the share of loads still in flight; all of it never runs past idle_batch_s after
-        the first end; 0: report each load at once).
+        computing in one step (each time loads end, the wait is decided anew from a recent
+        compute step, the share of loads still in flight and the pace of the ends so far — see
+        StepTimes.batch_window; all of it never runs past idle_batch_s after the first end; 0:
+        report each load at once).
     """
 
     engine: str = DEFAULT_ENGINE
@@ -130,17 +131,29 @@ class StepTimes:
         else:
             self.typical_s += self.weight * (seconds - self.typical_s)
 
-    def batch_window(self, cap_s: float, ended: int, in_flight: int) -> float:
-        """How long `ended` finished loads may wait for the `in_flight` ones. A late load that
-        ends t after the early ones start computing waits the rest of that step, step - t;
-        waiting t for it costs each early load t. Waiting pays while ended × t < in_flight ×
-        (step - t): a window of step × in_flight / (ended + in_flight) — most of a step while
-        most loads are still coming, little once most are here, never a whole step (a load
-        later than that loses nothing: the step has ended when it arrives) and never more
-        than `cap_s`. Nothing measured yet, or nothing in flight: no wait."""
+    def batch_window(self, cap_s: float, ended: int, in_flight: int, gap_s: float = 0.0) -> float:
+        """How long, from now, `ended` finished loads may wait for the `in_flight` ones, given
+        the mean time between the ends seen so far (`gap_s`; 0: not known yet).
+
+        A late load that ends t after the early ones start computing waits the rest of that
+        step, step - t; waiting t for it costs each early load t. With nothing known about
+        when the others end, waiting pays while ended × t < in_flight × (step - t): a window
+        of step × in_flight / (ended + in_flight) — most of a step while most loads are still
+        coming, little once most are here. Once the ends come at a known pace, the rest are
+        due in in_flight × gap; if that is within a step, waiting for all of them beats
+        starting now at the median and at the tail alike (the late ones would finish a whole
+        step later), so the window covers it with one gap to spare (ends are not evenly
+        spaced). At most a step (a load later than that loses nothing: the step has ended when
+        it arrives), never more than `cap_s`. Nothing measured yet, or nothing in flight:
+        no wait."""
         if ended <= 0 or in_flight <= 0:
             return 0.0
-        return min(cap_s, self.typical_s * in_flight / (ended + in_flight))
+        step = self.typical_s
+        window = step * in_flight / (ended + in_flight)
+        due = in_flight * gap_s
+        if 0 < due <= step:
+            window = max(window, min(step, due + gap_s))
+        return min(cap_s, window)
 
 
 def _option_value(name: str, annotation: object, value: object) -> object:
