@@ -572,7 +572,7 @@ class _WorkerSide:
                 activity.wait(remaining)
         log.debug("idle step: %d load(s) ended, %d in flight, waited %.1f ms for them",
                   len(loaded), len(self._loads),
-                  1000 * (time.monotonic() - latest + self.options.idle_batch_s))  # fmt: skip
+                  1000 * (time.monotonic() - first_end))  # fmt: skip
         return sent, loaded
 
     def _activity(self) -> threading.Event:
