@@ -20,7 +20,15 @@ from waiting import wait_for
 from kvbridge.config import ManagerConfig
 from kvbridge.decode import DecodeManager, KVReceiver
 from kvbridge.prefill import KVSender, PrefillManager
-from kvbridge.wire import NATIVE, Abort, Heartbeat, KVPoll, StagingRequest, TransferStatus
+from kvbridge.wire import (
+    NATIVE,
+    Abort,
+    Heartbeat,
+    KVLayout,
+    KVPoll,
+    StagingRequest,
+    TransferStatus,
+)
 
 require_engine()
 GEOMETRY = dict(
@@ -215,6 +223,62 @@ def test_two_prefill_ranks_into_one_decode_rank_through_the_ring(
     for rank, cache in enumerate(sources):
         for got, want in zip(dst.kv, cache.kv, strict=True):  # heads 2·rank, 2·rank + 1
             assert np.array_equal(got[dst_pages][:, :, 2 * rank : 2 * rank + 2], want[src_pages])
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2)])
+def test_head_major_pages_move_by_head_slices_between_tp_sizes(
+    prefill_tp: int, decode_tp: int
+) -> None:
+    """vLLM's CPU cache at different TP sizes: each decode rank gets its heads of every page
+    (one block per page and layer, no staging ring), from every prefill rank that holds them."""
+    geometry = dict(
+        kv_layout=KVLayout.MHA_HEAD_MAJOR, layer_ids=(0, 1), page_size=4, total_kv_heads=4,
+        head_dim=8,
+    )  # fmt: skip
+    sources = [
+        rank_cache(
+            num_pages=16, seed=41 + rank, attn_tp_rank=rank, attn_tp_size=prefill_tp, **geometry
+        )
+        for rank in range(prefill_tp)
+    ]
+    targets = [
+        rank_cache(num_pages=24, seed=None, attn_tp_rank=rank, attn_tp_size=decode_tp, **geometry)
+        for rank in range(decode_tp)
+    ]
+    config = ManagerConfig(engine=ENGINE)
+    prefills = [PrefillManager(sources[0].args, dataclasses.replace(config, run_bootstrap=True))]
+    url = prefills[0].bootstrap_url
+    prefills += [
+        PrefillManager(cache.args, dataclasses.replace(config, bootstrap_url=url))
+        for cache in sources[1:]
+    ]
+    decodes = [
+        DecodeManager(cache.args, dataclasses.replace(config, bootstrap_url=url))
+        for cache in targets
+    ]
+    dst_pages = np.array([20, 3, 7, 11, 0])
+    try:
+        receivers = [manager.receiver(5) for manager in decodes]
+        for receiver in receivers:
+            receiver.init(dst_pages)
+        senders = [manager.sender(5) for manager in prefills]
+        for sender in senders:
+            sender.send(np.arange(2, 4))
+            sender.send(np.arange(8, 11), last=True)
+        wait_for(finished(*receivers, *senders))
+        for receiver in receivers:
+            assert receiver.poll() == KVPoll.Success, receiver.failure_reason
+        assert sum(m.stats.staged_chunks for m in prefills) == 0
+    finally:
+        for manager in (*decodes, *prefills):
+            manager.close()
+    src_pages = np.r_[2:4, 8:11]
+    for rank, cache in enumerate(targets):  # [pages, heads, ...]: heads split over the ranks
+        heads = 4 // decode_tp
+        for layer in (0, 1):
+            truth = np.concatenate([source.kv[layer][src_pages] for source in sources], axis=1)
+            got = cache.kv[layer][dst_pages]
+            assert np.array_equal(got, truth[:, rank * heads : (rank + 1) * heads])
 
 
 def test_state_shards_move_from_two_prefill_ranks_to_one_decode_rank() -> None:

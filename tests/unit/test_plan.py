@@ -189,11 +189,12 @@ def test_writes_outside_registered_memory_are_refused() -> None:
         execute(overrun, src, dst)
 
 
-def test_head_major_pages_move_only_whole() -> None:
+def test_head_major_pages_move_whole_or_by_head_slices() -> None:
     head_major = {"kv_layout": KVLayout.MHA_HEAD_MAJOR, "total_kv_heads": 4}
     src = rank_cache(**head_major)
     assert pair(src.args, rank_cache(seed=None, **head_major).args).whole_pages
-    with pytest.raises(PlanError, match=r"MHA_HEAD_MAJOR pages .* move whole"):
-        pair(src.args, rank_cache(seed=None, attn_tp_size=2, **head_major).args)
+    sliced = pair(src.args, rank_cache(seed=None, attn_tp_size=2, **head_major).args)
+    assert not sliced.whole_pages
+    assert not sliced.stageable  # no staging ring: one block a page and layer
     with pytest.raises(PlanError, match="KV layouts differ"):
         pair(src.args, rank_cache(seed=None, total_kv_heads=4).args)

@@ -151,6 +151,96 @@ def test_grid_against_the_global_tensor(
                 assert np.array_equal(got, expected), f"decode {d} dcp {r} buffer {index}"
 
 
+HeadMajorCase = tuple[int, int, int, int, bool]
+HEAD_MAJOR_CASES: list[HeadMajorCase] = [
+    (pt, dt, heads, page_size, chunked)
+    for pt, dt in itertools.product((1, 2, 4, 8), repeat=2)
+    for heads in (1, 2, 8)
+    for page_size in (1, 16)
+    for chunked in (False, True)
+]
+
+
+def make_head_major_rank(arena: Arena, heads_here: int, total: int, tp_rank: int, tp: int,
+                         pages: int, page_size: int) -> Rank:  # fmt: skip
+    """vLLM's CPU cache: one buffer per layer, pages ``[heads, K/V, page_size, head_dim]``."""
+    kv = [arena.array((pages, heads_here, 2 * page_size, HEAD_DIM)) for _ in range(LAYERS)]
+    args = KVArgs(
+        kv_layout=KVLayout.MHA_HEAD_MAJOR, layer_ids=tuple(range(LAYERS)), total_kv_heads=total,
+        head_dim=HEAD_DIM, dtype="bfloat16", page_size=page_size,
+        kv_buffers=tuple(BufferSpec(a.ctypes.data, a.nbytes, a.nbytes // pages) for a in kv),
+        attn_tp_rank=tp_rank, attn_tp_size=tp,
+    )  # fmt: skip
+    return Rank(kv, args)
+
+
+def head_major_tokens(buffer: np.ndarray, pages: np.ndarray, page_size: int) -> np.ndarray:
+    """A head-major buffer's tokens, in the order of `pages`: [tokens, heads, K/V, head_dim]."""
+    count, heads = buffer.shape[0], buffer.shape[1]
+    split = buffer.reshape(count, heads, 2, page_size, HEAD_DIM)
+    tokens = np.arange(pages.size * page_size)
+    return split[pages[tokens // page_size], :, :, tokens % page_size]
+
+
+def head_major_case_id(case: HeadMajorCase) -> str:
+    pt, dt, heads, page_size, chunked = case
+    return f"P{pt}-D{dt}-H{heads}-ps{page_size}{'-chunked' if chunked else ''}"
+
+
+@pytest.mark.parametrize("case", HEAD_MAJOR_CASES, ids=map(head_major_case_id, HEAD_MAJOR_CASES))
+def test_head_major_grid_against_the_global_tensor(case: HeadMajorCase) -> None:
+    """Different TP sizes over vLLM's CPU layout: head slices of whole pages, planned by the
+    same pairing the managers use."""
+    pt, dt, heads, page_size, chunked = case
+    rng = np.random.default_rng(abs(hash(case)) % 2**32)
+    truth = rng.integers(0, 2**16, size=(LAYERS, TOKENS, heads, 2, HEAD_DIM), dtype=np.uint16)
+    pages_needed = math.ceil(TOKENS / page_size)
+    arena = Arena(2 * (pt + dt) * LAYERS * (pages_needed + 5) * page_size * heads * 2 * HEAD_DIM
+                  + 4096)  # fmt: skip
+    prefill, src_pages = [], []
+    for p in range(pt):
+        held = rank_heads(p, pt, heads)
+        rank = make_head_major_rank(arena, held.count, heads, p, pt, pages_needed + 3, page_size)
+        pages = rng.permutation(pages_needed + 3)[:pages_needed]
+        tokens = np.arange(TOKENS)
+        for layer, buffer in enumerate(rank.kv):
+            split = buffer.reshape(buffer.shape[0], held.count, 2, page_size, HEAD_DIM)
+            split[pages[tokens // page_size], :, :, tokens % page_size] = truth[
+                layer, :, held.start : held.stop
+            ]
+        prefill.append(rank)
+        src_pages.append(pages)
+    for d in range(dt):
+        held = rank_heads(d, dt, heads)
+        rank = make_head_major_rank(arena, held.count, heads, d, dt, pages_needed + 5, page_size)
+        dst_pages = rng.permutation(pages_needed + 5)[:pages_needed]
+        for p in range(pt):
+            pairing = pair(prefill[p].args, rank.args)
+            if pairing.source is not None:
+                assert pairing.whole_pages == (pt == dt or min(pt, dt) >= heads)
+            pages = src_pages[p]
+            bounds = [0, 1, pages.size] if chunked and pages.size > 1 else [0, pages.size]
+            for low, high in itertools.pairwise(bounds):
+                plan = pairing.plan(prefill[p].args, rank.args, pages[low:high], low, dst_pages)
+                if pairing.source is not None and not pairing.whole_pages:  # a block a page
+                    assert len(plan) == LAYERS * (high - low)
+                arena.execute(plan)
+        for layer, buffer in enumerate(rank.kv):
+            got = head_major_tokens(buffer, dst_pages, page_size)[:TOKENS]
+            assert np.array_equal(got, truth[layer, :, held.start : held.stop]), f"decode {d}"
+
+
+def test_head_major_pages_keep_their_tokens_together() -> None:
+    arena = Arena(1 << 20)
+    src = make_head_major_rank(arena, 4, 8, 0, 2, 8, 16)
+    with pytest.raises(PlanError, match="same page size"):
+        pair(src.args, make_head_major_rank(arena, 2, 8, 0, 4, 8, 32).args)
+    (source,) = topology(2, 4, 8, KVLayout.MHA_HEAD_MAJOR).route(0).sources
+    with pytest.raises(PlanError, match="cannot split their tokens"):
+        plan_tokens(src.args, make_head_major_rank(arena, 2, 8, 0, 4, 8, 16).args, source,
+                    np.array([0]), 0, np.array([0]))  # fmt: skip
+
+
 def test_equal_layout_merges_to_the_page_runs_of_plan_kv() -> None:
     arena = Arena(1 << 20)
     src = make_rank(arena, KVLayout.MHA, 4, 8, 1, 2, 20, 16)

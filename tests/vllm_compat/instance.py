@@ -3,6 +3,10 @@ prefill, decode or plain instance of the vLLM tests and benchmark.
 
     instance.py MODEL_DIR '{"kv_connector": "KVBridgeConnector", ...}' | 'null'
 
+Environment: KVBRIDGE_TEST_TP (tensor-parallel size, default 1), KVBRIDGE_TEST_DTYPE (default
+bfloat16), KVBRIDGE_TEST_MAX_MODEL_LEN, KVBRIDGE_TEST_KV_BYTES (KV cache bytes),
+KVBRIDGE_TEST_LOG_LEVEL (kvbridge's log level).
+
 Commands on stdin, one JSON object per line; each answer is one line on stdout starting with
 ``@@`` (vLLM and kvbridge log to stderr):
 - ``{"op": "generate", "prompts": [[ids]], "max_tokens": n, "params": [kv_transfer_params]}``
@@ -33,6 +37,9 @@ os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
 BLOCK_SIZE = 32
 # The benchmark's 8k prompts plus their output need more than 8192: it sets this higher.
 MAX_MODEL_LEN = int(os.environ.get("KVBRIDGE_TEST_MAX_MODEL_LEN", 8192))
+# TP > 1: one worker process per rank (vLLM's "mp" executor), each running its own connector.
+TP = int(os.environ.get("KVBRIDGE_TEST_TP", 1))
+DTYPE = os.environ.get("KVBRIDGE_TEST_DTYPE", "bfloat16")
 
 
 def reply(message: dict[str, Any]) -> None:
@@ -57,9 +64,10 @@ def main() -> None:
     llm = LLM(
         model=model, skip_tokenizer_init=True, block_size=BLOCK_SIZE,
         max_model_len=MAX_MODEL_LEN, kv_cache_memory_bytes=int(os.environ.get(
-            "KVBRIDGE_TEST_KV_BYTES", 256 << 20)), dtype="bfloat16", enforce_eager=True,
+            "KVBRIDGE_TEST_KV_BYTES", 256 << 20)), dtype=DTYPE, enforce_eager=True,
         kv_transfer_config=kv_transfer_config,
         disable_hybrid_kv_cache_manager=kv_transfer_config is not None, seed=0,
+        tensor_parallel_size=TP, distributed_executor_backend="mp" if TP > 1 else None,
     )  # fmt: skip
     # kvbridge logs through vLLM's handlers at vLLM's level; DEBUG here traces every room.
     if level := os.environ.get("KVBRIDGE_TEST_LOG_LEVEL"):

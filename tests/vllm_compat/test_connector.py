@@ -30,6 +30,7 @@ from vllm_harness import (
     BLOCK_SIZE,
     Instance,
     Server,
+    free_port,
     kvbridge_config,
     make_model,
     nixl_config,
@@ -158,6 +159,60 @@ def test_vllms_own_nixl_connector_runs_in_the_same_harness(
         assert all(p["remote_block_ids"] for p in params)
     finally:
         pair.close()
+
+
+# TP 2 sums its partial products in another order than TP 1: in bf16 that flipped a greedy
+# token of this random model (one run, 2026-12-01); in float32 the runs agree.
+TP_DTYPE = {"KVBRIDGE_TEST_DTYPE": "float32"}
+
+
+def tp_instance(model: Path, logs: Path, role: str, tp: int, **options: Any) -> Instance:
+    """A kvbridge instance at tensor-parallel size `tp` in float32: one vLLM worker process per
+    rank, each running its own kvbridge rank, compute threads bound one core each."""
+    env = {**TP_DTYPE, "KVBRIDGE_TEST_TP": str(tp), "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    config = kvbridge_config(role, "nixl", **options)
+    return Instance(model, config, logs / f"{role}-tp{tp}.log", env=env)
+
+
+def test_every_pairing_of_tp_1_and_2_gives_the_plain_runs_tokens(
+    model: Path, tmp_path: Path
+) -> None:
+    """Prefill and decode instances at TP 1 and 2 in every pairing: vLLM's CPU pages move
+    whole at equal TP and by head slices between TP 1 and 2 (kvbridge's topology picks each
+    decode rank's sources); prefill frees every block once each decode rank has its heads."""
+    plain = Instance(model, None, tmp_path / "plain-float32.log", env=TP_DTYPE)
+    try:
+        expected = [output["tokens"] for output in plain.generate(PROMPTS, MAX_TOKENS)["outputs"]]
+    finally:
+        plain.close()
+    instances: list[Instance] = []
+    try:
+        prefills, decodes = {}, {}
+        for tp in (1, 2):
+            prefills[tp] = tp_instance(model, tmp_path, "kv_producer", tp,
+                                       bootstrap_port=free_port())  # fmt: skip
+            instances.append(prefills[tp])
+            decodes[tp] = tp_instance(model, tmp_path, "kv_consumer", tp)
+            instances.append(decodes[tp])
+        free = {tp: prefill.call("stats")["free_blocks"] for tp, prefill in prefills.items()}
+        for prefill_tp, decode_tp in [(2, 2), (1, 2), (2, 1), (1, 1)]:
+            prefill, decode = prefills[prefill_tp], decodes[decode_tp]
+            assert decode.call("reset_prefix_cache")["reset"]  # every block moves again
+            prefilled = prefill.generate(PROMPTS, 1, [PREFILL_ONLY] * len(PROMPTS))["outputs"]
+            params = [output["kv_transfer_params"] for output in prefilled]
+            outputs = decode.generate(PROMPTS, MAX_TOKENS, params)["outputs"]
+            tokens = [output["tokens"] for output in outputs]
+            assert tokens == expected, (prefill_tp, decode_tp)
+            # vLLM's scheduler heard each load end: the KV came from prefill, not computed here.
+            assert all(output["kv_ready_s"] is not None for output in outputs)
+            after = prefill.wait_for(lambda s, tp=prefill_tp: s["free_blocks"] == free[tp])
+            assert after["free_blocks"] == free[prefill_tp], (prefill_tp, decode_tp)
+        for instance in instances:
+            assert "KV load failed" not in instance.log()
+        assert "kvbridge prefill rank 1" in prefills[2].log()  # the second worker's own rank
+    finally:
+        for instance in reversed(instances):
+            instance.close()
 
 
 def test_only_the_blocks_decode_lacks_move(pair: Pair, reference: dict[Any, Any]) -> None:

@@ -147,20 +147,81 @@ def plan_kv(
     """Blocks that copy ``src_pages`` of every local KV buffer to ``dst_pages`` of the peer's
     buffer of the same layer (same page geometry on both sides)."""
     check_compatible(src, dst)
+    src_array, dst_array = _paired_pages(src, dst, src_pages, dst_pages)
+    src_starts, dst_starts, run_pages = page_runs(src_array, dst_array)
+    return _on_every_buffer(
+        src, dst, src_starts * src.page_bytes, dst_starts * dst.page_bytes,
+        run_pages * src.page_bytes,
+    )  # fmt: skip
+
+
+def _paired_pages(
+    src: KVArgs, dst: KVArgs, src_pages: npt.ArrayLike, dst_pages: npt.ArrayLike
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    """Both sides' pages, checked, one destination page for each source page."""
     src_array = as_pages(src_pages, src.num_pages, "source")
     dst_array = as_pages(dst_pages, dst.num_pages, "destination")
     if src_array.size != dst_array.size:
         raise PlanError(
             f"{src_array.size} source pages but {dst_array.size} destination pages: one each"
         )
-    src_starts, dst_starts, run_pages = page_runs(src_array, dst_array)
+    return src_array, dst_array
+
+
+def _check_heads_fit(src: KVArgs, dst: KVArgs, source: Source) -> None:
+    count = source.heads.count
+    if (
+        source.src_head_offset + count > src.kv_heads
+        or source.dst_head_offset + count > dst.kv_heads
+    ):
+        raise PlanError(
+            f"heads {source.heads} do not fit: source holds {src.kv_heads}, destination "
+            f"{dst.kv_heads}"
+        )
+
+
+def _on_every_buffer(
+    src: KVArgs,
+    dst: KVArgs,
+    src_offsets: npt.NDArray[np.int64],
+    dst_offsets: npt.NDArray[np.int64],
+    lengths: npt.NDArray[np.int64],
+) -> TransferPlan:
+    """The same blocks (byte offsets within a buffer) in every KV buffer, paired by layer:
+    (buffers, blocks) grids flattened buffer-major, so each buffer's blocks keep their order."""
     src_ptrs, dst_ptrs = _buffer_pairs(src, dst)
-    page_bytes = U64(src.page_bytes)
-    # (buffers, runs) grids flattened buffer-major: each buffer's runs stay in page order.
-    src_addr = src_ptrs[:, None] + src_starts.astype(U64)[None, :] * page_bytes
-    dst_addr = dst_ptrs[:, None] + dst_starts.astype(U64)[None, :] * page_bytes
-    length = np.broadcast_to(run_pages.astype(U64) * page_bytes, src_addr.shape)
+    src_addr = src_ptrs[:, None] + src_offsets.astype(U64)[None, :]
+    dst_addr = dst_ptrs[:, None] + dst_offsets.astype(U64)[None, :]
+    length = np.broadcast_to(lengths.astype(U64), src_addr.shape)
     return TransferPlan(src_addr.ravel(), dst_addr.ravel(), length.ravel().copy())
+
+
+def plan_head_pages(
+    src: KVArgs, dst: KVArgs, source: Source, src_pages: npt.ArrayLike, dst_pages: npt.ArrayLike
+) -> TransferPlan:
+    """Blocks for a head slice of MHA_HEAD_MAJOR pages (vLLM's CPU cache,
+    ``[pages, heads, page_size, 2 * head_dim]``): within a page each head's tokens are
+    contiguous, so a slice of heads is one block per page and buffer. Both sides need the same
+    page size; pages stay whole in the token dimension."""
+    check_same_model(src, dst)
+    if src.kv_layout != KVLayout.MHA_HEAD_MAJOR:
+        raise PlanError(f"plan_head_pages plans MHA_HEAD_MAJOR pages, not {src.kv_layout.name}")
+    if src.page_size != dst.page_size:
+        raise PlanError(
+            f"MHA_HEAD_MAJOR pages keep their tokens together: page sizes must be equal, got "
+            f"{src.page_size} → {dst.page_size}"
+        )
+    _check_heads_fit(src, dst, source)
+    src_array, dst_array = _paired_pages(src, dst, src_pages, dst_pages)
+    # One head's tokens of one page: its K and V rows side by side.
+    head_page_bytes = src.kv_layout.kv_in_page * src.page_size * src.head_dim * src.dtype_size
+    src_offsets = src_array * src.page_bytes + source.src_head_offset * head_page_bytes
+    dst_offsets = dst_array * dst.page_bytes + source.dst_head_offset * head_page_bytes
+    # Merges only where the slice is all of both sides' heads (then it is plan_kv's runs).
+    src_starts, dst_starts, lengths = merge_runs(
+        src_offsets, dst_offsets, source.heads.count * head_page_bytes
+    )
+    return _on_every_buffer(src, dst, src_starts, dst_starts, lengths)
 
 
 def merge_runs(
@@ -260,18 +321,13 @@ def plan_tokens(
     """
     check_same_model(src, dst)
     if src.kv_layout == KVLayout.MHA_HEAD_MAJOR:
-        raise PlanError("MHA_HEAD_MAJOR pages move whole: plan_tokens cannot slice them")
+        raise PlanError(
+            "MHA_HEAD_MAJOR pages move by whole pages or head slices (plan_head_pages): "
+            "plan_tokens cannot split their tokens"
+        )
     if token_start % src.page_size:
         raise PlanError(f"chunk starts at token {token_start}, not a page boundary")
-    count = source.heads.count
-    if (
-        source.src_head_offset + count > src.kv_heads
-        or source.dst_head_offset + count > dst.kv_heads
-    ):
-        raise PlanError(
-            f"heads {source.heads} do not fit: source holds {src.kv_heads}, destination "
-            f"{dst.kv_heads}"
-        )
+    _check_heads_fit(src, dst, source)
     src_array = as_pages(src_pages, src.num_pages, "source")
     dst_array = as_pages(dst_pages, dst.num_pages, "destination")
     src_rows, dst_rows = token_rows(
@@ -280,12 +336,10 @@ def plan_tokens(
     head_bytes = src.head_dim * src.dtype_size
     src_offsets = src_rows * src.token_bytes + source.src_head_offset * head_bytes
     dst_offsets = dst_rows * dst.token_bytes + source.dst_head_offset * head_bytes
-    src_starts, dst_starts, lengths = merge_runs(src_offsets, dst_offsets, count * head_bytes)
-    src_ptrs, dst_ptrs = _buffer_pairs(src, dst)
-    src_addr = src_ptrs[:, None] + src_starts.astype(U64)[None, :]
-    dst_addr = dst_ptrs[:, None] + dst_starts.astype(U64)[None, :]
-    length = np.broadcast_to(lengths.astype(U64), src_addr.shape)
-    return TransferPlan(src_addr.ravel(), dst_addr.ravel(), length.ravel().copy())
+    src_starts, dst_starts, lengths = merge_runs(
+        src_offsets, dst_offsets, source.heads.count * head_bytes
+    )
+    return _on_every_buffer(src, dst, src_starts, dst_starts, lengths)
 
 
 def plan_slots(
@@ -391,7 +445,8 @@ class Pairing:
         """The KV blocks of a chunk that starts `page_offset` pages into the room."""
         if self.source is None:
             return TransferPlan.empty()
-        if self.whole_pages:
+        if self.whole_pages or src.kv_layout == KVLayout.MHA_HEAD_MAJOR:
+            # Page for page: the chunk's pages on decode follow the ones sent before it.
             all_pages = np.asarray(dst_pages)
             chunk = all_pages[page_offset : page_offset + src_pages.size]
             if chunk.size != src_pages.size:
@@ -399,7 +454,9 @@ class Pairing:
                     f"prefill sends {page_offset + src_pages.size} pages but decode gave "
                     f"{all_pages.size}"
                 )
-            return plan_kv(src, dst, src_pages, chunk)
+            if self.whole_pages:
+                return plan_kv(src, dst, src_pages, chunk)
+            return plan_head_pages(src, dst, self.source, src_pages, chunk)
         return plan_tokens(
             src, dst, self.source, src_pages, page_offset * src.page_size, dst_pages,
             dcp_size=dst.dcp_size, dcp_rank=dst.dcp_rank,
@@ -428,11 +485,16 @@ def pair(src: KVArgs, dst: KVArgs) -> Pairing:
         and dst.dcp_size == 1
         and source.heads.count == src.kv_heads == dst.kv_heads
     )
-    if source is not None and not whole and src.kv_layout == KVLayout.MHA_HEAD_MAJOR:
+    if (
+        source is not None
+        and not whole
+        and src.kv_layout == KVLayout.MHA_HEAD_MAJOR
+        and (src.page_size != dst.page_size or dst.dcp_size != 1)
+    ):
         raise PlanError(
-            "MHA_HEAD_MAJOR pages (vLLM's CPU cache) move whole: both sides need the same KV "
-            f"heads per rank and page size, got {src.kv_heads} → {dst.kv_heads} heads, pages "
-            f"of {src.page_size} → {dst.page_size} tokens, DCP {dst.dcp_size}"
+            "MHA_HEAD_MAJOR pages (vLLM's CPU cache) keep their tokens together: both sides "
+            f"need the same page size and no DCP, got pages of {src.page_size} → "
+            f"{dst.page_size} tokens, DCP {dst.dcp_size}"
         )
     stageable = (
         source is not None

@@ -36,7 +36,8 @@ class KVLayout(enum.IntEnum):
     MHA: a K buffer and a V buffer per layer, each page ``[token][head][dim]`` (SGLang; vLLM's
     CUDA backends with the NHD layout). MLA: one latent buffer per layer. MHA_HEAD_MAJOR: one
     buffer per layer, each page ``[head][K, V][token][dim]`` (vLLM's CPU attention backend):
-    its pages move whole, between equal head counts and page sizes.
+    a head's tokens are contiguous within a page, so pages move whole or by head slices
+    (different TP sizes), between equal page sizes.
     """
 
     MHA = 1
