@@ -137,7 +137,8 @@ def check_compatible(src: KVArgs, dst: KVArgs) -> None:
     if src.kv_heads != dst.kv_heads:
         raise PlanError(
             f"KV heads per rank differ ({src.kv_heads} → {dst.kv_heads}: attention TP "
-            f"{src.attn_tp_size} → {dst.attn_tp_size}); head slices need plan_tokens"
+            f"{src.attn_tp_size} → {dst.attn_tp_size}); head slices need plan_tokens (MHA) or "
+            "plan_head_pages (MHA_HEAD_MAJOR)"
         )
 
 

@@ -109,7 +109,6 @@ class KVArgs:
     # Every array or tensor the buffers point into (from_numpy, from_torch): held here so that
     # registered memory lives as long as this description, whatever the caller keeps.
     keepalive: tuple[Any, ...] = field(default=(), compare=False, repr=False)
-    extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         self.validate()

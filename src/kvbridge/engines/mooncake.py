@@ -15,7 +15,7 @@ import os
 import queue
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from kvbridge.cache.plan import TransferPlan
@@ -56,7 +56,6 @@ class _MooncakeHandle(TransferHandle):
     engine: str = NAME
     state: TransferState = TransferState.PENDING
     error: str | None = None
-    done: threading.Event = field(default_factory=threading.Event)
 
     def poll(self) -> TransferState:
         return self.state
@@ -133,8 +132,6 @@ class MooncakeEngine(TransferEngine):
             except Exception as exc:  # anything Mooncake raises ends this write, not the worker
                 handle.error = exc.detail if isinstance(exc, EngineError) else str(exc)
                 handle.state = TransferState.FAILED
-            finally:
-                handle.done.set()
 
     def close(self) -> None:
         if self._closed:
