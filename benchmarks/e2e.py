@@ -21,6 +21,7 @@ from plan_128k import destination_patterns, plan_128k
 
 from kvbridge.bench import engine_unavailable, json_in_private_netns
 from kvbridge.demo import DemoConfig, run_demo
+from kvbridge.engines import PROCESS_ENGINES, engine_spec
 
 RESULTS = Path("bench-results") / "e2e.json"
 
@@ -71,7 +72,7 @@ def main() -> None:
 
     plan_ms, _ = plan_128k(destination_patterns()["scattered"])
     rows = []
-    for engine in ("nixl", "mooncake"):
+    for engine in PROCESS_ENGINES:
         reason = engine_unavailable(engine)
         if reason is not None:
             print(f"{engine}: skipped ({reason})")
@@ -80,7 +81,7 @@ def main() -> None:
             *("--engine", engine, "--requests", str(options.requests)),
             *("--tokens", str(options.tokens), "--repeats", str(options.repeats)),
         ]
-        if engine == "mooncake":
+        if engine_spec(engine).needs_own_netns:
             row = json_in_private_netns([__file__, *arguments])
         else:
             row = measure(engine, options.requests, options.tokens, options.repeats)

@@ -25,10 +25,10 @@ from pathlib import Path
 from typing import Any
 
 from kvbridge.demo import DemoConfig, DemoResult, available_memory, run_demo
-from kvbridge.engines import unavailable_reason
+from kvbridge.engines import PROCESS_ENGINES, engine_spec, unavailable_reason
 from kvbridge.wire import KVLayout
 
-ENGINES = ("nixl", "mooncake")
+ENGINES = PROCESS_ENGINES
 TP_PAIRS = ((1, 1), (2, 4), (4, 2))
 
 
@@ -248,9 +248,11 @@ def _run_in_private_netns(cell: Cell, preset_name: str, budget: int, log_level: 
 
 
 def engine_unavailable(engine: str) -> str | None:
-    """Why an engine cannot be benchmarked here (Mooncake also needs a private netns)."""
+    """Why an engine cannot be benchmarked here (one that binds wildcard listeners, as
+    Mooncake does, also needs a private netns)."""
     reason = unavailable_reason(engine)
-    if reason is None and engine == "mooncake" and (os.geteuid() != 0 or not shutil.which("ip")):
+    needs_netns = engine_spec(engine).needs_own_netns
+    if reason is None and needs_netns and (os.geteuid() != 0 or not shutil.which("ip")):
         reason = "its wildcard listeners need a private network namespace: run as root"
     return reason
 
@@ -267,7 +269,7 @@ def run_matrix(
         reason = unavailable[cell.engine]
         if reason is not None:
             row = CellResult(cell, skipped=f"{cell.engine}: {reason}")
-        elif cell.engine == "mooncake":
+        elif engine_spec(cell.engine).needs_own_netns:
             row = _run_in_private_netns(cell, preset_name, budget, log_level)
         else:
             row = run_cell(cell, preset, budget, log_level)

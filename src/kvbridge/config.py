@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from kvbridge.engines import DEFAULT_ENGINE
@@ -15,6 +16,9 @@ class ManagerConfig:
     """What a manager needs beyond its KV geometry.
 
     engine: transfer engine name (nixl, mooncake; loopback for unit tests in one process).
+    engine_options: the engine's own options, by name (`kvbridge.engines.REGISTRY` lists
+        them: Mooncake's protocol tcp|rdma and device, NIXL's progress_thread); unset ones take
+        their defaults, an unknown one is refused when the manager starts.
     host: address this rank's control socket binds and advertises.
     bootstrap_url: the prefill group's bootstrap service (prefill registers there; decode
         receivers use it unless given another).
@@ -42,6 +46,7 @@ class ManagerConfig:
     """
 
     engine: str = DEFAULT_ENGINE
+    engine_options: Mapping[str, str] = field(default_factory=dict)
     host: str = "127.0.0.1"
     bootstrap_url: str | None = None
     run_bootstrap: bool = False

@@ -46,6 +46,7 @@ from kvbridge.wire import (
     Abort,
     AbortAck,
     ChunkReady,
+    FailureKind,
     Heartbeat,
     KVPoll,
     Message,
@@ -83,8 +84,9 @@ class DecodeManager:
         self.config = config
         self.rank = kv_args.attn_tp_rank
         self.engine = create_engine(
-            config.engine, f"decode-{self.rank}-{uuid.uuid4().hex[:8]}", config.host
-        )
+            config.engine, f"decode-{self.rank}-{uuid.uuid4().hex[:8]}", config.host,
+            config.engine_options,
+        )  # fmt: skip
         self.stats = DecodeStats()
         config.warn_if_exposed(log, "decode")
         # The staging ring prefill writes staged chunks into (heterogeneous TP).
@@ -259,7 +261,8 @@ class DecodeManager:
             with self._lock:
                 state = self._rooms.get(message.room)
                 if state is not None:
-                    state.on_status(message.prefill_rank, message.status, message.reason)
+                    state.on_status(message.prefill_rank, message.status, message.reason,
+                                    message.failure_kind)  # fmt: skip
                     self.activity.set()
             if state is None:
                 self._ignore("status for unknown or cleared room %d", message.room)
@@ -336,7 +339,8 @@ class DecodeManager:
                 with self._lock:
                     state = self._rooms.get(ready.room)
                     if state is not None:
-                        state.status.fail(f"room {ready.room}: scatter of a staged chunk failed")
+                        reason = f"room {ready.room}: scatter of a staged chunk failed"
+                        state.status.fail(FailureKind.INTERNAL, reason)
             self._release(ready, allocation)
 
     def _scatter_chunk(self, ready: ChunkReady, allocation: Allocation) -> None:
@@ -489,7 +493,8 @@ class DecodeManager:
             now = time.monotonic()
             unsafe = [state for state in self._rooms.values() if not state.pages_safe(now)]
             for state in unsafe:
-                state.status.fail(f"room {state.room}: decode rank {self.rank} is closing")
+                reason = f"room {state.room}: decode rank {self.rank} is closing"
+                state.status.fail(FailureKind.ABORTED, reason)
         for state in unsafe:
             self._abort_unsettled(state, "decode rank closing")
         deadline = time.monotonic() + 2 * self.config.peer_timeout_s + FENCE_MARGIN_S
@@ -517,7 +522,7 @@ class KVReceiver:
         self._required: dict[int, int] = {}
         self._endpoints: dict[int, str] = {}
         if bootstrap_url is None:
-            self._status.fail("no bootstrap URL for this room")
+            self._status.fail(FailureKind.BOOTSTRAP, "no bootstrap URL for this room")
             return
         args = manager.kv_args
         try:
@@ -525,8 +530,11 @@ class KVReceiver:
             mapping = topology(
                 group[0].attn_tp_size, args.attn_tp_size, args.total_kv_heads, args.kv_layout
             )
-        except (BootstrapError, TopologyError) as exc:
-            self._status.fail(str(exc))
+        except BootstrapError as exc:
+            self._status.fail(FailureKind.BOOTSTRAP, str(exc))
+            return
+        except TopologyError as exc:
+            self._status.fail(FailureKind.INCOMPATIBLE, str(exc))
             return
         route = mapping.route(args.attn_tp_rank)
         # Only DCP rank 0 of a decode rank sends the dummies (the prefill ranks count so).
@@ -602,11 +610,17 @@ class KVReceiver:
         with self.manager._lock:
             return self._status.failure_reason
 
+    @property
+    def failure_kind(self) -> FailureKind | None:
+        """Why the room failed, as a kind; None unless it failed."""
+        with self.manager._lock:
+            return self._status.failure_kind
+
     def abort(self, reason: str) -> None:
         """Give up on the room: it fails at once; its pages are safe to reuse only when
         `pages_safe` says so (every prefill rank confirmed that nothing is in flight)."""
         with self.manager._lock:
-            failed = self._status.fail(f"aborted by decode: {reason}")
+            failed = self._status.fail(FailureKind.ABORTED, f"aborted by decode: {reason}")
             state = self.manager._rooms.get(self.room)
         if failed and state is not None:
             self.manager._abort_unsettled(state, reason)
@@ -631,10 +645,6 @@ class KVReceiver:
         """The one cleanup path of the room on this side (idempotent)."""
         with self.manager._lock:
             if self.manager._rooms.pop(self.room, None) is not None:
-                count_finished(
-                    self.manager.stats.rooms_finished,
-                    self._status.poll.name,
-                    self._status.failure_reason,
-                )
+                count_finished(self.manager.stats.rooms_finished, self._status)
                 log.debug("room %d: cleared (%s)", self.room,
                           self._status.failure_reason or self._status.poll.name)  # fmt: skip

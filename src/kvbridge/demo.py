@@ -29,6 +29,7 @@ import numpy.typing as npt
 from kvbridge.cache import KVArgs, TransferPlan, kv_heads_on_rank
 from kvbridge.cache.topology import HeadRange, TopologyError, rank_heads, topology
 from kvbridge.config import ManagerConfig
+from kvbridge.engines import DEFAULT_ENGINE, EngineError, engine_spec
 from kvbridge.logs import configure as configure_logging
 from kvbridge.wire import KVLayout, KVPoll
 
@@ -93,7 +94,9 @@ class DemoConfig:
     decode_tp: int = 1
     # Decode context parallelism: each decode TP rank is `dcp` processes, token i on i % dcp.
     dcp: int = 1
-    engine: str = "nixl"
+    engine: str = DEFAULT_ENGINE
+    # The engine's own options, as (name, value) pairs (kvbridge.engines.REGISTRY lists them).
+    engine_options: tuple[tuple[str, str], ...] = ()
     chunks: int = 2
     timeout_s: float = 120.0
     # Decode's page pool as a multiple of what the requests need (pages are drawn scattered).
@@ -117,6 +120,7 @@ class DemoConfig:
         memory gets torch staging kernels: forced on CPU tensors, chosen by `auto` on a GPU."""
         return ManagerConfig(
             engine=self.engine,
+            engine_options=dict(self.engine_options),
             bootstrap_url=bootstrap_url,
             keep_plans=self.measure_raw,
             staging=self.staging,
@@ -161,6 +165,10 @@ class DemoConfig:
     def check(self) -> None:
         """Refuse, at once and in words, a run that cannot work here (`DemoConfigError`)."""
         shape = self.shape
+        try:
+            engine_spec(self.engine).resolve(dict(self.engine_options))
+        except EngineError as exc:
+            raise DemoConfigError(f"--engine-option for {self.engine}: {exc.detail}") from None
         try:
             topology(self.prefill_tp, self.decode_tp, shape.kv_heads, shape.kv_layout)
         except TopologyError as exc:

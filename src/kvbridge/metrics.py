@@ -16,26 +16,13 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-
-def failure_kind(reason: str | None) -> str:
-    """A small, fixed set of labels for failure reasons (free text would explode cardinality)."""
-    text = (reason or "").lower()
-    for kind, markers in (
-        ("aborted", ("aborted",)),
-        ("peer_dead", ("silent for",)),
-        ("timeout", ("deadline", "in flight after", "not complete after", "request(s) from")),
-        ("engine", ("write failed", "connect", "register")),
-        ("geometry", ("differs", "cannot be served", "do not fit", "not the same tensor")),
-    ):
-        if any(marker in text for marker in markers):
-            return kind
-    return "other"
+from kvbridge.room import RoomStatus
 
 
-def count_finished(counts: dict[tuple[str, str], int], poll: str, reason: str | None) -> None:
-    """Count a cleared room under (outcome, failure kind): the one place rooms are tallied."""
-    key = (poll, failure_kind(reason) if poll == "Failed" else "")
-    counts[key] = counts.get(key, 0) + 1
+def count_finished(counts: dict[tuple[str, str], int], status: RoomStatus) -> None:
+    """Count a cleared room under (outcome, failure kind): the one place rooms are tallied.
+    The kind is the room's `FailureKind` (a fixed set: free text would explode cardinality)."""
+    counts[status.outcome] = counts.get(status.outcome, 0) + 1
 
 
 @dataclass

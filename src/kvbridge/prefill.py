@@ -40,13 +40,14 @@ from kvbridge.control.channel import ControlChannel
 from kvbridge.engines import EngineError, WriteFenced, create_engine
 from kvbridge.liveness import Liveness
 from kvbridge.metrics import ManagerMetrics, Snapshot, count_finished
-from kvbridge.room import Chunk, ChunkJob, PrefillRoom, notification_for
+from kvbridge.room import Chunk, ChunkJob, Failure, PrefillRoom, notification_for
 from kvbridge.staging import staged_size
 from kvbridge.staging.buffer import StagingBuffer, StagingUnavailable, open_staging
 from kvbridge.wire import (
     Abort,
     AbortAck,
     ChunkReady,
+    FailureKind,
     Heartbeat,
     KVPoll,
     Message,
@@ -75,6 +76,10 @@ MAX_DECODE_PEERS = 1024
 WRITE_POLL_S = 0.0001
 
 
+class StagingTimeout(RuntimeError):
+    """Decode gave no ring space for a staged chunk in time."""
+
+
 @dataclass(frozen=True)
 class _Connect:
     peer_id: str
@@ -84,6 +89,19 @@ class _Connect:
 class _WriteChunk:
     room: int
     jobs: list[ChunkJob]
+
+
+def _kind_of(exc: Exception) -> FailureKind:
+    """The failure kind of what the write path raised."""
+    if isinstance(exc, WriteFenced):  # the lease ran out: decode was not heard from
+        return FailureKind.PEER_DEAD
+    if isinstance(exc, EngineError):
+        return FailureKind.ENGINE
+    if isinstance(exc, StagingTimeout):
+        return FailureKind.TIMEOUT
+    if isinstance(exc, PlanError):
+        return FailureKind.INCOMPATIBLE
+    return FailureKind.INTERNAL
 
 
 def _sender_of(message: Message) -> str | None:
@@ -119,7 +137,7 @@ class _DecodePeer:
     kv_args: KVArgs | None = None
     pairing: Pairing | None = None
     engine_peer: str | None = None
-    error: str | None = None
+    error: Failure | None = None
     # Until when (monotonic) this rank may write to the peer: set from decode's echo of one of
     # this rank's heartbeats, counted from when that heartbeat was sent; 0: never granted.
     lease_until: float = 0.0
@@ -137,8 +155,9 @@ class PrefillManager:
         self.config = config
         self.rank = kv_args.attn_tp_rank
         self.engine = create_engine(
-            config.engine, f"prefill-{self.rank}-{uuid.uuid4().hex[:8]}", config.host
-        )
+            config.engine, f"prefill-{self.rank}-{uuid.uuid4().hex[:8]}", config.host,
+            config.engine_options,
+        )  # fmt: skip
         self.engine.register(memory_regions(kv_args))
         self.stats = PrefillStats()
         config.warn_if_exposed(log, "prefill")
@@ -250,7 +269,7 @@ class PrefillManager:
         if state is None:
             return
         status = state.status
-        count_finished(self.stats.rooms_finished, status.poll.name, status.failure_reason)
+        count_finished(self.stats.rooms_finished, status)
         log.debug("room %d: cleared (%s)", room, status.failure_reason or status.poll.name)
         self._unclaimed.pop(room, None)
         if len(self._finished) == self._finished.maxlen:
@@ -304,7 +323,9 @@ class PrefillManager:
                       "scheduler started; refused")  # fmt: skip
         else:
             return self._room(room, create=True)
-        failed = TransferStatus(room, KVPoll.Failed, self.rank, reason, peer.token)
+        failed = TransferStatus(
+            room, KVPoll.Failed, self.rank, reason, peer.token, FailureKind.REFUSED
+        )
         self.channel.send(peer.endpoint, failed)
         self._ignore("%s", reason)
         return None
@@ -332,16 +353,21 @@ class PrefillManager:
                 # at once rather than silence until decode's deadline.
                 ended = state.status.failure_reason or f"it ended ({state.status.poll})"
                 reason = f"room {message.room} already ended on prefill rank {self.rank}: {ended}"
-                failed = TransferStatus(message.room, KVPoll.Failed, self.rank, reason, peer.token)
+                failed = TransferStatus(
+                    message.room, KVPoll.Failed, self.rank, reason, peer.token,
+                    FailureKind.REFUSED,
+                )  # fmt: skip
                 self.channel.send(peer.endpoint, failed)
                 return
             if peer.error:
-                self._fail_locked(state, f"room {message.room}: {peer.error}", message.peer_id)
+                failure = Failure(peer.error.kind, f"room {message.room}: {peer.error.reason}")
+                self._fail_locked(state, failure, message.peer_id)
                 return
             dst = peer.kv_args
             problem = state.prefix_problem(message, dst.page_size * dst.dcp_size if dst else 1)
             if problem is not None:
-                self._fail_locked(state, problem, message.peer_id)
+                self._fail_locked(state, Failure(FailureKind.INCOMPATIBLE, problem),
+                                  message.peer_id)  # fmt: skip
                 return
             state.on_request(message)
             self._schedule_locked(state)
@@ -369,7 +395,8 @@ class PrefillManager:
                 return
             state.pending_acks.add(endpoint)
             why = message.reason or "no reason given"
-            self._fail_locked(state, f"room {message.room}: aborted by decode: {why}")
+            reason = f"room {message.room}: aborted by decode: {why}"
+            self._fail_locked(state, Failure(FailureKind.ABORTED, reason))
 
     def _on_heartbeat(self, message: Heartbeat) -> None:
         """Decode's heartbeat echoes the last of ours it heard: the write lease runs from when
@@ -428,11 +455,9 @@ class PrefillManager:
             for state in self._rooms.values():
                 if state.request_overdue(now, timeout_s):
                     got, wanted = len(state.requests), state.required_requests or "any"
-                    self._fail_locked(
-                        state,
-                        f"room {state.room}: {got} of {wanted} transfer request(s) from decode "
-                        f"in {timeout_s:g} s",
-                    )
+                    reason = (f"room {state.room}: {got} of {wanted} transfer request(s) from "
+                              f"decode in {timeout_s:g} s")  # fmt: skip
+                    self._fail_locked(state, Failure(FailureKind.TIMEOUT, reason))
             # Rooms that decode asked for and the scheduler never started: nobody will clear
             # them, so they fail (decode hears why) and leave the table.
             while self._unclaimed:
@@ -441,7 +466,7 @@ class PrefillManager:
                     break
                 reason = (f"room {room}: prefill rank {self.rank} was not given this room "
                           f"within {timeout_s:g} s of decode's request")  # fmt: skip
-                self._fail_locked(self._rooms[room], reason)
+                self._fail_locked(self._rooms[room], Failure(FailureKind.TIMEOUT, reason))
                 self._clear_locked(room)
         for peer_id, silent_s in self._liveness.expired(now):
             self.stats.peers_declared_dead += 1
@@ -456,7 +481,8 @@ class PrefillManager:
                     if peer_id in state.requests and not state.status.finished
                 ]
                 for state in affected:
-                    self._fail_locked(state, f"room {state.room}: {reason}")
+                    failure = Failure(FailureKind.PEER_DEAD, f"room {state.room}: {reason}")
+                    self._fail_locked(state, failure)
             if affected:
                 log.warning("%s: %d room(s) failed", reason, len(affected))
             else:
@@ -490,12 +516,14 @@ class PrefillManager:
             peer.kv_args = kv_args_of(registration)
             peer.pairing = pair(self.kv_args, peer.kv_args)
         except (GeometryError, PlanError) as exc:
-            peer.error = f"decode {registration.peer_id} cannot be served: {exc}"
-            log.error("%s", peer.error)
+            reason = f"decode {registration.peer_id} cannot be served: {exc}"
+            peer.error = Failure(FailureKind.INCOMPATIBLE, reason)
+            log.error("%s", reason)
         if registration.engine != self.config.engine:
-            peer.error = (
+            peer.error = Failure(
+                FailureKind.INCOMPATIBLE,
                 f"decode {registration.peer_id} uses engine {registration.engine}, this prefill "
-                f"rank {self.config.engine}"
+                f"rank {self.config.engine}",
             )
         with self._lock:
             self._peers[registration.peer_id] = peer
@@ -508,7 +536,7 @@ class PrefillManager:
         try:
             jobs = state.next_jobs()
         except ValueError as exc:
-            self._fail_locked(state, str(exc))
+            self._fail_locked(state, Failure(FailureKind.INTERNAL, str(exc)))
             return
         if jobs:
             self._jobs.put(_WriteChunk(state.room, jobs))
@@ -528,14 +556,17 @@ class PrefillManager:
                 prefill_rank=self.rank,
                 reason=state.status.failure_reason or "",
                 session_token=peer.token,
+                failure_kind=state.status.failure_kind,
             )
             self.channel.send(peer.endpoint, status)
 
-    def _fail_locked(self, state: PrefillRoom, reason: str, peer_id: str | None = None) -> None:
+    def _fail_locked(
+        self, state: PrefillRoom, failure: Failure, peer_id: str | None = None
+    ) -> None:
         """Fail the room; tell its destinations (and acknowledge aborts) once no write of it
         is in flight — at once if idle, else when the worker finishes the write."""
-        if state.status.fail(reason):
-            log.warning("room %d failed: %s", state.room, reason)
+        if state.status.fail(failure.kind, failure.reason):
+            log.warning("room %d failed (%s): %s", state.room, failure.kind, failure.reason)
             self.activity.set()
         if peer_id is not None and peer_id not in state.requests:
             self._report_locked(state, also_peer=peer_id)  # a peer this room never wrote to
@@ -572,8 +603,8 @@ class PrefillManager:
                 peer.registration.engine_descriptor, memory_regions(peer.kv_args)
             )
         except EngineError as exc:
-            peer.error = f"cannot connect to decode {peer_id}: {exc}"
-            log.error("%s", peer.error)
+            peer.error = Failure(FailureKind.ENGINE, f"cannot connect to decode {peer_id}: {exc}")
+            log.error("%s", peer.error.reason)
 
     def _stage(self, job: ChunkJob, peer: _DecodePeer) -> tuple[TransferPlan, ChunkReady] | None:
         """Gather the chunk's head slices into the staging buffer and plan the one write to
@@ -636,7 +667,7 @@ class PrefillManager:
                 if not self._staging_answered.wait_for(
                     lambda: key in self._staging_answers, timeout=self.config.staging_timeout_s
                 ):
-                    raise PlanError(
+                    raise StagingTimeout(
                         f"decode {peer_id} gave no staging space for chunk {chunk_idx} in "
                         f"{self.config.staging_timeout_s:g} s"
                     )
@@ -688,21 +719,21 @@ class PrefillManager:
         finally:
             self.activity.set()  # written or failed: the room's pages may be free now
 
-    def _chunk_ended(self, room: int, jobs: list[ChunkJob], failure: str | None) -> None:
+    def _chunk_ended(self, room: int, jobs: list[ChunkJob], failure: Failure | None) -> None:
         with self._lock:
             state = self._rooms.get(room)
             if state is None:
                 return
             state.in_flight = False
             if failure is not None:
-                state.status.fail(failure)
+                state.status.fail(failure.kind, failure.reason)
             if state.status.poll == KVPoll.Failed:
                 self._settle_locked(state)  # now nothing of this room is in flight
                 return
             state.chunk_written(jobs[0].last)
             self._schedule_locked(state)
 
-    def _write_jobs(self, room: int, jobs: list[ChunkJob]) -> str | None:
+    def _write_jobs(self, room: int, jobs: list[ChunkJob]) -> Failure | None:
         """Write a chunk to each destination; the failure reason, if any."""
         try:
             for job in jobs:
@@ -712,7 +743,8 @@ class PrefillManager:
                 if state is None or state.status.finished:
                     return None  # aborted or cleared meanwhile: write nothing more
                 if peer.engine_peer is None or peer.kv_args is None or peer.pairing is None:
-                    raise EngineError(self.engine.name, "write", peer.error or "not connected")
+                    missing = peer.error.reason if peer.error else "not connected"
+                    raise EngineError(self.engine.name, "write", missing)
                 why = self._await_lease(job.peer_id, peer)
                 if why is not None:
                     raise WriteFenced(self.engine.name, "write", why)
@@ -749,9 +781,9 @@ class PrefillManager:
                     self.engine.notify(peer.engine_peer, notify)
                 if staged:
                     self.channel.send(peer.endpoint, staged[1])
-        except (EngineError, PlanError, ValueError) as exc:
+        except (EngineError, PlanError, StagingTimeout, ValueError) as exc:
             log.warning("room %d: %s", room, exc)
-            return f"room {room}: {exc}"
+            return Failure(_kind_of(exc), f"room {room}: {exc}")
         return None
 
     # --- lifecycle -------------------------------------------------------------------------
@@ -819,6 +851,13 @@ class KVSender:
             return state.status.failure_reason if state is not None else "room cleared"
 
     @property
+    def failure_kind(self) -> FailureKind | None:
+        """Why the room failed, as a kind; None unless it failed."""
+        with self.manager._lock:
+            state = self.manager._rooms.get(self.room)
+            return state.status.failure_kind if state is not None else FailureKind.UNKNOWN
+
+    @property
     def pages_free(self) -> bool:
         """Whether the room's pages can go back to the allocator: the room ended and no write
         of it is in flight (an engine may read them until then)."""
@@ -834,7 +873,8 @@ class KVSender:
         with self.manager._lock:
             state = self.manager._rooms.get(self.room)
             if state is not None:
-                self.manager._fail_locked(state, f"aborted by prefill: {reason}")
+                failure = Failure(FailureKind.ABORTED, f"aborted by prefill: {reason}")
+                self.manager._fail_locked(state, failure)
 
     def clear(self) -> None:
         self.manager._clear(self.room)

@@ -14,7 +14,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvbridge.cache.topology import Source
-from kvbridge.wire.messages import KVPoll
+from kvbridge.wire.messages import FailureKind, KVPoll
 from kvbridge.wire.native import TransferRequest
 
 _ORDER = {
@@ -25,12 +25,21 @@ _ORDER = {
 }
 
 
+@dataclass(frozen=True)
+class Failure:
+    """Why something failed: a kind to count and act on, and the detail for people."""
+
+    kind: FailureKind
+    reason: str
+
+
 @dataclass
 class RoomStatus:
     """A room's KVPoll state: monotone, with Failed sticky and Success final."""
 
     poll: KVPoll = KVPoll.Bootstrapping
     failure_reason: str | None = None
+    failure_kind: FailureKind | None = None
 
     @property
     def finished(self) -> bool:
@@ -45,13 +54,22 @@ class RoomStatus:
         self.poll = to
         return True
 
-    def fail(self, reason: str) -> bool:
-        """Fail the room with a reason; a finished room stays as it is."""
+    def fail(self, kind: FailureKind, reason: str) -> bool:
+        """Fail the room with a kind and a reason; a finished room stays as it is."""
         if self.finished:
             return False
-        self.poll = KVPoll.Failed
+        # The kind and reason first: whoever reads Failed without a lock finds them set.
+        self.failure_kind = kind
         self.failure_reason = reason
+        self.poll = KVPoll.Failed
         return True
+
+    @property
+    def outcome(self) -> tuple[str, str]:
+        """(state, failure kind) as metrics count a cleared room; the kind is "" unless it
+        failed."""
+        kind = self.failure_kind or FailureKind.UNKNOWN
+        return self.poll.name, str(kind) if self.poll == KVPoll.Failed else ""
 
 
 @dataclass(frozen=True)
@@ -234,8 +252,8 @@ class DecodeRoom:
         """Whether the room's pages may be handed back: no prefill rank can still write."""
         if self.status.poll == KVPoll.Success:
             return True
-        if self.status.poll != KVPoll.Failed:
-            return False
+        if self.status.poll != KVPoll.Failed or self.unscattered:
+            return False  # in flight, or a staged chunk is still being copied into the pages
         fenced = {rank for rank, until in self.dead_until.items() if now >= until}
         return self.settled | fenced >= self.expected_ranks
 
@@ -257,15 +275,20 @@ class DecodeRoom:
         if prefill_rank in self.expected_ranks:
             self.dead_until.setdefault(prefill_rank, fenced_at)
             if not self._rank_done(prefill_rank):
-                self.status.fail(reason)
+                self.status.fail(FailureKind.PEER_DEAD, reason)
 
-    def on_status(self, prefill_rank: int, poll: KVPoll, reason: str) -> None:
+    def on_status(
+        self, prefill_rank: int, poll: KVPoll, reason: str, kind: FailureKind | None = None
+    ) -> None:
         if prefill_rank not in self.expected_ranks:
             return
         if poll in (KVPoll.Success, KVPoll.Failed):
             self.settled.add(prefill_rank)
         if poll == KVPoll.Failed:
-            self.status.fail(f"prefill rank {prefill_rank}: {reason or 'no reason given'}")
+            self.status.fail(
+                kind or FailureKind.UNKNOWN,
+                f"prefill rank {prefill_rank}: {reason or 'no reason given'}",
+            )
         elif poll == KVPoll.Success:
             self.reported.add(prefill_rank)
             self._maybe_done()
@@ -305,8 +328,9 @@ class DecodeRoom:
             return False
         missing = sorted(self.expected_ranks - self.reported)
         return self.status.fail(
+            FailureKind.TIMEOUT,
             f"room {self.room}: transfer not complete before its deadline; no success from "
-            f"prefill ranks {missing}"
+            f"prefill ranks {missing}",
         )
 
 

@@ -84,7 +84,7 @@ def main() -> None:
     mode = sys.argv[1]
     cache = rank_cache(num_pages=16, seed=SEED, **GEOMETRY)
     if mode == "gated":
-        kvbridge.prefill.create_engine = lambda name, endpoint, host: GatedNixl(endpoint)
+        kvbridge.prefill.create_engine = lambda name, endpoint, host, options: GatedNixl(endpoint)
         signal.signal(signal.SIGUSR1, lambda signum, frame: GatedNixl.gate.set())
         prefill = PrefillManager(cache.args, ManagerConfig(engine="nixl", run_bootstrap=True))
         say(bootstrap=prefill.bootstrap_url)

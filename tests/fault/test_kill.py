@@ -19,7 +19,7 @@ from kvbridge.config import ManagerConfig
 from kvbridge.control.bootstrap import BootstrapServer
 from kvbridge.decode import DecodeManager
 from kvbridge.prefill import PrefillManager
-from kvbridge.wire import KVPoll
+from kvbridge.wire import FailureKind, KVPoll
 
 RANK = Path(__file__).with_name("rank.py")
 GEOMETRY = dict(layer_ids=(0, 1), page_size=4, total_kv_heads=2, head_dim=16)
@@ -78,6 +78,7 @@ def test_killed_prefill_fails_its_rooms_on_decode(
         assert time.monotonic() - killed_at < TIMEOUT_S + 2
         for receiver in doomed:
             assert "silent for" in str(receiver.failure_reason)
+            assert receiver.failure_kind == FailureKind.PEER_DEAD
         wait_until(lambda: fine.poll() == KVPoll.Success, 10)
         for got, want in zip(target.kv, source.kv, strict=True):
             assert np.array_equal(got[[20, 21]], want[[3, 4]])
@@ -112,6 +113,7 @@ def test_killed_decode_fails_its_rooms_on_prefill(
         assert time.monotonic() - killed_at < TIMEOUT_S + 2
         for sender in doomed:
             assert "silent for" in str(sender.failure_reason)
+            assert sender.failure_kind == FailureKind.PEER_DEAD
         # The worker thread keeps serving the other decode peer.
         receiver, sender = other.receiver(7), prefill.sender(7)
         receiver.init([1, 2])

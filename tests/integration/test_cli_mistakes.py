@@ -92,3 +92,15 @@ def test_every_option_has_help_and_every_command_an_example() -> None:
             if isinstance(parameter, click.Option):
                 assert parameter.help, f"{name} {parameter.opts}"
         assert command.get_help(context)
+
+
+def test_an_engine_option_the_engine_does_not_have() -> None:
+    said_once(kvbridge("demo", "--engine-option", "progres_thread=on"), 2,
+              "--engine-option for nixl", "no option 'progres_thread'",
+              "(its options: progress_thread)")  # fmt: skip
+    said_once(kvbridge("demo", "--engine-option", "progress_thread=maybe"), 2,
+              "progress_thread='maybe'", "off, on")  # fmt: skip
+
+
+def test_an_engine_option_without_a_value() -> None:
+    said_once(kvbridge("demo", "--engine-option", "progress_thread"), 2, "not NAME=VALUE")

@@ -23,6 +23,7 @@ from kvbridge.prefill import KVSender, PrefillManager
 from kvbridge.wire import (
     NATIVE,
     Abort,
+    FailureKind,
     Heartbeat,
     KVLayout,
     KVPoll,
@@ -91,6 +92,8 @@ def test_incompatible_geometry_fails_the_room_with_the_reason() -> None:
         assert receiver.poll() == KVPoll.Failed
         assert "head_dim differs: 8 → 16" in str(receiver.failure_reason)
         assert "prefill rank 0" in str(receiver.failure_reason)
+        # The kind prefill gave travels with the reason.
+        assert receiver.failure_kind == FailureKind.INCOMPATIBLE
 
 
 def test_decode_abort_reaches_prefill() -> None:
@@ -101,6 +104,7 @@ def test_decode_abort_reaches_prefill() -> None:
         receiver.abort("request cancelled by the user")
         wait_for(lambda: sender.poll() == KVPoll.Failed)
         assert "request cancelled by the user" in str(sender.failure_reason)
+        assert (sender.failure_kind, receiver.failure_kind) == (FailureKind.ABORTED,) * 2
         assert receiver.poll() == KVPoll.Failed
         sender.send([0, 1], last=True)  # too late: nothing is written, nothing raised
         assert sender.poll() == KVPoll.Failed
@@ -115,6 +119,7 @@ def test_decode_deadline_names_the_missing_rank() -> None:
         assert receiver.poll() == KVPoll.Failed
         assert "deadline" in str(receiver.failure_reason)
         assert "[0]" in str(receiver.failure_reason)
+        assert receiver.failure_kind == FailureKind.TIMEOUT
 
 
 def test_garbage_on_the_control_socket_is_counted_and_survived() -> None:
@@ -146,6 +151,7 @@ def test_late_request_for_a_cleared_room_does_not_recreate_it() -> None:
         receiver.init([0])
         wait_for(finished(receiver))  # told at once, not at its deadline
         assert "already ended on prefill rank 0" in str(receiver.failure_reason)
+        assert receiver.failure_kind == FailureKind.REFUSED
         assert 4 not in prefill._rooms
         with pytest.raises(ValueError, match="already ended"):
             prefill.sender(4)
@@ -398,6 +404,7 @@ def test_a_prefill_room_without_a_request_fails_at_its_deadline() -> None:
         sender.send([0], last=True)  # decode never asks
         wait_for(lambda: sender.poll() == KVPoll.Failed, 5)
         assert "0 of any transfer request(s) from decode in 0.3 s" in str(sender.failure_reason)
+        assert sender.failure_kind == FailureKind.TIMEOUT
     finally:
         prefill.close()
 

@@ -1,24 +1,29 @@
-"""Failure reasons map onto a small, fixed set of metric labels."""
+"""A cleared room is counted under its outcome and its failure kind, never its free text."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvbridge.metrics import failure_kind
+from kvbridge.metrics import count_finished
+from kvbridge.room import RoomStatus
+from kvbridge.wire import FailureKind, KVPoll
 
 
-@pytest.mark.parametrize(
-    ("reason", "kind"),
-    [
-        ("room 1: aborted by decode: the user cancelled", "aborted"),
-        ("room 1: decode d0 silent for 3.2 s (peer timeout 3 s)", "peer_dead"),
-        ("room 1: transfer not complete before its deadline; no success from [0]", "timeout"),
-        ("room 1: 0 of any transfer request(s) from decode in 300 s", "timeout"),
-        ("room 1: nixl: write failed: NIXL_ERR_BACKEND", "engine"),
-        ("room 1: head_dim differs: 8 → 16; both sides must run the same model", "geometry"),
-        ("something new", "other"),
-        (None, "other"),
-    ],
-)
-def test_failure_kinds(reason: str | None, kind: str) -> None:
-    assert failure_kind(reason) == kind
+@pytest.mark.parametrize("kind", list(FailureKind))
+def test_a_failed_room_counts_under_its_kind(kind: FailureKind) -> None:
+    status = RoomStatus()
+    status.fail(kind, f"room 1: free text that names {kind.name} and 'silent for' alike")
+    counts: dict[tuple[str, str], int] = {}
+    count_finished(counts, status)
+    count_finished(counts, status)
+    assert counts == {("Failed", kind.name.lower()): 2}
+
+
+def test_a_room_that_did_not_fail_has_no_kind() -> None:
+    counts: dict[tuple[str, str], int] = {}
+    for poll in (KVPoll.Success, KVPoll.Transferring, KVPoll.Bootstrapping):
+        status = RoomStatus()
+        if poll != KVPoll.Bootstrapping:
+            status.advance(poll)
+        count_finished(counts, status)
+    assert counts == {("Success", ""): 1, ("Transferring", ""): 1, ("Bootstrapping", ""): 1}

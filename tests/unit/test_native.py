@@ -8,6 +8,7 @@ import pytest
 from kvbridge.wire import (
     NATIVE,
     Abort,
+    FailureKind,
     Field,
     Heartbeat,
     KVLayout,
@@ -157,7 +158,7 @@ def test_auth_tag() -> None:
     secret = b"shared secret"
     status = TransferStatus(room=1, status=KVPoll.Failed, prefill_rank=3, reason="engine: rc -1")
     frames = NATIVE.encode(status, secret=secret)
-    assert len(frames) == 7  # header, 5 fields, tag
+    assert len(frames) == 8  # header, 6 fields, tag
     assert len(frames[-1]) == TAG_SIZE
     assert NATIVE.decode(frames, secret=secret) == status
     # A receiver without a secret still reads the message.
@@ -166,7 +167,7 @@ def test_auth_tag() -> None:
         NATIVE.decode(frames, secret=b"other secret")
     tampered = [*frames]
     tampered[4] = b"engine: rc 0"
-    with pytest.raises(WireError, match=r"frame 6 \(auth_tag\)"):
+    with pytest.raises(WireError, match=r"frame 7 \(auth_tag\)"):
         NATIVE.decode(tampered, secret=secret)
     with pytest.raises(WireError, match="not authenticated"):
         NATIVE.decode(NATIVE.encode(status), secret=secret)
@@ -203,6 +204,25 @@ def test_secret_refused_for_profiles_without_a_tag_frame() -> None:
 def test_failure_reason_survives_the_trip() -> None:
     status = TransferStatus(room=5, status=KVPoll.Failed, prefill_rank=2, reason="décodé: timeout")
     assert NATIVE.decode(NATIVE.encode(status)) == status
+
+
+@pytest.mark.parametrize("kind", list(FailureKind))
+def test_the_failure_kind_travels_with_the_reason(kind: FailureKind) -> None:
+    status = TransferStatus(5, KVPoll.Failed, 2, "room 5: why", b"t" * 16, kind)
+    frames = NATIVE.encode(status)
+    assert frames[-1] == bytes([kind])
+    assert NATIVE.decode(frames).failure_kind is kind
+    # A 1.1 peer sends no kind frame: the kind is unknown (None), the rest decodes.
+    frames[0] = Header(MAJOR, 1, 3, 0).pack()
+    older = NATIVE.decode(frames[:-1])
+    assert (older.failure_kind, older.reason) == (None, "room 5: why")
+
+
+def test_a_kind_the_table_does_not_have_is_refused_by_name() -> None:
+    frames = NATIVE.encode(TransferStatus(5, KVPoll.Failed, 2, "why", b"", FailureKind.ENGINE))
+    frames[-1] = bytes([200])
+    with pytest.raises(WireError, match=r"failure_kind"):
+        NATIVE.decode(frames)
 
 
 def test_a_layout_must_carry_every_required_field() -> None:

@@ -13,20 +13,25 @@ from kvbridge.room import (
     notification_for,
     parse_notification,
 )
-from kvbridge.wire import KVPoll, TransferRequest
+from kvbridge.wire import FailureKind, KVPoll, TransferRequest
 
 
 def test_status_only_moves_forward_and_failure_sticks() -> None:
     status = RoomStatus()
     assert status.advance(KVPoll.Transferring)
     assert not status.advance(KVPoll.WaitingForInput)
-    assert status.fail("engine error")
+    assert status.fail(FailureKind.ENGINE, "engine error")
     assert not status.advance(KVPoll.Success)
-    assert not status.fail("second reason")
-    assert (status.poll, status.failure_reason) == (KVPoll.Failed, "engine error")
+    assert not status.fail(FailureKind.TIMEOUT, "second reason")
+    assert (status.poll, status.failure_kind, status.failure_reason) == (
+        KVPoll.Failed,
+        FailureKind.ENGINE,
+        "engine error",
+    )
     done = RoomStatus()
     done.advance(KVPoll.Success)
-    assert not done.fail("too late")
+    assert not done.fail(FailureKind.ABORTED, "too late")
+    assert done.failure_kind is None
     with pytest.raises(ValueError, match="needs a reason"):
         done.advance(KVPoll.Failed)
 
@@ -119,12 +124,17 @@ def test_decode_room_needs_every_rank_and_notification() -> None:
 
 def test_decode_room_failure_and_deadline() -> None:
     room = DecodeRoom(1, frozenset({0}), notifying_ranks=frozenset(), deadline=10.0)
-    room.on_status(0, KVPoll.Failed, "write timed out")
+    room.on_status(0, KVPoll.Failed, "write timed out", FailureKind.ENGINE)
     assert room.status.failure_reason == "prefill rank 0: write timed out"
+    assert room.status.failure_kind == FailureKind.ENGINE  # prefill's kind, carried over
+    unsaid = DecodeRoom(1, frozenset({0}), notifying_ranks=frozenset(), deadline=10.0)
+    unsaid.on_status(0, KVPoll.Failed, "")  # a peer that gives no kind (SGLang, kvbridge/1.1)
+    assert unsaid.status.failure_kind == FailureKind.UNKNOWN
     late = DecodeRoom(2, frozenset({0, 3}), notifying_ranks=frozenset(), deadline=1.0)
     late.on_status(0, KVPoll.Success, "")
     late.check_deadline(2.0)
     assert "prefill ranks [3]" in str(late.status.failure_reason)
+    assert late.status.failure_kind == FailureKind.TIMEOUT
 
 
 def test_notifications_round_trip() -> None:
@@ -138,7 +148,7 @@ def test_pages_of_a_dead_rank_are_safe_only_when_its_lease_ran_out() -> None:
     room.status.advance(KVPoll.Transferring)
     assert not room.pages_safe(0.0)  # in flight
     room.on_rank_dead(0, "prefill 0 silent", fenced_at=10.0)
-    assert room.status.poll == KVPoll.Failed
+    assert (room.status.poll, room.status.failure_kind) == (KVPoll.Failed, FailureKind.PEER_DEAD)
     assert room.unsettled() == [1]  # the dead rank gets no abort; the live one does
     room.on_abort_ack(1)
     assert not room.pages_safe(9.9)  # rank 0 may be hung, not dead: its lease still runs

@@ -39,7 +39,7 @@ from kvbridge.demo import (
     DemoResult,
     run_demo,
 )
-from kvbridge.engines import unavailable_reason
+from kvbridge.engines import DEFAULT_ENGINE, PROCESS_ENGINES, REGISTRY, unavailable_reason
 from kvbridge.logs import configure as configure_logging
 from kvbridge.logs import level_for
 from kvbridge.wire import PROFILES, Receiver, WireError, inspect_frames
@@ -171,6 +171,29 @@ def main() -> None:
     except BrokenPipeError:  # the reader went away (`kvbridge ... | head`): not an error here
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         sys.exit(1)
+
+
+# Every process engine's options, for --engine-option's help (from the engine registry).
+_ENGINE_OPTIONS_HELP = "; ".join(
+    f"{spec.name}: " + ", ".join(
+        f"{option.name}={'|'.join(option.choices) or 'TEXT'} (default {option.default!r})"
+        for option in spec.options
+    )
+    for spec in REGISTRY.values()
+    if spec.options and not spec.in_process_only
+)  # fmt: skip
+
+
+def _engine_options(
+    context: click.Context, parameter: click.Parameter, values: tuple[str, ...]
+) -> tuple[tuple[str, str], ...]:
+    pairs = []
+    for value in values:
+        name, equals, setting = value.partition("=")
+        if not equals or not name:
+            raise click.BadParameter(f"{value!r} is not NAME=VALUE", context, parameter)
+        pairs.append((name, setting))
+    return tuple(pairs)
 
 
 def _fail(message: str) -> click.exceptions.Exit:
@@ -330,8 +353,11 @@ def protocol_doc_command(output: Path | None, check: Path | None) -> None:
               help="Attention-TP size of both groups (ranks per group).")  # fmt: skip
 @click.option("--prefill-tp", type=click.IntRange(1), help="Prefill attention-TP (default: --tp).")
 @click.option("--decode-tp", type=click.IntRange(1), help="Decode attention-TP (default: --tp).")
-@click.option("--engine", type=click.Choice(["nixl", "mooncake"]), default="nixl",
+@click.option("--engine", type=click.Choice(PROCESS_ENGINES), default=DEFAULT_ENGINE,
               show_default=True, help="Transfer engine that moves the bytes.")  # fmt: skip
+@click.option("--engine-option", "engine_options", multiple=True, metavar="NAME=VALUE",
+              callback=_engine_options,
+              help="An option of the engine (repeatable): " + _ENGINE_OPTIONS_HELP)  # fmt: skip
 @click.option("--dcp", type=click.IntRange(1), default=1, show_default=True,
               help="Decode context parallelism: processes per decode TP rank.")  # fmt: skip
 @click.option("--staging/--no-staging", default=True, show_default=True,
@@ -353,6 +379,7 @@ def demo_command(
     prefill_tp: int | None,
     decode_tp: int | None,
     engine: str,
+    engine_options: tuple[tuple[str, str], ...],
     dcp: int,
     staging: bool,
     chunks: int,
@@ -372,7 +399,8 @@ def demo_command(
     """
     config = DemoConfig(
         model=model, requests=requests, tokens=tokens, page_size=page_size,
-        prefill_tp=prefill_tp or tp, decode_tp=decode_tp or tp, engine=engine, chunks=chunks,
+        prefill_tp=prefill_tp or tp, decode_tp=decode_tp or tp, engine=engine,
+        engine_options=engine_options, chunks=chunks,
         staging=staging, dcp=dcp, log_level=log_level, memory=memory,
     )  # fmt: skip
     reason = unavailable_reason(engine)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -109,6 +109,12 @@ class TransferEngine(ABC):
     def __init__(self) -> None:
         self.local_memory = RegionMap()
         self.peer_memory: dict[str, RegionMap] = {}
+
+    @classmethod
+    @abstractmethod
+    def open(cls, endpoint_name: str, host: str, options: Mapping[str, str]) -> TransferEngine:
+        """A new endpoint: `endpoint_name` where the engine names endpoints, `host` where it
+        serves on an address, `options` every option of its registry entry, resolved."""
 
     @property
     @abstractmethod

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import queue
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,6 +49,11 @@ def _import_mooncake() -> Any:
     return engine
 
 
+def probe() -> None:
+    """Load Mooncake; raises EngineError if it cannot (not installed, libibverbs missing)."""
+    _import_mooncake()
+
+
 @dataclass(eq=False)
 class _MooncakeHandle(TransferHandle):
     plan: TransferPlan
@@ -79,6 +84,10 @@ class MooncakeEngine(TransferEngine):
         self._worker = threading.Thread(target=self._run, name="kvbridge-mooncake", daemon=True)
         self._worker.start()
         self._closed = False
+
+    @classmethod
+    def open(cls, endpoint_name: str, host: str, options: Mapping[str, str]) -> MooncakeEngine:
+        return cls(host, protocol=options["protocol"], device=options["device"])
 
     @property
     def transport(self) -> str:

@@ -15,7 +15,7 @@ import importlib.util
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -56,6 +56,11 @@ def _import_nixl() -> Any:
         NAME, "import",
         f"{failure}; install it with: pip install --no-deps nixl-cu12 (or nixl-cu13 with CUDA 13)",
     )  # fmt: skip
+
+
+def probe() -> None:
+    """Load NIXL (either CUDA build); raises EngineError if it cannot."""
+    _import_nixl()
 
 
 def _disarm_nixl_logging_setup(package: str) -> None:
@@ -139,6 +144,10 @@ class NixlEngine(TransferEngine):
             raise EngineError(NAME, "create agent", str(exc)) from None
         self._registrations: dict[MemoryRegion, Any] = {}
         self._closed = False
+
+    @classmethod
+    def open(cls, endpoint_name: str, host: str, options: Mapping[str, str]) -> NixlEngine:
+        return cls(endpoint_name, progress_thread=options["progress_thread"] == "on")
 
     @property
     def transport(self) -> str:

@@ -591,7 +591,8 @@ class _WorkerSide:
             if sender.pages_free:
                 pages = self._pages_of_send.pop(request_id, 0)
                 if sender.poll() == KVPoll.Failed:
-                    log.warning("request %s: not sent: %s", request_id, sender.failure_reason)
+                    log.warning("request %s: not sent: %s [%s]", request_id,
+                                sender.failure_reason, sender.failure_kind)  # fmt: skip
                     self.counters.sends_failed += 1
                 else:
                     self.counters.requests_sent += 1
@@ -631,7 +632,7 @@ class _WorkerSide:
                 return True
             if poll != KVPoll.Failed or not receiver.pages_safe:
                 return False
-            reason = receiver.failure_reason
+            reason = f"{receiver.failure_reason} [{receiver.failure_kind}]"
             receiver.clear()
         if load.aborted:
             self.counters.loads_aborted += 1

@@ -15,7 +15,7 @@ from typing import Any
 
 from kvbridge.cache.spec import GeometryError, KVArgs
 from kvbridge.config import ManagerConfig
-from kvbridge.engines import DEFAULT_ENGINE, ENGINES
+from kvbridge.engines import DEFAULT_ENGINE, PROCESS_ENGINES, EngineError, engine_spec
 from kvbridge.wire.auth import secret_from_env
 from kvbridge.wire.messages import KVLayout
 
@@ -43,7 +43,9 @@ def check_vllm_version(version: str) -> None:
 class ConnectorOptions:
     """kvbridge's options inside vLLM, from ``kv_connector_extra_config``.
 
-    engine: transfer engine (nixl, mooncake). host: address kvbridge binds and advertises.
+    engine: transfer engine (nixl, mooncake). engine_options: the engine's own options, e.g.
+        {"protocol": "rdma", "device": "mlx5_0"} for Mooncake (kvbridge.engines.REGISTRY lists
+        them). host: address kvbridge binds and advertises.
     bootstrap_port: the prefill instance's bootstrap service (0: a free port; with TP > 1
         every rank must know it, so set it). bootstrap_timeout_s: how long decode tries to
         reach a prefill instance's bootstrap service before the load fails. metrics_port:
@@ -63,6 +65,7 @@ class ConnectorOptions:
     """
 
     engine: str = DEFAULT_ENGINE
+    engine_options: dict[str, str] = field(default_factory=dict)
     host: str = "127.0.0.1"
     bootstrap_port: int = 0
     bootstrap_timeout_s: float = 5.0
@@ -91,16 +94,21 @@ class ConnectorOptions:
         for name, value in given.items():
             values[name] = _option_value(name, known[name].type, value)
         options = ConnectorOptions(**values)
-        if options.engine not in ENGINES or options.engine == "loopback":
+        if options.engine not in PROCESS_ENGINES:
             raise OptionsError(
                 f"kv_connector_extra_config.engine: {options.engine!r} is not a transfer engine "
-                "between processes; choose nixl or mooncake"
+                f"between processes; choose {' or '.join(PROCESS_ENGINES)}"
             )
+        try:
+            engine_spec(options.engine).resolve(options.engine_options)
+        except EngineError as exc:
+            raise OptionsError(f"kv_connector_extra_config.engine_options: {exc}") from None
         return options
 
     def manager_config(self, *, run_bootstrap: bool, bootstrap_url: str | None) -> ManagerConfig:
         return ManagerConfig(
             engine=self.engine,
+            engine_options=self.engine_options,
             host=self.host,
             bootstrap_url=bootstrap_url,
             run_bootstrap=run_bootstrap,
@@ -159,6 +167,15 @@ class StepTimes:
 def _option_value(name: str, annotation: object, value: object) -> object:
     """An extra-config value checked against the option's type (JSON gives int for floats)."""
     expected = str(annotation)
+    if expected.startswith("dict"):
+        ok = isinstance(value, dict) and all(
+            isinstance(key, str) and isinstance(item, str) for key, item in value.items()
+        )
+        if not ok:
+            raise OptionsError(
+                f"kv_connector_extra_config.{name}: {value!r} is not an object of strings"
+            )
+        return value
     if "bool" in expected:
         ok = isinstance(value, bool)
     elif "float" in expected:

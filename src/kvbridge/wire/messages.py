@@ -30,6 +30,36 @@ class KVPoll(enum.IntEnum):
         return format(self.name, spec)
 
 
+class FailureKind(enum.IntEnum):
+    """Why a room failed, as a small fixed set: metrics count by it, the native status message
+    carries it with the free-text reason, and a caller can act on it without parsing text."""
+
+    # A peer reported a failure without a kind (a kvbridge/1.1 peer, the SGLang profiles).
+    UNKNOWN = 0
+    # Either side gave up on the room (the scheduler, a client disconnect, a shutdown).
+    ABORTED = 1
+    # The peer fell silent for longer than the peer timeout, or its write lease ran out.
+    PEER_DEAD = 2
+    # A deadline passed: the request, the transfer, the claim of a room, a staging answer.
+    TIMEOUT = 3
+    # The transfer engine failed to connect, register or write.
+    ENGINE = 4
+    # The two ranks cannot be paired: cache geometry, layouts, engines, a request's prefix.
+    INCOMPATIBLE = 5
+    # The room was refused: it ended already, or a cap on rooms was reached.
+    REFUSED = 6
+    # The prefill group could not be found through the bootstrap service.
+    BOOTSTRAP = 7
+    # A bug on this side (an operation raised where it should not).
+    INTERNAL = 8
+
+    def __str__(self) -> str:
+        return self.name.lower()
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self), spec)
+
+
 class KVLayout(enum.IntEnum):
     """How a rank stores KV.
 
@@ -117,6 +147,9 @@ class TransferStatus(Message):
     # Native profile only: the token the decode rank gave in its registration, echoed so that
     # only the prefill rank it registered with can end its rooms.
     session_token: bytes = b""
+    # Native profile only (1.2): the kind of a failure; None when the room did not fail or
+    # the peer did not say.
+    failure_kind: FailureKind | None = None
 
 
 @dataclass(eq=False)

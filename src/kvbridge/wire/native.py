@@ -32,6 +32,7 @@ from kvbridge.wire.messages import (
     Abort,
     AbortAck,
     ChunkReady,
+    FailureKind,
     Heartbeat,
     KVLayout,
     KVPoll,
@@ -50,7 +51,7 @@ from kvbridge.wire.profile import Inspection, Profile, require_frames
 PROFILE = "kvbridge/1"
 MAGIC = b"KVBR"
 MAJOR = 1
-MINOR = 1
+MINOR = 2
 FLAG_TAG = 0x01
 KNOWN_FLAGS = FLAG_TAG
 
@@ -277,6 +278,11 @@ _LAYOUT_ROWS: tuple[tuple[int, type[Message], str, tuple[Field, ...]], ...] = (
             Field("prefill_rank", c.U32),
             Field("reason", c.UTF8, "why the room failed; empty otherwise"),
             _echoed_token(),
+            _optional(
+                "failure_kind",
+                c.EnumU8(FailureKind),
+                "why it failed, as a kind (1.2; absent: not failed, or a 1.1 peer)",
+            ),
         ),
     ),
     (
