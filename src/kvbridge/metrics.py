@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from kvbridge.room import RoomStatus
+from kvbridge.core.room import RoomStatus
 
 
 def count_finished(counts: dict[tuple[str, str], int], status: RoomStatus) -> None:

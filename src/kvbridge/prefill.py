@@ -37,10 +37,10 @@ from kvbridge.control.bootstrap import (
     register_prefill,
 )
 from kvbridge.control.channel import ControlChannel
+from kvbridge.core.liveness import Liveness
+from kvbridge.core.room import Chunk, ChunkJob, Failure, PrefillRoom, notification_for
 from kvbridge.engines import EngineError, WriteFenced, create_engine
-from kvbridge.liveness import Liveness
 from kvbridge.metrics import ManagerMetrics, Snapshot, count_finished
-from kvbridge.room import Chunk, ChunkJob, Failure, PrefillRoom, notification_for
 from kvbridge.staging import staged_size
 from kvbridge.staging.buffer import StagingBuffer, StagingUnavailable, open_staging
 from kvbridge.wire import (

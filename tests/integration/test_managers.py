@@ -27,8 +27,6 @@ from kvbridge.wire import (
     Heartbeat,
     KVLayout,
     KVPoll,
-    StagingRequest,
-    TransferStatus,
 )
 
 require_engine()
@@ -407,32 +405,6 @@ def test_a_prefill_room_without_a_request_fails_at_its_deadline() -> None:
         assert sender.failure_kind == FailureKind.TIMEOUT
     finally:
         prefill.close()
-
-
-def test_ring_space_of_chunks_that_never_arrive_is_reclaimed() -> None:
-    """Prefill reports a room's failure only once nothing of it is in flight, so the ring
-    space it was granted for chunks it never wrote is free again when the failure arrives."""
-    dst = rank_cache(seed=None, **GEOMETRY)
-    decode = DecodeManager(dst.args, ManagerConfig(engine=ENGINE, staging_bytes=4096))
-    try:
-        ring = decode._ring
-        assert ring is not None
-        request = StagingRequest(
-            room=3, chunk_idx=0, chunk_num_pages=1, session_id="tcp://127.0.0.1:9",
-            prefill_rank=1, nbytes=1000,
-        )  # fmt: skip
-        decode._registered.add(request.session_id)  # as if registered with that prefill rank
-        decode._on_message(request)
-        assert ring.in_use == 1024
-        failed = TransferStatus(
-            room=3, status=KVPoll.Failed, prefill_rank=1, reason="gone",
-            session_token=decode._session_token,  # as a registered prefill rank echoes it
-        )  # fmt: skip
-        decode._on_message(failed)
-        assert ring.in_use == 0
-        assert decode._staged == {}
-    finally:
-        decode.close()
 
 
 def test_metrics_are_served_and_scraped() -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvbridge.liveness import Liveness
+from kvbridge.core.liveness import Liveness
 
 
 def test_silent_peers_are_reported_once_and_may_come_back() -> None:

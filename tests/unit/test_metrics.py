@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from kvbridge.core.room import RoomStatus
 from kvbridge.metrics import count_finished
-from kvbridge.room import RoomStatus
 from kvbridge.wire import FailureKind, KVPoll
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvbridge.room import (
+from kvbridge.core.room import (
     Chunk,
     DecodeRoom,
     PrefillRoom,
