@@ -76,8 +76,10 @@ class RankRuntime:
         with self.lock:
             side = self._side_snapshot()
         channel = {f"channel_{name}": value for name, value in asdict(self.channel.stats).items()}
-        # Messages the protocol did not act on are counted where it decides that.
-        channel["channel_ignored"] += side.counters.get("ignored", 0)
+        # Well-formed messages the protocol did not act on (from a peer it does not know, for
+        # a room or chunk it has no record of, over a limit) are counted where it decides so,
+        # and reported with the channel's counters.
+        channel["channel_ignored"] = side.counters.get("ignored", 0)
         counters = {**channel, **{k: v for k, v in side.counters.items() if k != "ignored"}}
         return Snapshot(counters, side.rooms_by_state, side.rooms_finished)
 

@@ -27,7 +27,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
 from kv_cache import rank_cache
 
-import kvbridge.prefill
+import kvbridge.runtime
 from kvbridge.cache import TransferPlan
 from kvbridge.config import ManagerConfig
 from kvbridge.engines import TransferHandle, TransferState
@@ -84,7 +84,7 @@ def main() -> None:
     mode = sys.argv[1]
     cache = rank_cache(num_pages=16, seed=SEED, **GEOMETRY)
     if mode == "gated":
-        kvbridge.prefill.create_engine = lambda name, endpoint, host, options: GatedNixl(endpoint)
+        kvbridge.runtime.create_engine = lambda name, endpoint, host, options: GatedNixl(endpoint)
         signal.signal(signal.SIGUSR1, lambda signum, frame: GatedNixl.gate.set())
         prefill = PrefillManager(cache.args, ManagerConfig(engine="nixl", run_bootstrap=True))
         say(bootstrap=prefill.bootstrap_url)

@@ -116,7 +116,7 @@ def test_forged_registrations_are_refused_and_nothing_is_written() -> None:
         push.connect(prefill.channel.endpoint)
         push.send_multipart(frames)
         wait_for(lambda: prefill.channel.stats.malformed == 1, 10)
-        assert "forger" not in prefill._peers
+        assert "forger" not in prefill.protocol.peers
         assert prefill.stats.blocks_written == 0
     finally:
         push.close(linger=0)

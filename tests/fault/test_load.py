@@ -57,7 +57,7 @@ def test_ten_thousand_rooms() -> None:
         assert prefill.open_rooms == decode.open_rooms == 0
         # The finished-room memory is bounded, its set in step with its queue (no leak).
         remembered = min(ROOMS, FINISHED_ROOMS_KEPT)
-        assert len(prefill._finished_set) == len(prefill._finished) == remembered
+        assert len(prefill.protocol._finished_set) == len(prefill.protocol._finished) == remembered
         last = ROOMS - 1
         slot = last % IN_FLIGHT
         for got, want in zip(dst.kv, src.kv, strict=True):

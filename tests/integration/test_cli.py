@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvbridge import samples
+from kvbridge.engines import REGISTRY, unavailable_reason
 from kvbridge.wire.framefile import dump_binary, load_frames
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -130,3 +131,13 @@ def test_demo_counts_requests_fits_80_columns_and_prints_json() -> None:
     assert (summary["requests"], summary["requests_verified"]) == (1, 1)
     assert summary["gbps"] > 0
     assert "1 request × 64 tokens" in one.stderr
+
+
+def test_engines_lists_every_engine_with_its_options_and_availability() -> None:
+    done = kvbridge("engines")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    for name in REGISTRY:
+        (line,) = [line for line in lines if line.startswith(f"{name}: ")]
+        assert line.endswith("— available") == (unavailable_reason(name) is None), line
+    assert "  protocol=tcp|rdma (default 'tcp'): Mooncake's transport" in lines

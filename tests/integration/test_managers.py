@@ -150,7 +150,7 @@ def test_late_request_for_a_cleared_room_does_not_recreate_it() -> None:
         wait_for(finished(receiver))  # told at once, not at its deadline
         assert "already ended on prefill rank 0" in str(receiver.failure_reason)
         assert receiver.failure_kind == FailureKind.REFUSED
-        assert 4 not in prefill._rooms
+        assert 4 not in prefill.protocol.rooms
         with pytest.raises(ValueError, match="already ended"):
             prefill.sender(4)
 

@@ -311,6 +311,24 @@ def samples_command() -> None:
         console.print(f"{name}: {metadata.get('description', '')}", highlight=False)
 
 
+@app.command("engines")
+def engines_command() -> None:
+    """List the transfer engines, their options, and whether each can be used here.
+
+    \b
+    Example:
+      kvbridge engines
+    """
+    for spec in REGISTRY.values():
+        reason = unavailable_reason(spec.name)
+        state = f"not available: {reason}" if reason else "available"
+        console.print(f"{spec.name}: {spec.summary} — {state}", highlight=False)
+        for option in spec.options:
+            values = "|".join(option.choices) or "TEXT"
+            console.print(f"  {option.name}={values} (default {option.default!r}): {option.help}",
+                          highlight=False)  # fmt: skip
+
+
 @app.command("protocol-doc")
 @click.option("--output", "-o", type=click.Path(path_type=Path), help="Write it here.")
 @click.option(

@@ -64,9 +64,6 @@ class ChannelStats:
     sockets_evicted: int = 0
     # ZMQ errors survived (no file descriptor, context full, ...), in the loop or per message.
     zmq_errors: int = 0
-    # Well-formed messages the manager did not act on: from a peer it does not know, for a
-    # room or chunk it has no record of, or over a limit (forged or stale traffic).
-    ignored: int = 0
     # CPU seconds the channel's thread used (receiving, decoding, handling, encoding, sending,
     # ticks): the control plane's cost, kept up to date by the thread itself.
     cpu_seconds: float = 0.0

@@ -376,8 +376,15 @@ class DecodeProtocol:
         stale = [key for key in self._staged if (key[0], key[1]) in writers]
         for key in stale:
             self.ring.free(self._staged.pop(key))
-        if stale:
-            log.info("reclaimed ring space of %d chunk(s) that will not arrive", len(stale))
+        # Requests still waiting for space would be granted to a writer that is gone.
+        waiting = len(self._waiting)
+        self._waiting = deque(
+            request for request in self._waiting
+            if (request.prefill_rank, request.room) not in writers
+        )  # fmt: skip
+        if stale or waiting != len(self._waiting):
+            log.info("reclaimed ring space of %d chunk(s) that will not arrive, dropped %d "
+                     "waiting request(s)", len(stale), waiting - len(self._waiting))  # fmt: skip
 
     # --- the scheduler's rooms -------------------------------------------------------------
 

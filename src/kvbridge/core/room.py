@@ -125,6 +125,9 @@ class PrefillRoom:
     # it is in flight: decode may reuse the pages as soon as it hears.
     failure_reported: bool = False
     pending_acks: set[str] = field(default_factory=set)
+    # Decode peers that asked about the room after it failed, while a write of it was still
+    # in flight: they hear how it ended with its destinations, once nothing is in flight.
+    late_askers: set[str] = field(default_factory=set)
 
     def request_overdue(self, now: float, timeout_s: float) -> bool:
         """Still waiting for decode's request(s) after `timeout_s`."""

@@ -1,0 +1,824 @@
+"""Prefill's protocol, pure: every rule of a prefill rank, with no sockets, threads or clock reads.
+
+`PrefillManager` feeds it events — a control message arrived, the scheduler opened a room,
+queued a chunk, aborted or cleared a room, the engine connected to a peer or ended a write, a
+tick — each with the time, and executes the actions it returns, in order: send a message,
+connect the engine to a decode peer, write one job, wake whoever waits on rooms.
+
+The rules that live here: which decode peers are admitted (caps, duplicates, pairing), which
+rooms a request may create, a room's chunks in order and one write of a room at a time, the
+staging flow (ask decode for ring space, fall back to per-token blocks when it never fits),
+the write lease (a decode peer's echo of a heartbeat lets this rank write to it for one peer
+timeout from when that heartbeat was sent), the deadlines, and the safe-abort rule: a failed
+room is reported to its destinations, and aborts are acknowledged, only once no write of it
+is in flight, because decode may reuse the pages as soon as it hears.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter, OrderedDict, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from kvbridge.cache import GeometryError, KVArgs, PlanError, TransferPlan, plan_slots
+from kvbridge.cache.peer import kv_args_of
+from kvbridge.cache.plan import Pairing, pair, plan_state_slices, token_rows
+from kvbridge.core.liveness import Liveness
+from kvbridge.core.room import Chunk, ChunkJob, Failure, PrefillRoom, notification_for
+from kvbridge.staging.kernels import staged_size
+from kvbridge.wire import (
+    Abort,
+    AbortAck,
+    ChunkReady,
+    FailureKind,
+    Heartbeat,
+    KVPoll,
+    Message,
+    Registration,
+    StagingRequest,
+    StagingResponse,
+    TransferRequest,
+    TransferStatus,
+    Watermark,
+)
+from kvbridge.wire.address import tcp_endpoint
+
+log = logging.getLogger("kvbridge.prefill")
+# Rooms that ended are remembered this long (by count) so late messages never re-create them.
+FINISHED_ROOMS_KEPT = 65536
+# Heartbeat send times kept for decode's echoes (heartbeats are 0.5 s apart by default).
+MAX_BEATS_REMEMBERED = 64
+# Without a secret anyone who reaches the port can send requests: rooms that requests create
+# before the scheduler claims them, and registered decode peers, are capped.
+MAX_UNCLAIMED_ROOMS = 16384
+MAX_DECODE_PEERS = 1024
+
+
+# --- actions: what the manager executes ----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Send:
+    endpoint: str
+    message: Message
+
+
+@dataclass(frozen=True)
+class Connect:
+    """Connect the engine to a decode peer; report `Connected`."""
+
+    peer_id: str
+    descriptor: bytes
+    peer_args: KVArgs
+
+
+@dataclass(frozen=True)
+class StagedChunk:
+    """A chunk gathered into the local staging buffer and written in one block to decode's
+    ring: the token rows and the byte columns to gather, where it goes, and the message that
+    tells decode it landed (sent once the write ended)."""
+
+    src_rows: npt.NDArray[np.int64]
+    column: int
+    width: int
+    nbytes: int
+    dst_ptr: int
+    ready: ChunkReady
+
+
+@dataclass(frozen=True)
+class Write:
+    """Write one job: plan it (or gather it, when staged), write it to the peer with the
+    notification if any, and report `WriteEnded`."""
+
+    room: int
+    job: ChunkJob
+    peer_args: KVArgs
+    pairing: Pairing
+    notify: bytes
+    staged: StagedChunk | None = None
+
+
+@dataclass(frozen=True)
+class RoomsChanged:
+    """A room may have ended or its pages come free: wake whoever waits for that."""
+
+
+Action = Send | Connect | Write | RoomsChanged
+
+
+# --- local events ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SenderOpened:
+    """The scheduler made a KVSender: the room is claimed (created if new)."""
+
+    room: int
+
+
+@dataclass(frozen=True)
+class ChunkSubmitted:
+    room: int
+    chunk: Chunk
+
+
+@dataclass(frozen=True)
+class SenderAborted:
+    room: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class SenderCleared:
+    """The scheduler's one cleanup of a room."""
+
+    room: int
+
+
+@dataclass(frozen=True)
+class Connected:
+    """A `Connect` ended; `error` is why it failed, or None."""
+
+    peer_id: str
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class WriteEnded:
+    """A `Write` ended; `failure` is why it failed, or None."""
+
+    room: int
+    failure: Failure | None = None
+
+
+@dataclass(frozen=True)
+class Tick:
+    pass
+
+
+Event = (
+    Message | SenderOpened | ChunkSubmitted | SenderAborted | SenderCleared | Connected
+    | WriteEnded | Tick
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class PrefillSettings:
+    kv_args: KVArgs
+    endpoint: str  # this rank's control endpoint (decode answers staging requests there)
+    engine: str
+    heartbeat_interval_s: float
+    peer_timeout_s: float
+    request_timeout_s: float
+    staging_timeout_s: float
+    staging_bytes: int | None = None  # the local staging buffer's size; None: none
+
+    @property
+    def rank(self) -> int:
+        return self.kv_args.attn_tp_rank
+
+
+@dataclass
+class DecodePeer:
+    registration: Registration
+    endpoint: str
+    kv_args: KVArgs | None = None
+    pairing: Pairing | None = None
+    connected: bool = False
+    error: Failure | None = None
+    # Until when (monotonic) this rank may write to the peer: set from decode's echo of one of
+    # this rank's heartbeats, counted from when that heartbeat was sent; 0: never granted.
+    lease_until: float = 0.0
+
+    @property
+    def token(self) -> bytes:
+        return self.registration.session_token
+
+
+@dataclass
+class _ChunkInProgress:
+    """A room's current chunk: its jobs not yet started, and what is out — a `Write` the
+    manager has not reported on, or a staging request decode has not answered."""
+
+    jobs: deque[ChunkJob]
+    last: bool
+    writing: Write | None = None
+    staging: _AwaitedStaging | None = None
+
+
+@dataclass(frozen=True)
+class _AwaitedStaging:
+    job: ChunkJob
+    request: StagingRequest
+    asked_at: float
+    src_rows: npt.NDArray[np.int64]
+    column: int
+    width: int
+
+
+@dataclass
+class PrefillStats:
+    peers_declared_dead: int = 0
+    rooms_started: int = 0
+    rooms_finished: dict[tuple[str, str], int] = field(default_factory=dict)
+    staged_chunks: int = 0
+    staging_fallbacks: int = 0
+    watermarks: int = 0
+    ignored: int = 0  # well-formed messages this rank does not act on
+    # Kept by the manager's worker: where its time goes (seconds) and what it wrote.
+    blocks_written: int = 0
+    staging_wait_s: float = 0.0
+    plan_s: float = 0.0
+    gather_s: float = 0.0
+    write_s: float = 0.0
+
+
+class PrefillProtocol:
+    def __init__(self, settings: PrefillSettings) -> None:
+        self.settings = settings
+        self.rank = settings.rank
+        self.stats = PrefillStats()
+        self.rooms: dict[int, PrefillRoom] = {}
+        # Rooms created by a request with no sender yet, oldest first (a dict keeps the order).
+        self._unclaimed: dict[int, None] = {}
+        self._finished: deque[int] = deque(maxlen=FINISHED_ROOMS_KEPT)
+        self._finished_set: set[int] = set()
+        self.peers: dict[str, DecodePeer] = {}
+        self._peer_by_endpoint: dict[str, str] = {}
+        self._chunks: dict[int, _ChunkInProgress] = {}
+        self.liveness = Liveness(settings.heartbeat_interval_s, settings.peer_timeout_s)
+        self._heartbeats = 0
+        self._beats_sent: OrderedDict[int, float] = OrderedDict()  # sequence → when sent
+        self._handlers: dict[type, Callable[[Any, float], list[Action]]] = {
+            Registration: self._on_registration,
+            TransferRequest: self._on_request,
+            Abort: self._on_abort,
+            Heartbeat: self._on_heartbeat,
+            StagingResponse: self._on_staging_response,
+            Watermark: self._on_watermark,
+            SenderOpened: self._on_sender_opened,
+            ChunkSubmitted: self._on_chunk_submitted,
+            SenderAborted: self._on_sender_aborted,
+            SenderCleared: self._on_sender_cleared,
+            Connected: self._on_connected,
+            WriteEnded: self._on_write_ended,
+            Tick: self._on_tick,
+        }
+
+    def handle(self, event: Event, now: float) -> list[Action]:
+        """The actions an event calls for, in the order they must be executed."""
+        handler = self._handlers.get(type(event))
+        if handler is None:
+            log.warning("unexpected %s on a prefill rank, ignored", type(event).__name__)
+            return []
+        self._heard(event, now)
+        return handler(event, now)
+
+    # --- queries ---------------------------------------------------------------------------
+
+    def lease_problem(self, peer_id: str, now: float) -> str | None:
+        """Why this rank may not write to the peer now (its lease ran out), or None."""
+        peer = self.peers.get(peer_id)
+        if peer is not None and now < peer.lease_until:
+            return None
+        if peer is None or not peer.lease_until:
+            return f"decode {peer_id} has not answered a heartbeat (no write lease)"
+        return (
+            f"the write lease on decode {peer_id} ran out {now - peer.lease_until:.1f} s ago "
+            "(not heard from it): this rank stopped writing to it"
+        )
+
+    def pages_free(self, room: int) -> bool:
+        """Whether the room's pages can go back to the allocator: the room ended and no write
+        of it is in flight (an engine may read them until then)."""
+        state = self.rooms.get(room)
+        if state is None:
+            return True
+        return state.status.poll == KVPoll.Success or (
+            state.status.poll == KVPoll.Failed and not state.in_flight
+        )
+
+    @property
+    def busy(self) -> bool:
+        return any(not state.status.finished for state in self.rooms.values())
+
+    def rooms_by_state(self) -> Counter[str]:
+        return Counter(state.status.poll.name for state in self.rooms.values())
+
+    # --- helpers ---------------------------------------------------------------------------
+
+    def _ignore(self, why: str, *args: object) -> list[Action]:
+        self.stats.ignored += 1
+        log.debug("ignored: " + why, *args)
+        return []
+
+    def _heard(self, event: Event, now: float) -> None:
+        """Any message from a registered decode peer is a sign of life."""
+        sender: str | None = None
+        if isinstance(event, (Registration, TransferRequest)):
+            sender = event.peer_id
+        elif isinstance(event, Heartbeat):
+            sender = event.sender_id
+        elif isinstance(event, (StagingResponse, Watermark)):
+            sender = event.session_id
+        if sender is not None and sender in self.peers:
+            self.liveness.seen(sender, now)
+
+    def _room(self, room: int, now: float) -> PrefillRoom | None:
+        """The room's state; created on first use unless it already ended here."""
+        state = self.rooms.get(room)
+        if state is None and room not in self._finished_set:
+            state = self.rooms[room] = PrefillRoom(
+                room, created_at=now, page_size=self.settings.kv_args.page_size
+            )
+            self.stats.rooms_started += 1
+            self._unclaimed[room] = None
+        return state
+
+    def _room_for_peer(
+        self, room: int, peer: DecodePeer, now: float
+    ) -> tuple[PrefillRoom | None, list[Action]]:
+        """The room a decode peer's message is about, created if new (within the cap of rooms
+        that no sender claimed); None, with the message telling the peer why, if there is
+        none."""
+        state = self.rooms.get(room)
+        if state is not None:
+            return state, []
+        if room in self._finished_set:
+            reason = f"room {room} already ended on prefill rank {self.rank}"
+        elif len(self._unclaimed) >= MAX_UNCLAIMED_ROOMS:
+            reason = (f"prefill rank {self.rank} holds {MAX_UNCLAIMED_ROOMS} rooms that no "
+                      "scheduler started; refused")  # fmt: skip
+        else:
+            return self._room(room, now), []
+        failed = TransferStatus(
+            room, KVPoll.Failed, self.rank, reason, peer.token, FailureKind.REFUSED
+        )
+        self._ignore("%s", reason)
+        return None, [Send(peer.endpoint, failed)]
+
+    def _report(self, state: PrefillRoom, also_peer: str | None = None) -> list[Action]:
+        """Tell every destination of the room (and `also_peer`) how it ended."""
+        peers = set(state.requests) | state.late_askers | ({also_peer} if also_peer else set())
+        actions: list[Action] = []
+        for peer_id in sorted(peers):
+            peer = self.peers.get(peer_id)
+            if peer is None:
+                continue
+            status = TransferStatus(
+                room=state.room,
+                status=state.status.poll,
+                prefill_rank=self.rank,
+                reason=state.status.failure_reason or "",
+                session_token=peer.token,
+                failure_kind=state.status.failure_kind,
+            )
+            actions.append(Send(peer.endpoint, status))
+        return actions
+
+    def _fail(
+        self, state: PrefillRoom, failure: Failure, peer_id: str | None = None
+    ) -> list[Action]:
+        """Fail the room; tell its destinations (and acknowledge aborts) once nothing of it
+        is out — at once if idle, else when its write ends or decode answers its staging
+        request (decode frees ring space granted to a room when it hears the room failed)."""
+        actions: list[Action] = []
+        if state.status.fail(failure.kind, failure.reason):
+            log.warning("room %d failed (%s): %s", state.room, failure.kind, failure.reason)
+            actions.append(RoomsChanged())
+        if peer_id is not None and peer_id not in state.requests:
+            actions += self._report(state, also_peer=peer_id)  # a peer it never wrote to
+        chunk = self._chunks.get(state.room)
+        if chunk is None or (chunk.writing is None and chunk.staging is None):
+            actions += self._settle(state)
+        return actions
+
+    def _settle(self, state: PrefillRoom) -> list[Action]:
+        """A failed room with nothing out: report it once, acknowledge every abort."""
+        state.in_flight = False
+        self._chunks.pop(state.room, None)
+        actions: list[Action] = []
+        if not state.failure_reported:
+            state.failure_reported = True
+            actions += self._report(state)
+        for endpoint in sorted(state.pending_acks):
+            peer = self._peer_at(endpoint)
+            token = peer.token if peer is not None else b""
+            actions.append(Send(endpoint, AbortAck(state.room, self.rank, token)))
+        state.pending_acks.clear()
+        return [*actions, RoomsChanged()]
+
+    def _peer_at(self, endpoint: str) -> DecodePeer | None:
+        peer_id = self._peer_by_endpoint.get(endpoint)
+        return self.peers.get(peer_id) if peer_id is not None else None
+
+    def _clear(self, room: int) -> None:
+        """The one cleanup path of a room (idempotent)."""
+        state = self.rooms.pop(room, None)
+        if state is None:
+            return
+        status = state.status
+        finished = self.stats.rooms_finished
+        finished[status.outcome] = finished.get(status.outcome, 0) + 1
+        log.debug("room %d: cleared (%s)", room, status.failure_reason or status.poll.name)
+        self._unclaimed.pop(room, None)
+        self._chunks.pop(room, None)
+        if len(self._finished) == self._finished.maxlen:
+            self._finished_set.discard(self._finished[0])
+        self._finished.append(room)
+        self._finished_set.add(room)
+
+    # --- a room's chunks, one job at a time ------------------------------------------------
+
+    def _schedule(self, state: PrefillRoom, now: float) -> list[Action]:
+        """Start the room's next chunk if it can start; report success when the last ended."""
+        if state.room in self._chunks:
+            return []
+        try:
+            jobs = state.next_jobs()
+        except ValueError as exc:
+            return self._fail(state, Failure(FailureKind.INTERNAL, str(exc)))
+        if jobs:
+            self._chunks[state.room] = _ChunkInProgress(deque(jobs), jobs[0].last)
+            return self._advance(state, now)
+        if state.status.poll == KVPoll.Success:
+            return [*self._report(state), RoomsChanged()]
+        return []
+
+    def _advance(self, state: PrefillRoom, now: float) -> list[Action]:
+        """Start the current chunk's next job; when none is left, the chunk is written."""
+        chunk = self._chunks[state.room]
+        if chunk.jobs:
+            return self._start(state, chunk, chunk.jobs.popleft(), now)
+        del self._chunks[state.room]
+        state.chunk_written(chunk.last)
+        return [RoomsChanged(), *self._schedule(state, now)]
+
+    def _start(
+        self, state: PrefillRoom, chunk: _ChunkInProgress, job: ChunkJob, now: float
+    ) -> list[Action]:
+        peer = self.peers.get(job.peer_id)
+        if peer is None or peer.error is not None or peer.kv_args is None or peer.pairing is None:
+            why = peer.error.reason if peer is not None and peer.error else "not connected"
+            failure = Failure(FailureKind.ENGINE, f"room {state.room}: {why}")
+            return self._fail(state, failure)
+        if peer.pairing.stageable:
+            request = self._staging_request(job, peer, chunk, now)
+            if request is not None:
+                return [Send(peer.endpoint, request)]
+        return [self._write(chunk, job, peer, None)]
+
+    def _write(
+        self, chunk: _ChunkInProgress, job: ChunkJob, peer: DecodePeer, staged: StagedChunk | None
+    ) -> Write:
+        assert peer.kv_args is not None
+        assert peer.pairing is not None
+        notify = notification_for(job.room, self.rank) if job.last else b""
+        chunk.writing = Write(job.room, job, peer.kv_args, peer.pairing, notify, staged)
+        return chunk.writing
+
+    def _staging_request(
+        self, job: ChunkJob, peer: DecodePeer, chunk: _ChunkInProgress, now: float
+    ) -> StagingRequest | None:
+        """Ask decode for ring space for the chunk's head slices (gathered into one block);
+        None to send it token by token: no buffer on either side, or too big for one."""
+        local, peer_args, pairing = self.settings.kv_args, peer.kv_args, peer.pairing
+        assert peer_args is not None
+        assert pairing is not None
+        assert pairing.source is not None
+        ring = peer_args.staging_buffer
+        if self.settings.staging_bytes is None or ring is None:
+            self.stats.staging_fallbacks += 1
+            return None
+        source = pairing.source
+        token_start = job.page_offset * local.page_size
+        src_rows, _ = token_rows(
+            job.src_pages, local.page_size, token_start,
+            np.asarray(job.dst_pages, dtype=np.int64), peer_args.page_size,
+            peer_args.dcp_size, peer_args.dcp_rank,
+        )  # fmt: skip
+        head_bytes = local.head_dim * local.dtype_size
+        width = source.heads.count * head_bytes
+        nbytes = staged_size(len(local.kv_buffers), src_rows.size, width)
+        if nbytes == 0 or nbytes > self.settings.staging_bytes or nbytes > ring.length:
+            self.stats.staging_fallbacks += 1
+            return None
+        request = StagingRequest(
+            room=job.room, chunk_idx=job.chunk_idx, chunk_num_pages=job.src_pages.size,
+            session_id=self.settings.endpoint, prefill_rank=self.rank, nbytes=nbytes,
+        )  # fmt: skip
+        column = source.src_head_offset * head_bytes
+        chunk.staging = _AwaitedStaging(job, request, now, src_rows, column, width)
+        return request
+
+    def _on_staging_response(self, answer: StagingResponse, now: float) -> list[Action]:
+        chunk = self._chunks.get(answer.room)
+        awaited = chunk.staging if chunk is not None else None
+        if (
+            chunk is None
+            or awaited is None
+            or awaited.job.peer_id != answer.session_id
+            or awaited.job.chunk_idx != answer.chunk_idx
+        ):  # an answer nobody waits for is never kept
+            return self._ignore("staging answer for room %d chunk %d that nobody awaits",
+                                answer.room, answer.chunk_idx)  # fmt: skip
+        chunk.staging = None
+        self.stats.staging_wait_s += now - awaited.asked_at
+        state = self.rooms[answer.room]
+        if state.status.finished:  # it failed meanwhile; decode frees the grant on hearing it
+            return self._settle(state)
+        job, peer = awaited.job, self.peers[awaited.job.peer_id]
+        if answer.never_fits:
+            self.stats.staging_fallbacks += 1
+            return [self._write(chunk, job, peer, None)]
+        assert peer.kv_args is not None
+        assert peer.kv_args.staging_buffer is not None
+        local = self.settings.kv_args
+        ready = ChunkReady(
+            room=job.room, chunk_idx=job.chunk_idx, page_start=job.page_offset,
+            num_pages=job.src_pages.size, session_id=self.settings.endpoint,
+            prefill_rank=self.rank, token_start=job.page_offset * local.page_size,
+            token_count=job.src_pages.size * local.page_size,
+        )  # fmt: skip
+        staged = StagedChunk(
+            awaited.src_rows, awaited.column, awaited.width, awaited.request.nbytes,
+            peer.kv_args.staging_buffer.ptr + answer.offset, ready,
+        )  # fmt: skip
+        self.stats.staged_chunks += 1
+        return [self._write(chunk, job, peer, staged)]
+
+    def _on_write_ended(self, ended: WriteEnded, now: float) -> list[Action]:
+        state = self.rooms.get(ended.room)
+        chunk = self._chunks.get(ended.room)
+        if state is None or chunk is None or chunk.writing is None:
+            return [RoomsChanged()]  # cleared meanwhile
+        write, chunk.writing = chunk.writing, None
+        if ended.failure is not None:
+            state.status.fail(ended.failure.kind, ended.failure.reason)
+        if state.status.poll == KVPoll.Failed:
+            return self._settle(state)  # now nothing of this room is out
+        actions: list[Action] = []
+        peer = self.peers.get(write.job.peer_id)
+        if write.staged is not None and peer is not None:  # it landed: decode may scatter it
+            actions.append(Send(peer.endpoint, write.staged.ready))
+        return actions + self._advance(state, now)
+
+    # --- messages from decode peers --------------------------------------------------------
+
+    def _on_registration(self, registration: Registration, now: float) -> list[Action]:
+        known = self.peers.get(registration.peer_id)
+        twin = next((other for other in self.peers.values()
+                     if other.registration.engine_descriptor
+                     == registration.engine_descriptor), None)  # fmt: skip
+        if known is not None:
+            # A decode rank registers once; its peer id names one process. A different
+            # registration under a known id is someone else's; the same one again means decode
+            # forgot this rank (it declared it dead): a heartbeat now renews the write lease.
+            if known.registration != registration:
+                return self._ignore("a changed registration for known decode %s",
+                                    registration.peer_id)  # fmt: skip
+            return self._heartbeats_to([known], now)
+        if twin is not None or len(self.peers) >= MAX_DECODE_PEERS:
+            return self._ignore("registration of %s: %s", registration.peer_id[:100],
+                                "engine endpoint already registered by "
+                                + twin.registration.peer_id if twin
+                                else f"{MAX_DECODE_PEERS} decode peers already")  # fmt: skip
+        endpoint = tcp_endpoint(registration.host, registration.control_port)
+        peer = DecodePeer(registration, endpoint)
+        try:
+            peer.kv_args = kv_args_of(registration)
+            peer.pairing = pair(self.settings.kv_args, peer.kv_args)
+        except (GeometryError, PlanError) as exc:
+            reason = f"decode {registration.peer_id} cannot be served: {exc}"
+            peer.error = Failure(FailureKind.INCOMPATIBLE, reason)
+            log.error("%s", reason)
+        if registration.engine != self.settings.engine:
+            peer.error = Failure(
+                FailureKind.INCOMPATIBLE,
+                f"decode {registration.peer_id} uses engine {registration.engine}, this prefill "
+                f"rank {self.settings.engine}",
+            )
+        self.peers[registration.peer_id] = peer
+        self._peer_by_endpoint[endpoint] = registration.peer_id
+        self.liveness.seen(registration.peer_id, now)
+        actions = self._heartbeats_to([peer], now)  # its echo grants the first lease
+        if peer.error is None and peer.kv_args is not None:
+            actions.append(Connect(registration.peer_id, registration.engine_descriptor,
+                                   peer.kv_args))  # fmt: skip
+        return actions
+
+    def _on_connected(self, event: Connected, now: float) -> list[Action]:
+        peer = self.peers.get(event.peer_id)
+        if peer is None:
+            return []
+        if event.error is None:
+            peer.connected = True
+            return []
+        reason = f"cannot connect to decode {event.peer_id}: {event.error}"
+        peer.error = Failure(FailureKind.ENGINE, reason)
+        log.error("%s", reason)
+        return []
+
+    def _on_request(self, message: TransferRequest, now: float) -> list[Action]:
+        peer = self.peers.get(message.peer_id)
+        if peer is None:  # creates nothing: anyone can send a request
+            return self._ignore("request for room %d from unregistered decode %s",
+                                message.room, message.peer_id[:100])  # fmt: skip
+        state, actions = self._room_for_peer(message.room, peer, now)
+        if state is None:
+            return actions
+        if state.status.finished and state.in_flight:
+            state.late_askers.add(peer.registration.peer_id)  # told once nothing is in flight
+            return []
+        if state.status.finished:
+            # A room id is used once: a second request for an ended room gets the answer at
+            # once rather than silence until decode's deadline.
+            ended = state.status.failure_reason or f"it ended ({state.status.poll})"
+            reason = f"room {message.room} already ended on prefill rank {self.rank}: {ended}"
+            failed = TransferStatus(
+                message.room, KVPoll.Failed, self.rank, reason, peer.token, FailureKind.REFUSED
+            )
+            return [Send(peer.endpoint, failed)]
+        if peer.error:
+            failure = Failure(peer.error.kind, f"room {message.room}: {peer.error.reason}")
+            return self._fail(state, failure, message.peer_id)
+        dst = peer.kv_args
+        problem = state.prefix_problem(message, dst.page_size * dst.dcp_size if dst else 1)
+        if problem is not None:
+            return self._fail(state, Failure(FailureKind.INCOMPATIBLE, problem), message.peer_id)
+        state.on_request(message)
+        log.debug("room %d: %s from decode %s, %d page(s)", message.room,
+                  "dummy request" if message.is_dummy else "request", message.peer_id,
+                  len(message.dst_kv_indices))  # fmt: skip
+        return self._schedule(state, now)
+
+    def _on_abort(self, message: Abort, now: float) -> list[Action]:
+        endpoint = tcp_endpoint(message.decode_ip, message.decode_port)
+        state = self.rooms.get(message.room)
+        # Only a decode peer of this room (or, before its request, any registered peer) may
+        # end it.
+        askers = {self.peers[p].endpoint for p in state.requests} if state else set()
+        peer = self._peer_at(endpoint)
+        if peer is None or (askers and endpoint not in askers):
+            return self._ignore("abort of room %d from %s, not a decode peer of it",
+                                message.room, endpoint)  # fmt: skip
+        actions: list[Action] = []
+        if state is None:  # aborted before its request (or its sender): it starts failed
+            state, actions = self._room_for_peer(message.room, peer, now)
+        if state is None or state.status.poll == KVPoll.Success:
+            # Nothing of this room can be in flight: confirm at once.
+            return [*actions, Send(endpoint, AbortAck(message.room, self.rank, peer.token))]
+        state.pending_acks.add(endpoint)
+        why = message.reason or "no reason given"
+        reason = f"room {message.room}: aborted by decode: {why}"
+        return self._fail(state, Failure(FailureKind.ABORTED, reason))
+
+    def _on_heartbeat(self, message: Heartbeat, now: float) -> list[Action]:
+        """Decode's heartbeat echoes the last of ours it heard: the write lease runs from when
+        that one was sent (a heartbeat read late, after a stall, extends nothing)."""
+        peer = self.peers.get(message.sender_id)
+        sent = self._beats_sent.get(message.ack_sequence) if message.ack_sequence else None
+        if peer is not None and sent is not None:
+            peer.lease_until = max(peer.lease_until, sent + message.lease_ms / 1000)
+        return []
+
+    def _on_watermark(self, message: Watermark, now: float) -> list[Action]:
+        self.stats.watermarks += 1
+        return []
+
+    def _heartbeats_to(self, peers: Sequence[DecodePeer], now: float) -> list[Action]:
+        self._heartbeats += 1
+        self._beats_sent[self._heartbeats] = now
+        while len(self._beats_sent) > MAX_BEATS_REMEMBERED:
+            self._beats_sent.popitem(last=False)
+        lease_ms = int(self.settings.peer_timeout_s * 1000)
+        endpoint, sequence = self.settings.endpoint, self._heartbeats
+        beats = [(peer, Heartbeat(endpoint, sequence, lease_ms, session_token=peer.token))
+                 for peer in peers]  # fmt: skip
+        return [Send(peer.endpoint, beat) for peer, beat in beats]
+
+    # --- the scheduler's rooms -------------------------------------------------------------
+
+    def _on_sender_opened(self, event: SenderOpened, now: float) -> list[Action]:
+        state = self._room(event.room, now)
+        if state is not None:
+            state.claimed = True
+            self._unclaimed.pop(event.room, None)
+        return []
+
+    def _on_chunk_submitted(self, event: ChunkSubmitted, now: float) -> list[Action]:
+        state = self.rooms.get(event.room)
+        if state is None or state.status.finished:
+            return []
+        state.add_chunk(event.chunk)  # ValueError after the last chunk: the caller's mistake
+        return self._schedule(state, now)
+
+    def _on_sender_aborted(self, event: SenderAborted, now: float) -> list[Action]:
+        state = self.rooms.get(event.room)
+        if state is None:
+            return []
+        return self._fail(
+            state, Failure(FailureKind.ABORTED, f"aborted by prefill: {event.reason}")
+        )
+
+    def _on_sender_cleared(self, event: SenderCleared, now: float) -> list[Action]:
+        self._clear(event.room)
+        return []
+
+    # --- time --------------------------------------------------------------------------------
+
+    def _on_tick(self, tick: Tick, now: float) -> list[Action]:
+        """Heartbeats to every decode peer; deadlines; rooms of peers that fell silent fail."""
+        settings = self.settings
+        actions: list[Action] = []
+        if self.liveness.heartbeat_due(now):
+            actions += self._heartbeats_to(list(self.peers.values()), now)
+        timeout_s = settings.request_timeout_s
+        for state in list(self.rooms.values()):
+            if state.request_overdue(now, timeout_s):
+                got, wanted = len(state.requests), state.required_requests or "any"
+                reason = (f"room {state.room}: {got} of {wanted} transfer request(s) from "
+                          f"decode in {timeout_s:g} s")  # fmt: skip
+                actions += self._fail(state, Failure(FailureKind.TIMEOUT, reason))
+        # Rooms that decode asked for and the scheduler never started: nobody will clear them,
+        # so they fail (decode hears why) and leave the table.
+        while self._unclaimed:
+            room = next(iter(self._unclaimed))
+            if not self.rooms[room].claim_overdue(now, timeout_s):
+                break
+            reason = (f"room {room}: prefill rank {self.rank} was not given this room "
+                      f"within {timeout_s:g} s of decode's request")  # fmt: skip
+            actions += self._fail(self.rooms[room], Failure(FailureKind.TIMEOUT, reason))
+            self._clear(room)
+        for room, chunk in list(self._chunks.items()):
+            awaited = chunk.staging
+            if awaited is not None and now - awaited.asked_at > settings.staging_timeout_s:
+                chunk.staging = None
+                reason = (f"room {room}: decode {awaited.job.peer_id} gave no staging space "
+                          f"for chunk {awaited.job.chunk_idx} in "
+                          f"{settings.staging_timeout_s:g} s")  # fmt: skip
+                actions += self._fail(self.rooms[room], Failure(FailureKind.TIMEOUT, reason))
+        for peer_id, silent_s in self.liveness.expired(now):
+            actions += self._peer_dead(peer_id, silent_s)
+        return actions
+
+    def _peer_dead(self, peer_id: str, silent_s: float) -> list[Action]:
+        self.stats.peers_declared_dead += 1
+        reason = (
+            f"decode {peer_id} silent for {silent_s:.1f} s (peer timeout "
+            f"{self.settings.peer_timeout_s:g} s)"
+        )
+        affected = [state for state in self.rooms.values()
+                    if peer_id in state.requests and not state.status.finished]  # fmt: skip
+        actions: list[Action] = []
+        for state in affected:
+            chunk = self._chunks.get(state.room)
+            awaited = chunk.staging if chunk is not None else None
+            if chunk is not None and awaited is not None and awaited.job.peer_id == peer_id:
+                chunk.staging = None  # it will never answer
+            failure = Failure(FailureKind.PEER_DEAD, f"room {state.room}: {reason}")
+            actions += self._fail(state, failure)
+        if affected:
+            log.warning("%s: %d room(s) failed", reason, len(affected))
+        else:
+            log.info("%s", reason)
+        return actions
+
+
+def plan_write(local: KVArgs, write: Write, staging_ptr: int) -> TransferPlan:
+    """A job's blocks: its KV (one block from the staging buffer when staged, else planned
+    over the caches) plus, with the last chunk, the aux and state slots."""
+    job, peer_args = write.job, write.peer_args
+    if write.staged is not None:
+        kv_plan = TransferPlan(
+            np.array([staging_ptr], dtype=np.uint64),
+            np.array([write.staged.dst_ptr], dtype=np.uint64),
+            np.array([write.staged.nbytes], dtype=np.uint64),
+        )
+    else:
+        kv_plan = write.pairing.plan(local, peer_args, job.src_pages, job.page_offset,
+                                     job.dst_pages)  # fmt: skip
+    plans = [kv_plan]
+    if job.last and job.src_aux_index is not None and job.dst_aux_index is not None:
+        plans.append(plan_slots(local.aux_buffers, peer_args.aux_buffers, job.src_aux_index,
+                                job.dst_aux_index, "aux"))  # fmt: skip
+    if job.last and job.src_state_indices:
+        if len(job.src_state_indices) != len(job.dst_state_indices):
+            raise PlanError(
+                f"{len(job.src_state_indices)} local state slots but decode gave "
+                f"{len(job.dst_state_indices)}"
+            )
+        equal_tp = local.attn_tp_size == peer_args.attn_tp_size
+        for src_slot, dst_slot in zip(job.src_state_indices, job.dst_state_indices, strict=True):
+            if equal_tp:  # whole slots
+                plans.append(plan_slots(local.state_buffers, peer_args.state_buffers, src_slot,
+                                        dst_slot, "state"))  # fmt: skip
+            else:  # this rank's shard of each slot
+                plans.append(plan_state_slices(local, peer_args, src_slot, dst_slot))
+    return TransferPlan.concat(*plans)

@@ -1,0 +1,372 @@
+"""Prefill's protocol core without sockets, threads or an engine: admission, the write path
+job by job, the staging flow, leases, deadlines, and random event sequences that never
+report a failure (or acknowledge an abort) while a write of the room can still land."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from kv_cache import rank_cache
+
+from kvbridge.cache import BufferSpec, KVArgs
+from kvbridge.cache.peer import registration_for
+from kvbridge.core.prefill_protocol import (
+    MAX_UNCLAIMED_ROOMS,
+    Action,
+    ChunkSubmitted,
+    Connect,
+    Connected,
+    PrefillProtocol,
+    PrefillSettings,
+    Send,
+    SenderAborted,
+    SenderCleared,
+    SenderOpened,
+    Tick,
+    Write,
+    WriteEnded,
+)
+from kvbridge.core.room import Chunk, Failure
+from kvbridge.wire import (
+    Abort,
+    AbortAck,
+    ChunkReady,
+    FailureKind,
+    Heartbeat,
+    KVPoll,
+    Registration,
+    StagingRequest,
+    StagingResponse,
+    TransferRequest,
+    TransferStatus,
+)
+
+GEOMETRY = dict(layer_ids=(0, 1), page_size=4, total_kv_heads=2, head_dim=8)
+DECODE_ENDPOINT = "tcp://10.0.0.2:7100"
+PEER = f"decode-0@{DECODE_ENDPOINT}"
+TOKEN = b"d" * 16
+TIMEOUT_S = 3.0
+RING_PTR = 0x7000_0000
+
+
+def protocol(local: KVArgs | None = None, staging_bytes: int | None = 1 << 20) -> PrefillProtocol:
+    return PrefillProtocol(
+        PrefillSettings(
+            kv_args=local or rank_cache(seed=1, **GEOMETRY).args,
+            endpoint="tcp://10.0.0.1:7000", engine="nixl", heartbeat_interval_s=0.5,
+            peer_timeout_s=TIMEOUT_S, request_timeout_s=30.0, staging_timeout_s=5.0,
+            staging_bytes=staging_bytes,
+        )
+    )  # fmt: skip
+
+
+def registration(
+    args: KVArgs | None = None, peer_id: str = PEER, engine: str = "nixl"
+) -> Registration:
+    return registration_for(
+        args or rank_cache(seed=None, **GEOMETRY).args, peer_id=peer_id, host="10.0.0.2",
+        control_port=7100, engine=engine, engine_descriptor=peer_id.encode(),
+        session_token=TOKEN,
+    )  # fmt: skip
+
+
+def leased(prefill: PrefillProtocol, now: float = 0.0) -> list[Action]:
+    """Register the decode peer, connect, and echo the first heartbeat (the write lease)."""
+    actions = prefill.handle(registration(), now)
+    (beat,) = [a.message for a in actions if isinstance(a, Send)]
+    assert isinstance(beat, Heartbeat)
+    assert beat.session_token == TOKEN
+    assert any(isinstance(a, Connect) for a in actions)
+    prefill.handle(Connected(PEER), now)
+    prefill.handle(Heartbeat(PEER, 1, int(TIMEOUT_S * 1000), beat.sequence), now)
+    return actions
+
+
+def request(room: int, pages: list[int], peer: str = PEER) -> TransferRequest:
+    return TransferRequest(room, peer, False, np.array(pages, np.int32), 0, [], 1)
+
+
+def messages(actions: list[Action], kind: type) -> list[object]:
+    return [a.message for a in actions if isinstance(a, Send) and isinstance(a.message, kind)]
+
+
+def writes(actions: list[Action]) -> list[Write]:
+    return [a for a in actions if isinstance(a, Write)]
+
+
+def test_a_registration_is_admitted_once_and_a_lease_follows_the_echo() -> None:
+    prefill = protocol()
+    assert (
+        prefill.lease_problem(PEER, 0.0)
+        == f"decode {PEER} has not answered a heartbeat (no write lease)"
+    )
+    leased(prefill)
+    assert prefill.lease_problem(PEER, TIMEOUT_S - 0.01) is None
+    assert "ran out" in str(prefill.lease_problem(PEER, TIMEOUT_S + 0.5))
+    # The same registration again (decode forgot this rank): a heartbeat renews the lease.
+    assert messages(prefill.handle(registration(), 1.0), Heartbeat)
+    # A changed one under a known id, or another id for the same engine endpoint: ignored.
+    changed = dataclasses.replace(registration(), control_port=7101)
+    twin = dataclasses.replace(registration(peer_id="decode-9@x"), engine_descriptor=PEER.encode())
+    assert prefill.handle(changed, 1.0) == []
+    assert prefill.handle(twin, 1.0) == []
+    assert prefill.stats.ignored == 2
+
+
+def test_a_peer_that_cannot_be_served_fails_its_rooms_with_the_kind() -> None:
+    prefill = protocol()
+    wrong = rank_cache(seed=None, **{**GEOMETRY, "head_dim": 16}).args
+    actions = prefill.handle(registration(wrong), 0.0)
+    assert not any(isinstance(a, Connect) for a in actions)
+    (failed,) = messages(prefill.handle(request(1, [0]), 0.1), TransferStatus)
+    assert isinstance(failed, TransferStatus)
+    assert (failed.status, failed.failure_kind) == (KVPoll.Failed, FailureKind.INCOMPATIBLE)
+    assert "head_dim differs" in failed.reason
+    other = protocol()
+    other.handle(registration(engine="mooncake"), 0.0)
+    (failed,) = messages(other.handle(request(1, [0]), 0.1), TransferStatus)
+    assert isinstance(failed, TransferStatus)
+    assert "uses engine mooncake" in failed.reason
+
+
+def test_chunks_go_in_order_one_write_at_a_time_and_success_is_reported_once() -> None:
+    prefill = protocol()
+    leased(prefill)
+    prefill.handle(SenderOpened(1), 0.0)
+    prefill.handle(ChunkSubmitted(1, Chunk(np.array([3, 4]), last=False)), 0.0)
+    (first,) = writes(prefill.handle(request(1, [10, 11, 12]), 0.1))
+    assert (first.job.page_offset, first.notify) == (0, b"")
+    assert writes(prefill.handle(ChunkSubmitted(1, Chunk(np.array([5]), True, 0)), 0.1)) == []
+    (second,) = writes(prefill.handle(WriteEnded(1), 0.2))
+    assert (second.job.page_offset, second.notify) == (2, b"kvbridge:1:0")
+    actions = prefill.handle(WriteEnded(1), 0.3)
+    (done,) = messages(actions, TransferStatus)
+    assert isinstance(done, TransferStatus)
+    assert (done.status, done.failure_kind, done.session_token) == (KVPoll.Success, None, TOKEN)
+    assert prefill.pages_free(1)
+    prefill.handle(SenderCleared(1), 0.4)
+    assert prefill.stats.rooms_finished == {("Success", ""): 1}
+    # A late request for the cleared room is refused at once, not left to decode's deadline.
+    (refused,) = messages(prefill.handle(request(1, [0]), 0.5), TransferStatus)
+    assert isinstance(refused, TransferStatus)
+    assert refused.failure_kind == FailureKind.REFUSED
+
+
+def test_an_abort_during_a_write_is_acknowledged_only_when_the_write_ended() -> None:
+    prefill = protocol()
+    leased(prefill)
+    prefill.handle(SenderOpened(1), 0.0)
+    prefill.handle(ChunkSubmitted(1, Chunk(np.array([3]), last=True)), 0.0)
+    assert writes(prefill.handle(request(1, [10]), 0.1))
+    actions = prefill.handle(Abort(1, "10.0.0.2", 7100, "client gone"), 0.2)
+    assert messages(actions, AbortAck) == []
+    assert messages(actions, TransferStatus) == []
+    assert not prefill.pages_free(1)  # the engine may still read the pages
+    actions = prefill.handle(WriteEnded(1), 0.3)
+    (failed,) = messages(actions, TransferStatus)
+    (ack,) = messages(actions, AbortAck)
+    assert isinstance(failed, TransferStatus)
+    assert isinstance(ack, AbortAck)
+    assert failed.failure_kind == FailureKind.ABORTED
+    assert ack.session_token == TOKEN
+    assert prefill.pages_free(1)
+
+
+def test_an_abort_from_a_stranger_is_ignored_and_one_before_the_request_starts_it_failed() -> None:
+    prefill = protocol()
+    leased(prefill)
+    assert prefill.handle(Abort(1, "6.6.6.6", 1, "forged"), 0.1) == []
+    (ack,) = messages(prefill.handle(Abort(2, "10.0.0.2", 7100, "early"), 0.1), AbortAck)
+    assert isinstance(ack, AbortAck)
+    assert prefill.rooms[2].status.failure_kind == FailureKind.ABORTED
+
+
+def test_a_failed_write_fails_the_room_with_its_kind() -> None:
+    prefill = protocol()
+    leased(prefill)
+    prefill.handle(SenderOpened(1), 0.0)
+    prefill.handle(ChunkSubmitted(1, Chunk(np.array([3]), last=True)), 0.0)
+    prefill.handle(request(1, [10]), 0.1)
+    failure = Failure(FailureKind.ENGINE, "room 1: nixl: write failed: boom")
+    (failed,) = messages(prefill.handle(WriteEnded(1, failure), 0.2), TransferStatus)
+    assert isinstance(failed, TransferStatus)
+    assert (failed.failure_kind, failed.reason) == (FailureKind.ENGINE, failure.reason)
+
+
+def test_deadlines_silence_and_the_cap_on_unclaimed_rooms() -> None:
+    prefill = protocol()
+    leased(prefill)
+    prefill.handle(SenderOpened(1), 0.0)  # decode never asks for it
+    prefill.handle(request(2, [0]), 0.0)  # no scheduler ever claims it
+    prefill.handle(Heartbeat(PEER, 5, 3000, None), 29.0)  # decode alive till then
+    actions = prefill.handle(Tick(), 30.5)
+    assert prefill.rooms[1].status.failure_kind == FailureKind.TIMEOUT
+    assert 2 not in prefill.rooms  # failed, told, cleared
+    (told,) = messages(actions, TransferStatus)
+    assert isinstance(told, TransferStatus)
+    assert "was not given this room" in told.reason
+    prefill.handle(SenderOpened(3), 31.0)
+    prefill.handle(request(3, [0]), 31.0)
+    prefill.handle(Tick(), 31.0 + TIMEOUT_S + 0.1)  # its request was the last sign of life
+    assert prefill.rooms[3].status.failure_kind == FailureKind.PEER_DEAD
+    capped = protocol()
+    leased(capped)
+    for room in range(MAX_UNCLAIMED_ROOMS):
+        capped.handle(request(room, [0]), 0.1)
+    (refused,) = messages(capped.handle(request(MAX_UNCLAIMED_ROOMS, [0]), 0.1), TransferStatus)
+    assert isinstance(refused, TransferStatus)
+    assert refused.failure_kind == FailureKind.REFUSED
+
+
+def staging_pair() -> tuple[PrefillProtocol, Registration]:
+    """Prefill at TP 1, decode rank 0 of TP 2 with a ring: chunks are staged."""
+    local = rank_cache(seed=1, **GEOMETRY).args
+    remote = rank_cache(seed=None, **GEOMETRY, attn_tp_size=2).args
+    remote = dataclasses.replace(remote, staging_buffer=BufferSpec(RING_PTR, 1 << 20, 1))
+    prefill = protocol(local)
+    reg = registration(remote)
+    actions = prefill.handle(reg, 0.0)
+    (beat,) = messages(actions, Heartbeat)
+    assert isinstance(beat, Heartbeat)
+    prefill.handle(Connected(PEER), 0.0)
+    prefill.handle(Heartbeat(PEER, 1, 3000, beat.sequence), 0.0)
+    prefill.handle(SenderOpened(1), 0.0)
+    prefill.handle(ChunkSubmitted(1, Chunk(np.array([3, 4]), last=True)), 0.0)
+    return prefill, reg
+
+
+def test_a_staged_chunk_asks_for_ring_space_then_writes_there_and_says_it_landed() -> None:
+    prefill, _ = staging_pair()
+    actions = prefill.handle(request(1, [10, 11]), 0.1)
+    assert writes(actions) == []
+    (ask,) = messages(actions, StagingRequest)
+    assert isinstance(ask, StagingRequest)
+    answer = StagingResponse(1, ask.chunk_idx, 4096, 0, 4096 + ask.nbytes, PEER)
+    (write,) = writes(prefill.handle(answer, 0.2))
+    assert write.staged is not None
+    assert (write.staged.dst_ptr, write.staged.nbytes) == (RING_PTR + 4096, ask.nbytes)
+    actions = prefill.handle(WriteEnded(1), 0.3)
+    ready, status = [a.message for a in actions if isinstance(a, Send)]
+    assert isinstance(ready, ChunkReady)  # before the status: decode scatters, then succeeds
+    assert isinstance(status, TransferStatus)
+    assert prefill.stats.staged_chunks == 1
+
+
+def test_a_chunk_that_never_fits_goes_token_by_token() -> None:
+    prefill, _ = staging_pair()
+    (ask,) = messages(prefill.handle(request(1, [10, 11]), 0.1), StagingRequest)
+    assert isinstance(ask, StagingRequest)
+    never = StagingResponse(1, ask.chunk_idx, -2, 0, 0, PEER)
+    (write,) = writes(prefill.handle(never, 0.2))
+    assert write.staged is None
+    assert prefill.stats.staging_fallbacks == 1
+    assert prefill.handle(never, 0.2) == []  # nobody awaits it any more
+
+
+def test_a_failure_while_ring_space_is_asked_for_is_reported_after_the_answer() -> None:
+    prefill, _ = staging_pair()
+    (ask,) = messages(prefill.handle(request(1, [10, 11]), 0.1), StagingRequest)
+    assert isinstance(ask, StagingRequest)
+    actions = prefill.handle(SenderAborted(1, "scheduler"), 0.2)
+    assert messages(actions, TransferStatus) == []  # decode could still grant space
+    answer = StagingResponse(1, ask.chunk_idx, 0, 0, ask.nbytes, PEER)
+    actions = prefill.handle(answer, 0.3)
+    assert writes(actions) == []  # nothing is written for a failed room
+    (failed,) = messages(actions, TransferStatus)
+    assert isinstance(failed, TransferStatus)
+    assert failed.failure_kind == FailureKind.ABORTED  # decode frees the grant on hearing it
+
+
+def test_no_answer_to_a_staging_request_fails_the_room_after_the_staging_timeout() -> None:
+    prefill, _ = staging_pair()
+    prefill.handle(request(1, [10, 11]), 0.1)
+    prefill.handle(Heartbeat(PEER, 2, 3000, None), 5.0)
+    actions = prefill.handle(Tick(), 5.2)
+    (failed,) = messages(actions, TransferStatus)
+    assert isinstance(failed, TransferStatus)
+    assert failed.failure_kind == FailureKind.TIMEOUT
+    assert "gave no staging space" in failed.reason
+
+
+# --- random event sequences ------------------------------------------------------------------
+
+EVENTS = st.lists(
+    st.tuples(
+        st.sampled_from(["open", "chunk", "last", "request", "abort", "sender_abort", "ended",
+                         "failed", "tick", "beat", "clear", "answer"]),
+        st.integers(1, 2),
+        st.sampled_from([0.01, 0.01, 0.1, 0.5, TIMEOUT_S + 0.1]),
+    ),
+    max_size=50,
+)  # fmt: skip
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(events=EVENTS, staged=st.booleans())
+def test_a_failure_is_never_reported_while_a_write_can_land(
+    events: list[tuple[str, int, float]], staged: bool
+) -> None:
+    if staged:
+        prefill, _ = staging_pair()
+    else:
+        prefill = protocol()
+        leased(prefill)
+    now = 0.0
+    out: dict[int, Write] = {}  # writes the "engine" has not ended
+    asked: dict[int, StagingRequest] = {}
+    reported: dict[int, int] = {}
+    for kind, room, dt in events:
+        now += dt
+        actions: list[Action] = []
+        if kind == "open":
+            actions = prefill.handle(SenderOpened(room), now)
+        elif kind in ("chunk", "last") and room in prefill.rooms:
+            state = prefill.rooms[room]
+            if not state.last_queued:
+                chunk = Chunk(np.array([room, room + 4]), last=kind == "last", aux_index=None)
+                actions = prefill.handle(ChunkSubmitted(room, chunk), now)
+        elif kind == "request":
+            actions = prefill.handle(request(room, [room * 4, room * 4 + 1]), now)
+        elif kind == "abort":
+            actions = prefill.handle(Abort(room, "10.0.0.2", 7100, "random"), now)
+        elif kind == "sender_abort":
+            actions = prefill.handle(SenderAborted(room, "random"), now)
+        elif kind in ("ended", "failed") and room in out:
+            del out[room]
+            failure = Failure(FailureKind.ENGINE, "boom") if kind == "failed" else None
+            actions = prefill.handle(WriteEnded(room, failure), now)
+        elif kind == "tick":
+            actions = prefill.handle(Tick(), now)
+        elif kind == "beat":
+            actions = prefill.handle(Heartbeat(PEER, 1, 3000, None), now)
+        elif kind == "clear":
+            actions = prefill.handle(SenderCleared(room), now)
+            out.pop(room, None)  # a write of a cleared room ends unseen
+            asked.pop(room, None)
+        elif kind == "answer" and room in asked:
+            ask = asked.pop(room)
+            answer = StagingResponse(room, ask.chunk_idx, 0, 0, ask.nbytes, PEER)
+            actions = prefill.handle(answer, now)
+        for action in actions:
+            if isinstance(action, Write):
+                assert action.room not in out, "two writes of one room at once"
+                out[action.room] = action
+            elif isinstance(action, Send) and isinstance(action.message, StagingRequest):
+                asked[action.message.room] = action.message
+            elif isinstance(action, Send) and isinstance(
+                action.message, (TransferStatus, AbortAck)
+            ):
+                message = action.message
+                if isinstance(message, AbortAck) or message.status == KVPoll.Failed:
+                    # Decode may reuse the pages as soon as it hears this.
+                    assert message.room not in out, (kind, message)
+                if isinstance(message, TransferStatus) and message.status != KVPoll.Failed:
+                    assert message.status == KVPoll.Success
+                    reported[message.room] = reported.get(message.room, 0) + 1
+                    assert reported[message.room] == 1, "success reported twice"
+        for room_id in prefill.rooms:
+            if prefill.pages_free(room_id):
+                assert room_id not in out, "pages free while a write of them is out"
