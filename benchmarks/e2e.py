@@ -19,9 +19,9 @@ from typing import Any
 
 from plan_128k import destination_patterns, plan_128k
 
-from kvbridge.bench import engine_unavailable, json_in_private_netns
-from kvbridge.demo import DemoConfig, run_demo
 from kvbridge.engines import PROCESS_ENGINES, engine_spec
+from kvbridge_tools.bench import engine_unavailable, json_in_private_netns
+from kvbridge_tools.demo import DemoConfig, run_demo
 
 RESULTS = Path("bench-results") / "e2e.json"
 

@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from kvbridge.demo import DemoConfig, run_demo
 from kvbridge.staging import torch_kernels
+from kvbridge_tools.demo import DemoConfig, run_demo
 
 RESULTS = Path("bench-results") / "gpu_check.json"
 

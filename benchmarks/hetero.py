@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from kvbridge.demo import DemoConfig, run_demo
+from kvbridge_tools.demo import DemoConfig, run_demo
 
 RESULTS = Path("bench-results") / "hetero.json"
 

@@ -35,33 +35,28 @@ from kvbridge.config import ManagerConfig
 from kvbridge.control.bootstrap import BootstrapError, PrefillRank, lookup_prefill_group
 from kvbridge.core.decode_protocol import (
     FENCE_MARGIN_S,
-    Action,
     ChunkScattered,
     Closing,
     DecodeProtocol,
     DecodeSettings,
     DecodeStats,
-    Event,
     ForgetPrefill,
     Registering,
     RoomAborted,
     RoomCleared,
     RoomOpened,
-    RoomsChanged,
     ScatterChunk,
-    Send,
-    Tick,
 )
+from kvbridge.core.protocol import Tick
 from kvbridge.core.room import DecodeRoom, RoomStatus
-from kvbridge.metrics import Snapshot
-from kvbridge.runtime import RankRuntime
+from kvbridge.runtime import RankManager, RankRuntime
 from kvbridge.wire import FailureKind, KVPoll, Message, TransferRequest
 from kvbridge.wire.address import tcp_endpoint
 
 log = logging.getLogger("kvbridge.decode")
 
 
-class DecodeManager:
+class DecodeManager(RankManager):
     def __init__(self, kv_args: KVArgs, config: ManagerConfig) -> None:
         self.config = config
         self.rank = kv_args.attn_tp_rank
@@ -101,41 +96,26 @@ class DecodeManager:
             target=self._run_scatters, name="kvbridge-decode-scatter", daemon=True
         )
         self._scatter_thread.start()
+        self.runtime.watch(self._scatter_thread)
+        self._handle = self.runtime.handle
         try:
-            self.runtime.start(self._snapshot)
+            self.runtime.start(self.protocol, self._execute_own, self._counters)
         except BaseException:
             self.close()
             raise
 
-    # --- the one way into the protocol -------------------------------------------------------
+    def _execute_own(self, action: object) -> None:
+        """The actions only decode has (the runtime sends and wakes)."""
+        if isinstance(action, ScatterChunk):
+            self._scatters.put(action)
+        elif isinstance(action, ForgetPrefill):
+            self._forget_groups(action.endpoint)
 
-    def _handle(self, event: Event | Message) -> None:
-        with self._lock:
-            self._execute(self.protocol.handle(event, time.monotonic()))
-
-    def _execute(self, actions: Sequence[Action]) -> None:
-        """Carry out the protocol's actions, in order (under the lock: none blocks)."""
-        for action in actions:
-            if isinstance(action, Send):
-                self.channel.send(action.endpoint, action.message)
-            elif isinstance(action, ScatterChunk):
-                self._scatters.put(action)
-            elif isinstance(action, ForgetPrefill):
-                self._forget_groups(action.endpoint)
-            elif isinstance(action, RoomsChanged):
-                self.activity.set()
-
-    def _snapshot(self) -> Snapshot:
-        stats = self.stats
-        counters = {
-            "ignored": stats.ignored,
-            "peers_declared_dead": stats.peers_declared_dead,
-            "heartbeats_missed": self.protocol.liveness.missed_heartbeats,
-            "rooms_started": stats.rooms_started,
-            "scattered_chunks": stats.scattered_chunks,
-            "unexpected_chunks": stats.unexpected_chunks,
+    def _counters(self) -> dict[str, float]:
+        return {
+            "scattered_chunks": self.stats.scattered_chunks,
+            "unexpected_chunks": self.stats.unexpected_chunks,
         }
-        return Snapshot(counters, dict(self.protocol.rooms_by_state()), dict(stats.rooms_finished))
 
     # --- scheduler side ------------------------------------------------------------------
 
@@ -210,9 +190,8 @@ class DecodeManager:
 
     def _on_tick(self) -> bool:
         notifications = self.engine.notifications()
+        self._handle(Tick(tuple(message for _, message in notifications)))
         with self._lock:
-            tick = Tick(tuple(message for _, message in notifications))
-            self._execute(self.protocol.handle(tick, time.monotonic()))
             return self.protocol.busy
 
     # --- scatter thread ----------------------------------------------------------------------
@@ -253,16 +232,6 @@ class DecodeManager:
             self.stats.scatter_s += time.perf_counter() - started
 
     # --- lifecycle -------------------------------------------------------------------------
-
-    @property
-    def open_rooms(self) -> int:
-        """Rooms in the table: in flight, or ended and not yet cleared by their owner."""
-        with self._lock:
-            return len(self.protocol.rooms)
-
-    @property
-    def healthy(self) -> bool:
-        return self.runtime.healthy and self._scatter_thread.is_alive()
 
     def close(self) -> None:
         """Stop: rooms that a prefill rank may still write into are aborted first, and their

@@ -37,28 +37,23 @@ from kvbridge.control.bootstrap import (
 from kvbridge.core.prefill_protocol import (
     FINISHED_ROOMS_KEPT,
     MAX_UNCLAIMED_ROOMS,
-    Action,
     ChunkSubmitted,
     Connect,
     Connected,
-    Event,
     PrefillProtocol,
     PrefillSettings,
     PrefillStats,
-    RoomsChanged,
-    Send,
     SenderAborted,
     SenderCleared,
     SenderOpened,
-    Tick,
     Write,
     WriteEnded,
     plan_write,
 )
+from kvbridge.core.protocol import Tick
 from kvbridge.core.room import Chunk, Failure, RoomStatus
 from kvbridge.engines import EngineError, WriteFenced
-from kvbridge.metrics import Snapshot
-from kvbridge.runtime import RankRuntime
+from kvbridge.runtime import RankManager, RankRuntime
 from kvbridge.wire import FailureKind, KVPoll, Message
 
 log = logging.getLogger("kvbridge.prefill")
@@ -82,7 +77,7 @@ def _kind_of(exc: Exception) -> FailureKind:
     return FailureKind.INTERNAL
 
 
-class PrefillManager:
+class PrefillManager(RankManager):
     def __init__(self, kv_args: KVArgs, config: ManagerConfig) -> None:
         if config.bootstrap_url is None and not config.run_bootstrap:
             raise ValueError("a prefill manager needs bootstrap_url or run_bootstrap")
@@ -121,8 +116,10 @@ class PrefillManager:
         self.bootstrap: BootstrapServer | None = None
         self._lease: LeaseRenewer | None = None
         self._worker.start()
+        self.runtime.watch(self._worker)
+        self._handle = self.runtime.handle
         try:
-            self.runtime.start(self._snapshot)
+            self.runtime.start(self.protocol, self._jobs.put, self._counters)
             if config.run_bootstrap:
                 self.bootstrap = BootstrapServer(
                     config.host, config.bootstrap_port, secret=config.secret
@@ -140,34 +137,12 @@ class PrefillManager:
             self.close()  # no thread, socket or registration left behind
             raise
 
-    # --- the one way into the protocol -------------------------------------------------------
-
-    def _handle(self, event: Event | Message) -> None:
-        with self._lock:
-            self._execute(self.protocol.handle(event, time.monotonic()))
-
-    def _execute(self, actions: Sequence[Action]) -> None:
-        """Carry out the protocol's actions, in order (under the lock: none blocks)."""
-        for action in actions:
-            if isinstance(action, Send):
-                self.channel.send(action.endpoint, action.message)
-            elif isinstance(action, (Connect, Write)):
-                self._jobs.put(action)
-            elif isinstance(action, RoomsChanged):
-                self.activity.set()
-
-    def _snapshot(self) -> Snapshot:
-        stats = self.stats
-        counters = {
-            "ignored": stats.ignored,
-            "peers_declared_dead": stats.peers_declared_dead,
-            "heartbeats_missed": self.protocol.liveness.missed_heartbeats,
-            "rooms_started": stats.rooms_started,
-            "staged_chunks": stats.staged_chunks,
-            "staging_fallbacks": stats.staging_fallbacks,
-            "blocks_written": stats.blocks_written,
+    def _counters(self) -> dict[str, float]:
+        return {
+            "staged_chunks": self.stats.staged_chunks,
+            "staging_fallbacks": self.stats.staging_fallbacks,
+            "blocks_written": self.stats.blocks_written,
         }
-        return Snapshot(counters, dict(self.protocol.rooms_by_state()), dict(stats.rooms_finished))
 
     # --- scheduler side ------------------------------------------------------------------
 
@@ -176,10 +151,8 @@ class PrefillManager:
 
     def open_room(self, room: int) -> RoomStatus | None:
         """Claim a room for a sender (created if new); its status, None if it ended here."""
-        with self._lock:
-            self._execute(self.protocol.handle(SenderOpened(room), time.monotonic()))
-            state = self.protocol.rooms.get(room)
-            return state.status if state is not None else None
+        self._handle(SenderOpened(room))
+        return self.room_status(room)
 
     def queue_chunk(self, room: int, chunk: Chunk) -> None:
         self._handle(ChunkSubmitted(room, chunk))
@@ -205,8 +178,8 @@ class PrefillManager:
         self._handle(message)
 
     def _on_tick(self) -> bool:
+        self._handle(Tick())
         with self._lock:
-            self._execute(self.protocol.handle(Tick(), time.monotonic()))
             return self.protocol.busy
 
     # --- worker thread: every engine call --------------------------------------------------
@@ -303,16 +276,6 @@ class PrefillManager:
         return None
 
     # --- lifecycle -------------------------------------------------------------------------
-
-    @property
-    def open_rooms(self) -> int:
-        """Rooms in the table: in flight, or ended and not yet cleared by their owner."""
-        with self._lock:
-            return len(self.protocol.rooms)
-
-    @property
-    def healthy(self) -> bool:
-        return self.runtime.healthy and self._worker.is_alive()
 
     def close(self) -> None:
         if self._lease is not None:  # withdrawn first: a restarted rank can register at once

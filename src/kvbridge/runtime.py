@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
+from typing import Any
 
 from kvbridge.cache import KVArgs
 from kvbridge.config import ManagerConfig
 from kvbridge.control.channel import ControlChannel
+from kvbridge.core.protocol import ProtocolCore, RoomsChanged, Send
 from kvbridge.engines import TransferEngine, create_engine
 from kvbridge.metrics import ManagerMetrics, Snapshot
 from kvbridge.staging.buffer import StagingBuffer, StagingUnavailable, open_staging
@@ -58,37 +61,96 @@ class RankRuntime:
         self.channel = ControlChannel(
             config.host, on_message, on_tick, name=f"kvbridge-{role}", secret=config.secret
         )
-        self._side_snapshot: Callable[[], Snapshot] | None = None
+        self._protocol: ProtocolCore | None = None
+        self._threads: list[threading.Thread] = []
+        self._execute_own: Callable[[Any], None] = lambda action: None
+        self._side_counters: Callable[[], dict[str, float]] = dict
         self.metrics = ManagerMetrics(role, self.rank, self._snapshot)
 
-    def start(self, side_snapshot: Callable[[], Snapshot]) -> None:
-        """Start the channel's thread and, if configured, the metrics server. `side_snapshot`
-        (called under the lock) gives the side's own counters and rooms; the channel's
-        counters are added to them here."""
-        self._side_snapshot = side_snapshot
+    def start(
+        self,
+        protocol: ProtocolCore,
+        execute_own: Callable[[Any], None],
+        side_counters: Callable[[], dict[str, float]],
+    ) -> None:
+        """Serve `protocol`: start the channel's thread and, if configured, the metrics
+        server. `execute_own` carries out the actions only this side has; `side_counters`
+        (called under the lock) adds the side's own counters to the metrics."""
+        self._protocol, self._execute_own, self._side_counters = (
+            protocol, execute_own, side_counters,
+        )  # fmt: skip
         self.channel.start()
         if self.config.metrics_port is not None:
             self.metrics.serve(self.config.host, self.config.metrics_port)
 
-    def _snapshot(self) -> Snapshot:
-        if self._side_snapshot is None:
-            return Snapshot()
+    def handle(self, event: object) -> None:
+        """The one way into the protocol: the event, then its actions, in order, under the
+        lock (no action blocks: a send is a queue put)."""
+        assert self._protocol is not None
         with self.lock:
-            side = self._side_snapshot()
+            self._execute(self._protocol.handle(event, time.monotonic()))
+
+    def _execute(self, actions: Sequence[object]) -> None:
+        for action in actions:
+            if isinstance(action, Send):
+                self.channel.send(action.endpoint, action.message)
+            elif isinstance(action, RoomsChanged):
+                self.activity.set()
+            else:
+                self._execute_own(action)
+
+    def _snapshot(self) -> Snapshot:
+        protocol = self._protocol
+        if protocol is None:
+            return Snapshot()
         channel = {f"channel_{name}": value for name, value in asdict(self.channel.stats).items()}
-        # Well-formed messages the protocol did not act on (from a peer it does not know, for
-        # a room or chunk it has no record of, over a limit) are counted where it decides so,
-        # and reported with the channel's counters.
-        channel["channel_ignored"] = side.counters.get("ignored", 0)
-        counters = {**channel, **{k: v for k, v in side.counters.items() if k != "ignored"}}
-        return Snapshot(counters, side.rooms_by_state, side.rooms_finished)
+        with self.lock:
+            stats = protocol.stats
+            counters = {
+                **channel,
+                # Well-formed messages the protocol did not act on (from a peer it does not
+                # know, for a room or chunk it has no record of, over a limit), counted where
+                # it decides so and reported with the channel's counters.
+                "channel_ignored": stats.ignored,
+                "peers_declared_dead": stats.peers_declared_dead,
+                "heartbeats_missed": protocol.liveness.missed_heartbeats,
+                "rooms_started": stats.rooms_started,
+                **self._side_counters(),
+            }
+            return Snapshot(counters, dict(protocol.rooms_by_state()), dict(stats.rooms_finished))
+
+    def watch(self, thread: threading.Thread) -> None:
+        """A thread of the manager that must stay alive for the rank to be healthy."""
+        self._threads.append(thread)
 
     @property
     def healthy(self) -> bool:
-        return self.channel.alive
+        return self.channel.alive and all(thread.is_alive() for thread in self._threads)
+
+    @property
+    def open_rooms(self) -> int:
+        """Rooms in the protocol's table: in flight, or ended and not yet cleared."""
+        with self.lock:
+            return len(self._protocol.rooms) if self._protocol is not None else 0
 
     def close(self) -> None:
         """Stop the channel, then the engine (its memory deregistered), then the metrics."""
         self.channel.close()
         self.engine.close()
         self.metrics.close()
+
+
+class RankManager:
+    """What both managers answer the same way, from their runtime."""
+
+    runtime: RankRuntime
+
+    @property
+    def open_rooms(self) -> int:
+        """Rooms in the table: in flight, or ended and not yet cleared by their owner."""
+        return self.runtime.open_rooms
+
+    @property
+    def healthy(self) -> bool:
+        """The control channel and the manager's own threads are alive."""
+        return self.runtime.healthy

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from kvbridge.demo import DemoConfig, run_demo
 from kvbridge.engines import unavailable_reason
+from kvbridge_tools.demo import DemoConfig, run_demo
 
 
 def _cuda_available() -> bool:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from kvbridge.bench import PRESETS, Cell, cells, demo_config
+from kvbridge_tools.bench import PRESETS, Cell, cells, demo_config
 
 
 def test_the_full_preset_is_the_whole_matrix() -> None:

@@ -138,6 +138,7 @@ def test_a_heartbeat_is_answered_at_once_with_its_sequence() -> None:
     (pong,) = sends(decode.handle(Heartbeat(ENDPOINTS[0], 7, 3000, None, TOKEN), 0.1))
     assert pong.endpoint == ENDPOINTS[0]
     assert isinstance(pong.message, Heartbeat)
+    assert pong.message.sender_id == "tcp://10.0.0.9:7100"  # this rank's control endpoint
     assert (pong.message.ack_sequence, pong.message.lease_ms) == (7, 3000)
 
 

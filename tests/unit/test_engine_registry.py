@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from kvbridge import bench
 from kvbridge.engines import (
     ENGINES,
     PROCESS_ENGINES,
@@ -16,6 +15,7 @@ from kvbridge.engines import (
     unavailable_reason,
 )
 from kvbridge.integrations.vllm_core import ConnectorOptions, OptionsError
+from kvbridge_tools import bench
 
 
 def test_every_entry_names_a_class_and_a_probe_that_exist() -> None:

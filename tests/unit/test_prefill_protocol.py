@@ -81,7 +81,7 @@ def leased(prefill: PrefillProtocol, now: float = 0.0) -> list[Action]:
     assert beat.session_token == TOKEN
     assert any(isinstance(a, Connect) for a in actions)
     prefill.handle(Connected(PEER), now)
-    prefill.handle(Heartbeat(PEER, 1, int(TIMEOUT_S * 1000), beat.sequence), now)
+    prefill.handle(Heartbeat(DECODE_ENDPOINT, 1, int(TIMEOUT_S * 1000), beat.sequence), now)
     return actions
 
 
@@ -114,6 +114,20 @@ def test_a_registration_is_admitted_once_and_a_lease_follows_the_echo() -> None:
     assert prefill.handle(changed, 1.0) == []
     assert prefill.handle(twin, 1.0) == []
     assert prefill.stats.ignored == 2
+
+
+def test_a_heartbeat_names_its_sender_by_endpoint_and_a_1_1_peer_by_its_id() -> None:
+    for sender in (DECODE_ENDPOINT, PEER):
+        prefill = protocol()
+        (beat,) = messages(prefill.handle(registration(), 0.0), Heartbeat)
+        assert isinstance(beat, Heartbeat)
+        assert beat.sender_id == "tcp://10.0.0.1:7000"  # prefill's own endpoint
+        prefill.handle(Heartbeat(sender, 1, 3000, beat.sequence), 0.1)
+        assert prefill.lease_problem(PEER, 1.0) is None
+    stranger = protocol()
+    stranger.handle(registration(), 0.0)
+    stranger.handle(Heartbeat("tcp://6.6.6.6:1", 1, 3000, 1), 0.1)
+    assert stranger.lease_problem(PEER, 1.0) is not None
 
 
 def test_a_peer_that_cannot_be_served_fails_its_rooms_with_the_kind() -> None:
@@ -201,7 +215,7 @@ def test_deadlines_silence_and_the_cap_on_unclaimed_rooms() -> None:
     leased(prefill)
     prefill.handle(SenderOpened(1), 0.0)  # decode never asks for it
     prefill.handle(request(2, [0]), 0.0)  # no scheduler ever claims it
-    prefill.handle(Heartbeat(PEER, 5, 3000, None), 29.0)  # decode alive till then
+    prefill.handle(Heartbeat(DECODE_ENDPOINT, 5, 3000, None), 29.0)  # decode alive till then
     actions = prefill.handle(Tick(), 30.5)
     assert prefill.rooms[1].status.failure_kind == FailureKind.TIMEOUT
     assert 2 not in prefill.rooms  # failed, told, cleared
@@ -232,7 +246,7 @@ def staging_pair() -> tuple[PrefillProtocol, Registration]:
     (beat,) = messages(actions, Heartbeat)
     assert isinstance(beat, Heartbeat)
     prefill.handle(Connected(PEER), 0.0)
-    prefill.handle(Heartbeat(PEER, 1, 3000, beat.sequence), 0.0)
+    prefill.handle(Heartbeat(DECODE_ENDPOINT, 1, 3000, beat.sequence), 0.0)
     prefill.handle(SenderOpened(1), 0.0)
     prefill.handle(ChunkSubmitted(1, Chunk(np.array([3, 4]), last=True)), 0.0)
     return prefill, reg
@@ -283,7 +297,7 @@ def test_a_failure_while_ring_space_is_asked_for_is_reported_after_the_answer() 
 def test_no_answer_to_a_staging_request_fails_the_room_after_the_staging_timeout() -> None:
     prefill, _ = staging_pair()
     prefill.handle(request(1, [10, 11]), 0.1)
-    prefill.handle(Heartbeat(PEER, 2, 3000, None), 5.0)
+    prefill.handle(Heartbeat(DECODE_ENDPOINT, 2, 3000, None), 5.0)
     actions = prefill.handle(Tick(), 5.2)
     (failed,) = messages(actions, TransferStatus)
     assert isinstance(failed, TransferStatus)
@@ -341,7 +355,7 @@ def test_a_failure_is_never_reported_while_a_write_can_land(
         elif kind == "tick":
             actions = prefill.handle(Tick(), now)
         elif kind == "beat":
-            actions = prefill.handle(Heartbeat(PEER, 1, 3000, None), now)
+            actions = prefill.handle(Heartbeat(DECODE_ENDPOINT, 1, 3000, None), now)
         elif kind == "clear":
             actions = prefill.handle(SenderCleared(room), now)
             out.pop(room, None)  # a write of a cleared room ends unseen

@@ -18,7 +18,17 @@ from rich.table import Table
 
 import kvbridge
 from kvbridge import samples
-from kvbridge.bench import (
+from kvbridge.control.bootstrap import BootstrapServer
+from kvbridge.engines import DEFAULT_ENGINE, PROCESS_ENGINES, REGISTRY, unavailable_reason
+from kvbridge.logs import configure as configure_logging
+from kvbridge.logs import level_for
+from kvbridge.wire import PROFILES, Receiver, WireError, inspect_frames
+from kvbridge.wire.address import host_problem
+from kvbridge.wire.auth import secret_from_env
+from kvbridge.wire.framefile import FrameFileError, load_frames, parse_hex_frame
+from kvbridge.wire.profile import Inspection
+from kvbridge.wire.protocol_doc import render_protocol
+from kvbridge_tools.bench import (
     ENGINES,
     PRESETS,
     CellResult,
@@ -30,8 +40,7 @@ from kvbridge.bench import (
     run_matrix,
     write_json,
 )
-from kvbridge.control.bootstrap import BootstrapServer
-from kvbridge.demo import (
+from kvbridge_tools.demo import (
     MEMORY_KINDS,
     MODELS,
     DemoConfig,
@@ -39,15 +48,6 @@ from kvbridge.demo import (
     DemoResult,
     run_demo,
 )
-from kvbridge.engines import DEFAULT_ENGINE, PROCESS_ENGINES, REGISTRY, unavailable_reason
-from kvbridge.logs import configure as configure_logging
-from kvbridge.logs import level_for
-from kvbridge.wire import PROFILES, Receiver, WireError, inspect_frames
-from kvbridge.wire.address import host_problem
-from kvbridge.wire.auth import secret_from_env
-from kvbridge.wire.framefile import FrameFileError, load_frames, parse_hex_frame
-from kvbridge.wire.profile import Inspection
-from kvbridge.wire.protocol_doc import render_protocol
 
 console = Console()
 error_console = Console(stderr=True)

@@ -12,16 +12,16 @@ Dispatch is one table keyed by event type, wire messages included.
 from __future__ import annotations
 
 import logging
-from collections import Counter, deque
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 
 from kvbridge.cache.topology import Source
 from kvbridge.core.liveness import Liveness
+from kvbridge.core.protocol import ProtocolCore, RankStats, RoomsChanged, Send, Tick
 from kvbridge.core.room import DecodeRoom, RoomStatus, parse_notification
 from kvbridge.staging.ring import Allocation, StagingRing
 from kvbridge.wire import (
@@ -40,6 +40,7 @@ from kvbridge.wire import (
     TransferStatus,
     Watermark,
 )
+from kvbridge.wire.address import tcp_endpoint
 
 log = logging.getLogger("kvbridge.decode")
 # Slack on top of a dead prefill rank's write lease before its rooms' pages count as safe:
@@ -48,12 +49,6 @@ FENCE_MARGIN_S = 0.5
 
 
 # --- actions: what the manager executes ----------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Send:
-    endpoint: str
-    message: Message
 
 
 @dataclass(frozen=True)
@@ -72,11 +67,6 @@ class ForgetPrefill:
     restarted rank has a new endpoint, and the next room looks its group up again)."""
 
     endpoint: str
-
-
-@dataclass(frozen=True)
-class RoomsChanged:
-    """A room may have ended or its pages become safe: wake whoever waits for that."""
 
 
 Action = Send | ScatterChunk | ForgetPrefill | RoomsChanged
@@ -130,13 +120,6 @@ class ChunkScattered:
 
 
 @dataclass(frozen=True)
-class Tick:
-    """The control loop's tick, with the engine's notifications since the last one."""
-
-    notifications: tuple[bytes, ...] = ()
-
-
-@dataclass(frozen=True)
 class Closing:
     """The rank is closing: rooms whose pages a prefill rank may still write into fail and
     their writers are asked to stop."""
@@ -167,20 +150,24 @@ class DecodeSettings:
     def lease_ms(self) -> int:
         return int(self.peer_timeout_s * 1000)
 
+    @property
+    def endpoint(self) -> str:
+        """This rank's control endpoint: who it is in its heartbeats."""
+        return tcp_endpoint(self.host, self.control_port)
+
 
 @dataclass
-class DecodeStats:
-    peers_declared_dead: int = 0
-    rooms_started: int = 0
-    rooms_finished: dict[tuple[str, str], int] = field(default_factory=dict)
+class DecodeStats(RankStats):
     unexpected_chunks: int = 0
-    ignored: int = 0  # well-formed messages this rank does not act on
     # Kept by the manager's scatter thread.
     scattered_chunks: int = 0
     scatter_s: float = 0.0
 
 
-class DecodeProtocol:
+class DecodeProtocol(ProtocolCore):
+    role = "decode"
+    stats: DecodeStats
+
     def __init__(self, settings: DecodeSettings) -> None:
         self.settings = settings
         self.stats = DecodeStats()
@@ -192,28 +179,22 @@ class DecodeProtocol:
         self.ring = StagingRing(settings.staging_bytes) if settings.staging_bytes else None
         self._staged: dict[tuple[int, int, int], Allocation] = {}  # (rank, room, chunk)
         self._waiting: deque[StagingRequest] = deque()  # no ring space yet
-        self._handlers: dict[type, Callable[[Any, float], list[Action]]] = {
-            Heartbeat: self._on_heartbeat,
-            AbortAck: self._on_abort_ack,
-            TransferStatus: self._on_status,
-            StagingRequest: self._on_staging_request,
-            ChunkReady: self._on_chunk_ready,
-            Registering: self._on_registering,
-            RoomOpened: self._on_room_opened,
-            RoomAborted: self._on_room_aborted,
-            RoomCleared: self._on_room_cleared,
-            ChunkScattered: self._on_chunk_scattered,
-            Tick: self._on_tick,
-            Closing: self._on_closing,
-        }
-
-    def handle(self, event: Event, now: float) -> list[Action]:
-        """The actions an event calls for, in the order they must be executed."""
-        handler = self._handlers.get(type(event))
-        if handler is None:
-            log.warning("unexpected %s on a decode rank, ignored", type(event).__name__)
-            return []
-        return handler(event, now)
+        super().__init__(
+            {
+                Heartbeat: self._on_heartbeat,
+                AbortAck: self._on_abort_ack,
+                TransferStatus: self._on_status,
+                StagingRequest: self._on_staging_request,
+                ChunkReady: self._on_chunk_ready,
+                Registering: self._on_registering,
+                RoomOpened: self._on_room_opened,
+                RoomAborted: self._on_room_aborted,
+                RoomCleared: self._on_room_cleared,
+                ChunkScattered: self._on_chunk_scattered,
+                Tick: self._on_tick,
+                Closing: self._on_closing,
+            }
+        )
 
     # --- queries ---------------------------------------------------------------------------
 
@@ -233,15 +214,7 @@ class DecodeProtocol:
         """Whether a room is transferring (the control loop then polls the engine often)."""
         return any(state.status.poll == KVPoll.Transferring for state in self.rooms.values())
 
-    def rooms_by_state(self) -> Counter[str]:
-        return Counter(state.status.poll.name for state in self.rooms.values())
-
     # --- messages from prefill ranks -------------------------------------------------------
-
-    def _ignore(self, why: str, *args: object) -> list[Action]:
-        self.stats.ignored += 1
-        log.debug("ignored: " + why, *args)
-        return []
 
     def _on_heartbeat(self, message: Heartbeat, now: float) -> list[Action]:
         endpoint = message.sender_id
@@ -254,7 +227,7 @@ class DecodeProtocol:
         # Answered at once: the echo is what extends the prefill rank's write lease.
         self._heard_sequence[endpoint] = message.sequence
         pong = Heartbeat(
-            self.settings.peer_id, self._heartbeats, self.settings.lease_ms, message.sequence
+            self.settings.endpoint, self._heartbeats, self.settings.lease_ms, message.sequence
         )
         return [Send(endpoint, pong)]
 
@@ -425,8 +398,7 @@ class DecodeProtocol:
     def _on_room_cleared(self, event: RoomCleared, now: float) -> list[Action]:
         if self.rooms.pop(event.room, None) is not None:
             status = event.status
-            finished = self.stats.rooms_finished
-            finished[status.outcome] = finished.get(status.outcome, 0) + 1
+            self.stats.count_finished(status)
             log.debug("room %d: cleared (%s)", event.room,
                       status.failure_reason or status.poll.name)  # fmt: skip
         return []
@@ -458,7 +430,7 @@ class DecodeProtocol:
         if self.liveness.heartbeat_due(now):
             self._heartbeats += 1
             for endpoint in self.liveness.peers:
-                beat = Heartbeat(settings.peer_id, self._heartbeats, settings.lease_ms,
+                beat = Heartbeat(settings.endpoint, self._heartbeats, settings.lease_ms,
                                  self._heard_sequence.get(endpoint))  # fmt: skip
                 actions.append(Send(endpoint, beat))
         for endpoint, silent_s in self.liveness.expired(now):

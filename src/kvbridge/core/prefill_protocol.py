@@ -17,9 +17,9 @@ is in flight, because decode may reuse the pages as soon as it hears.
 from __future__ import annotations
 
 import logging
-from collections import Counter, OrderedDict, deque
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -29,6 +29,7 @@ from kvbridge.cache import GeometryError, KVArgs, PlanError, TransferPlan, plan_
 from kvbridge.cache.peer import kv_args_of
 from kvbridge.cache.plan import Pairing, pair, plan_state_slices, token_rows
 from kvbridge.core.liveness import Liveness
+from kvbridge.core.protocol import ProtocolCore, RankStats, RoomsChanged, Send, Tick
 from kvbridge.core.room import Chunk, ChunkJob, Failure, PrefillRoom, notification_for
 from kvbridge.staging.kernels import staged_size
 from kvbridge.wire import (
@@ -60,12 +61,6 @@ MAX_DECODE_PEERS = 1024
 
 
 # --- actions: what the manager executes ----------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Send:
-    endpoint: str
-    message: Message
 
 
 @dataclass(frozen=True)
@@ -102,11 +97,6 @@ class Write:
     pairing: Pairing
     notify: bytes
     staged: StagedChunk | None = None
-
-
-@dataclass(frozen=True)
-class RoomsChanged:
-    """A room may have ended or its pages come free: wake whoever waits for that."""
 
 
 Action = Send | Connect | Write | RoomsChanged
@@ -155,11 +145,6 @@ class WriteEnded:
 
     room: int
     failure: Failure | None = None
-
-
-@dataclass(frozen=True)
-class Tick:
-    pass
 
 
 Event = (
@@ -223,14 +208,10 @@ class _AwaitedStaging:
 
 
 @dataclass
-class PrefillStats:
-    peers_declared_dead: int = 0
-    rooms_started: int = 0
-    rooms_finished: dict[tuple[str, str], int] = field(default_factory=dict)
+class PrefillStats(RankStats):
     staged_chunks: int = 0
     staging_fallbacks: int = 0
     watermarks: int = 0
-    ignored: int = 0  # well-formed messages this rank does not act on
     # Kept by the manager's worker: where its time goes (seconds) and what it wrote.
     blocks_written: int = 0
     staging_wait_s: float = 0.0
@@ -239,7 +220,10 @@ class PrefillStats:
     write_s: float = 0.0
 
 
-class PrefillProtocol:
+class PrefillProtocol(ProtocolCore):
+    role = "prefill"
+    stats: PrefillStats
+
     def __init__(self, settings: PrefillSettings) -> None:
         self.settings = settings
         self.rank = settings.rank
@@ -255,30 +239,29 @@ class PrefillProtocol:
         self.liveness = Liveness(settings.heartbeat_interval_s, settings.peer_timeout_s)
         self._heartbeats = 0
         self._beats_sent: OrderedDict[int, float] = OrderedDict()  # sequence → when sent
-        self._handlers: dict[type, Callable[[Any, float], list[Action]]] = {
-            Registration: self._on_registration,
-            TransferRequest: self._on_request,
-            Abort: self._on_abort,
-            Heartbeat: self._on_heartbeat,
-            StagingResponse: self._on_staging_response,
-            Watermark: self._on_watermark,
-            SenderOpened: self._on_sender_opened,
-            ChunkSubmitted: self._on_chunk_submitted,
-            SenderAborted: self._on_sender_aborted,
-            SenderCleared: self._on_sender_cleared,
-            Connected: self._on_connected,
-            WriteEnded: self._on_write_ended,
-            Tick: self._on_tick,
-        }
+        super().__init__(
+            {
+                Registration: self._on_registration,
+                TransferRequest: self._on_request,
+                Abort: self._on_abort,
+                Heartbeat: self._on_heartbeat,
+                StagingResponse: self._on_staging_response,
+                Watermark: self._on_watermark,
+                SenderOpened: self._on_sender_opened,
+                ChunkSubmitted: self._on_chunk_submitted,
+                SenderAborted: self._on_sender_aborted,
+                SenderCleared: self._on_sender_cleared,
+                Connected: self._on_connected,
+                WriteEnded: self._on_write_ended,
+                Tick: self._on_tick,
+            }
+        )
 
-    def handle(self, event: Event, now: float) -> list[Action]:
-        """The actions an event calls for, in the order they must be executed."""
-        handler = self._handlers.get(type(event))
-        if handler is None:
-            log.warning("unexpected %s on a prefill rank, ignored", type(event).__name__)
-            return []
+    def handle(self, event: object, now: float) -> list[Any]:
+        """The actions an event calls for, in the order they must be executed; a message
+        from a registered decode peer is also a sign of life."""
         self._heard(event, now)
-        return handler(event, now)
+        return super().handle(event, now)
 
     # --- queries ---------------------------------------------------------------------------
 
@@ -308,23 +291,15 @@ class PrefillProtocol:
     def busy(self) -> bool:
         return any(not state.status.finished for state in self.rooms.values())
 
-    def rooms_by_state(self) -> Counter[str]:
-        return Counter(state.status.poll.name for state in self.rooms.values())
-
     # --- helpers ---------------------------------------------------------------------------
 
-    def _ignore(self, why: str, *args: object) -> list[Action]:
-        self.stats.ignored += 1
-        log.debug("ignored: " + why, *args)
-        return []
-
-    def _heard(self, event: Event, now: float) -> None:
+    def _heard(self, event: object, now: float) -> None:
         """Any message from a registered decode peer is a sign of life."""
         sender: str | None = None
         if isinstance(event, (Registration, TransferRequest)):
             sender = event.peer_id
         elif isinstance(event, Heartbeat):
-            sender = event.sender_id
+            sender = self._beat_sender(event)
         elif isinstance(event, (StagingResponse, Watermark)):
             sender = event.session_id
         if sender is not None and sender in self.peers:
@@ -424,8 +399,7 @@ class PrefillProtocol:
         if state is None:
             return
         status = state.status
-        finished = self.stats.rooms_finished
-        finished[status.outcome] = finished.get(status.outcome, 0) + 1
+        self.stats.count_finished(status)
         log.debug("room %d: cleared (%s)", room, status.failure_reason or status.poll.name)
         self._unclaimed.pop(room, None)
         self._chunks.pop(room, None)
@@ -679,10 +653,17 @@ class PrefillProtocol:
         reason = f"room {message.room}: aborted by decode: {why}"
         return self._fail(state, Failure(FailureKind.ABORTED, reason))
 
+    def _beat_sender(self, message: Heartbeat) -> str | None:
+        """The decode peer a heartbeat is from: its sender_id is the sender's control
+        endpoint (a kvbridge/1.1 decode rank sent its peer id instead)."""
+        peer_id = self._peer_by_endpoint.get(message.sender_id, message.sender_id)
+        return peer_id if peer_id in self.peers else None
+
     def _on_heartbeat(self, message: Heartbeat, now: float) -> list[Action]:
         """Decode's heartbeat echoes the last of ours it heard: the write lease runs from when
         that one was sent (a heartbeat read late, after a stall, extends nothing)."""
-        peer = self.peers.get(message.sender_id)
+        peer_id = self._beat_sender(message)
+        peer = self.peers.get(peer_id) if peer_id is not None else None
         sent = self._beats_sent.get(message.ack_sequence) if message.ack_sequence else None
         if peer is not None and sent is not None:
             peer.lease_until = max(peer.lease_until, sent + message.lease_ms / 1000)

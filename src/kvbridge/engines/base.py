@@ -140,10 +140,6 @@ class TransferEngine(ABC):
         self.peer_memory[peer] = RegionMap(peer_memory)
         return peer
 
-    def disconnect(self, peer: str) -> None:
-        self.peer_memory.pop(peer, None)
-        self._disconnect(peer)
-
     def write(self, peer: str, plan: TransferPlan, notify: bytes = b"") -> TransferHandle:
         """Start writing the plan's blocks to the peer. Every block must lie inside registered
         memory on both sides: anything else is refused before the engine sees it."""
@@ -189,9 +185,6 @@ class TransferEngine(ABC):
 
     @abstractmethod
     def _connect(self, peer_endpoint: bytes) -> str: ...
-
-    def _disconnect(self, peer: str) -> None:  # noqa: B027 - optional for engines
-        pass
 
     @abstractmethod
     def _write(self, peer: str, plan: TransferPlan, notify: bytes) -> TransferHandle: ...

@@ -30,7 +30,7 @@ from kvbridge.engines.base import (
     TransferState,
     rdma_device_present,
 )
-from kvbridge.engines.regions import MemoryRegion
+from kvbridge.engines.regions import MemoryRegion, RegionMap
 from kvbridge.wire.messages import MemoryKind
 
 NAME = "nixl"
@@ -151,10 +151,10 @@ class NixlEngine(TransferEngine):
 
     @property
     def transport(self) -> str:
-        # UCX picks the transport per pair of endpoints (CMA on one host, TCP or RDMA across
-        # hosts); only an explicit UCX_TLS pins it, so that is what can be reported.
+        # UCX picks the transport per pair of endpoints and NIXL does not say which it picked;
+        # only an explicit UCX_TLS pins it. Anything else would be a guess shown as a fact.
         pinned = os.environ.get("UCX_TLS")
-        return f"ucx ({pinned})" if pinned else "ucx (auto: cma same-host, tcp/rdma remote)"
+        return f"ucx (UCX_TLS={pinned})" if pinned else "ucx (transport unknown: UCX_TLS unset)"
 
     def endpoint(self) -> bytes:
         return bytes(self._agent.get_agent_metadata())
@@ -189,32 +189,27 @@ class NixlEngine(TransferEngine):
         # NIXL returns the peer's name as bytes; notifications are keyed by str.
         return peer.decode() if isinstance(peer, bytes) else str(peer)
 
-    def _disconnect(self, peer: str) -> None:
+    def _remove_remote(self, peer: str) -> None:
         try:
             self._agent.remove_remote_agent(peer)
         except Exception as exc:
             raise EngineError(NAME, "remove remote agent", str(exc)) from None
 
     def _descriptors(
-        self, addresses: npt.NDArray[Any], lengths: npt.NDArray[Any], kind: MemoryKind
+        self, addresses: npt.NDArray[Any], lengths: npt.NDArray[Any], memory: RegionMap
     ) -> Any:
+        regions = memory.regions
+        kind = regions[0].memory_kind if regions else MemoryKind.DRAM
         table = np.empty((addresses.size, 3), dtype=np.uint64)
         table[:, 0] = addresses
         table[:, 1] = lengths
-        table[:, 2] = 0  # device id: DRAM, or the GPU of a single-GPU rank
+        table[:, 2] = memory.device_ids(addresses)  # each block's GPU, from its region
         return self._agent.get_xfer_descs(table, _mem_type(kind))
 
     def _write(self, peer: str, plan: TransferPlan, notify: bytes) -> TransferHandle:
-        local_kind = (
-            self.local_memory.regions[0].memory_kind
-            if self.local_memory.regions
-            else (MemoryKind.DRAM)
-        )
-        peer_regions = self.peer_memory[peer].regions
-        peer_kind = peer_regions[0].memory_kind if peer_regions else MemoryKind.DRAM
         try:
-            local = self._descriptors(plan.src, plan.length, local_kind)
-            remote = self._descriptors(plan.dst, plan.length, peer_kind)
+            local = self._descriptors(plan.src, plan.length, self.local_memory)
+            remote = self._descriptors(plan.dst, plan.length, self.peer_memory[peer])
             handle = self._agent.initialize_xfer("WRITE", local, remote, peer, notify)
             state = self._agent.transfer(handle)
         except Exception as exc:
@@ -252,7 +247,7 @@ class NixlEngine(TransferEngine):
                 self._deregister([region])
         for peer in list(self.peer_memory):
             with contextlib.suppress(EngineError):
-                self._disconnect(peer)
+                self._remove_remote(peer)
         self.peer_memory.clear()
         # The agent holds UCX workers and their sockets until it is destroyed; handles still
         # referenced elsewhere keep it alive only as long as they live.

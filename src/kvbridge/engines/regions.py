@@ -47,6 +47,9 @@ class RegionMap:
         self._rebuild()
 
     def _rebuild(self) -> None:
+        by_start = sorted(self._regions, key=lambda region: region.ptr)
+        self._region_starts = np.array([r.ptr for r in by_start], dtype=np.uint64).reshape(-1)
+        self._region_devices = np.array([r.device_id for r in by_start], dtype=np.uint64)
         spans = sorted((region.ptr, region.end) for region in self._regions)
         merged: list[list[int]] = []
         for start, end in spans:
@@ -72,3 +75,12 @@ class RegionMap:
         inside &= addresses < ends
         inside &= lengths <= np.where(inside, ends - addresses, 0)
         return np.flatnonzero(~inside)
+
+    def device_ids(self, addresses: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
+        """The device id of the registered region that holds each address (the GPU of a VRAM
+        region, 0 for DRAM); check `outside` first: an address in no region gets its
+        neighbour's."""
+        if not self._regions:
+            return np.zeros(addresses.size, np.uint64)
+        slot = np.searchsorted(self._region_starts, addresses, side="right").astype(np.intp) - 1
+        return self._region_devices[np.maximum(slot, 0)]

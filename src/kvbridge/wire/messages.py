@@ -239,7 +239,10 @@ class Heartbeat(Message):
     `ack_sequence` is the last sequence the sender heard from the receiver: a prefill rank's
     write lease on a decode peer runs `lease_ms` from when it sent that sequence, so only
     heartbeats decode really answered extend it. Prefill → decode heartbeats carry decode's
-    registration token."""
+    registration token.
+
+    `sender_id` is the sender's control endpoint, either way (native 1.2; a 1.1 decode rank
+    sent its peer id, which prefill still accepts)."""
 
     sender_id: str
     sequence: int

@@ -358,7 +358,11 @@ _LAYOUT_ROWS: tuple[tuple[int, type[Message], str, tuple[Field, ...]], ...] = (
         Heartbeat,
         "Either way: the sender is alive for lease_ms more.",
         (
-            Field("sender_id", c.UTF8),
+            Field(
+                "sender_id",
+                c.UTF8,
+                "the sender's control endpoint (a 1.1 decode rank: its peer_id)",
+            ),
             Field("sequence", c.U64),
             Field("lease_ms", c.U32),
             _optional("ack_sequence", c.U64, "last sequence heard from the receiver (1.1)"),

@@ -24,9 +24,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvbridge.demo import DemoConfig, DemoResult, available_memory, run_demo
 from kvbridge.engines import PROCESS_ENGINES, engine_spec, unavailable_reason
 from kvbridge.wire import KVLayout
+from kvbridge_tools.demo import DemoConfig, DemoResult, available_memory, run_demo
 
 ENGINES = PROCESS_ENGINES
 TP_PAIRS = ((1, 1), (2, 4), (4, 2))
@@ -240,7 +240,7 @@ def json_in_private_netns(arguments: list[str]) -> Any:
 def _run_in_private_netns(cell: Cell, preset_name: str, budget: int, log_level: int) -> CellResult:
     spec = {"cell": asdict(cell), "preset": preset_name, "budget": budget, "log_level": log_level}
     try:
-        row = json_in_private_netns(["-m", "kvbridge.bench", json.dumps(spec)])
+        row = json_in_private_netns(["-m", "kvbridge_tools.bench", json.dumps(spec)])
     except subprocess.CalledProcessError as exc:
         return CellResult(cell, error=f"the cell's process failed: {exc.stderr[-500:]}")
     row.pop("ratio")
@@ -428,7 +428,7 @@ def markdown(rows: list[CellResult]) -> str:
 
 
 def _main() -> None:
-    """`python -m kvbridge.bench CELL_JSON`: one cell, its row as JSON on the last line (how
+    """`python -m kvbridge_tools.bench CELL_JSON`: one cell, its row as JSON on the last line (how
     Mooncake cells run inside their network namespace)."""
     spec = json.loads(sys.argv[1])
     cell = Cell(**spec["cell"])

@@ -1,0 +1,82 @@
+"""What both sides' protocol cores share: the actions every manager executes the same way,
+the tick, the counters every rank keeps, and dispatch through one handler table."""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvbridge.core.liveness import Liveness
+from kvbridge.core.room import RoomStatus
+from kvbridge.wire import Message
+
+
+@dataclass(frozen=True)
+class Send:
+    """Send a control message to a peer's endpoint."""
+
+    endpoint: str
+    message: Message
+
+
+@dataclass(frozen=True)
+class RoomsChanged:
+    """A room may have ended or its pages come free: wake whoever waits for that."""
+
+
+@dataclass(frozen=True)
+class Tick:
+    """The control loop's tick, with the engine's notifications since the last one (decode
+    polls them; a prefill rank's ticks carry none)."""
+
+    notifications: tuple[bytes, ...] = ()
+
+
+@dataclass
+class RankStats:
+    """Counters every rank keeps (each side adds its own)."""
+
+    peers_declared_dead: int = 0
+    rooms_started: int = 0
+    rooms_finished: dict[tuple[str, str], int] = field(default_factory=dict)  # (state, kind)
+    ignored: int = 0  # well-formed messages this rank does not act on
+
+    def count_finished(self, status: RoomStatus) -> None:
+        """A cleared room, under its outcome and failure kind: the one place rooms are
+        tallied."""
+        self.rooms_finished[status.outcome] = self.rooms_finished.get(status.outcome, 0) + 1
+
+
+class ProtocolCore:
+    """Dispatch of events (wire messages and local events alike) through one table keyed by
+    event type, and the bookkeeping both sides share."""
+
+    role: str
+    stats: RankStats
+    liveness: Liveness
+    rooms: Mapping[int, Any]  # each room's state object, which has a `status`
+
+    def __init__(self, handlers: dict[type, Callable[[Any, float], list[Any]]]) -> None:
+        self._handlers = handlers
+        self._log = logging.getLogger(f"kvbridge.{self.role}")
+
+    def handle(self, event: object, now: float) -> list[Any]:
+        """The actions an event calls for, in the order they must be executed."""
+        handler = self._handlers.get(type(event))
+        if handler is None:
+            self._log.warning("unexpected %s on a %s rank, ignored", type(event).__name__,
+                              self.role)  # fmt: skip
+            return []
+        return handler(event, now)
+
+    def _ignore(self, why: str, *args: object) -> list[Any]:
+        """A well-formed message this rank does not act on: counted, logged at DEBUG."""
+        self.stats.ignored += 1
+        self._log.debug("ignored: " + why, *args)
+        return []
+
+    def rooms_by_state(self) -> Counter[str]:
+        return Counter(state.status.poll.name for state in self.rooms.values())
