@@ -8,7 +8,7 @@ import numpy as np
 
 from kvbridge.cache import KVArgs
 from kvbridge.cache.peer import memory_regions
-from kvbridge.engines.regions import MemoryRegion
+from kvbridge.cache.regions import MemoryRegion
 from kvbridge.wire import KVLayout
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvbridge.engines import MemoryRegion, RegionMap
+from kvbridge.cache.regions import MemoryRegion, RegionMap
 from kvbridge.wire import MemoryKind
 
 

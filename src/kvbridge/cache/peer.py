@@ -3,8 +3,8 @@ mapping between `KVArgs` and `Registration`."""
 
 from __future__ import annotations
 
+from kvbridge.cache.regions import MemoryRegion
 from kvbridge.cache.spec import BufferSpec, KVArgs
-from kvbridge.engines.regions import MemoryRegion
 from kvbridge.wire.native import Registration
 
 

@@ -38,7 +38,6 @@ from kvbridge.wire import (
     StagingResponse,
     TransferRequest,
     TransferStatus,
-    Watermark,
 )
 from kvbridge.wire.address import tcp_endpoint
 
@@ -324,14 +323,12 @@ class DecodeProtocol(ProtocolCore):
         return self._free_ring(done.ready, done.allocation)
 
     def _free_ring(self, ready: ChunkReady, allocation: Allocation) -> list[Action]:
-        """Free a chunk's ring space, tell its writer the watermark, grant waiting space."""
+        """Free a chunk's ring space and grant it to requests waiting for space. (No
+        `Watermark` goes back: this rank grants space explicitly, so a prefill rank never
+        needs to know the ring's tail; sglang's own decode sends one.)"""
         assert self.ring is not None
         self.ring.free(allocation)
-        round_, tail = self.ring.watermark
-        actions: list[Action] = [
-            RoomsChanged(),
-            Send(ready.session_id, Watermark(round_, tail, self.settings.peer_id)),
-        ]
+        actions: list[Action] = [RoomsChanged()]
         while self._waiting:
             granted = self.ring.allocate(self._waiting[0].nbytes)
             if granted is None:

@@ -211,7 +211,6 @@ class _AwaitedStaging:
 class PrefillStats(RankStats):
     staged_chunks: int = 0
     staging_fallbacks: int = 0
-    watermarks: int = 0
     # Kept by the manager's worker: where its time goes (seconds) and what it wrote.
     blocks_written: int = 0
     staging_wait_s: float = 0.0
@@ -369,6 +368,8 @@ class PrefillProtocol(ProtocolCore):
             actions.append(RoomsChanged())
         if peer_id is not None and peer_id not in state.requests:
             actions += self._report(state, also_peer=peer_id)  # a peer it never wrote to
+        if state.status.poll != KVPoll.Failed:
+            return actions  # it had succeeded: nothing to settle, success was reported
         chunk = self._chunks.get(state.room)
         if chunk is None or (chunk.writing is None and chunk.staging is None):
             actions += self._settle(state)
@@ -670,7 +671,8 @@ class PrefillProtocol(ProtocolCore):
         return []
 
     def _on_watermark(self, message: Watermark, now: float) -> list[Action]:
-        self.stats.watermarks += 1
+        # kvbridge decode ranks before native 1.2 sent one after each scatter; it carries
+        # nothing this side needs (ring space is granted explicitly), only a sign of life.
         return []
 
     def _heartbeats_to(self, peers: Sequence[DecodePeer], now: float) -> list[Action]:

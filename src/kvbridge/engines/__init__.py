@@ -5,6 +5,7 @@ Which engines exist, their options and how they load: `kvbridge.engines.registry
 
 from __future__ import annotations
 
+from kvbridge.cache.regions import MemoryRegion, RegionMap
 from kvbridge.engines.base import (
     EngineError,
     EngineTimeout,
@@ -13,7 +14,6 @@ from kvbridge.engines.base import (
     TransferState,
     WriteFenced,
 )
-from kvbridge.engines.regions import MemoryRegion, RegionMap
 from kvbridge.engines.registry import (
     DEFAULT_ENGINE,
     ENGINES,

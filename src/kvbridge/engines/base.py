@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from kvbridge.cache.plan import TransferPlan
-from kvbridge.engines.regions import MemoryRegion, RegionMap
+from kvbridge.cache.regions import MemoryRegion, RegionMap
 
 
 def rdma_device_present() -> bool:

@@ -11,8 +11,8 @@ from collections.abc import Mapping, Sequence
 from typing import ClassVar
 
 from kvbridge.cache.plan import TransferPlan
+from kvbridge.cache.regions import MemoryRegion
 from kvbridge.engines.base import EngineError, TransferEngine, TransferHandle, TransferState
-from kvbridge.engines.regions import MemoryRegion
 
 
 def probe() -> None:

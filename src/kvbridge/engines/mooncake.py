@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvbridge.cache.plan import TransferPlan
+from kvbridge.cache.regions import MemoryRegion
 from kvbridge.engines.base import (
     ClosedEngine,
     EngineError,
@@ -27,7 +28,6 @@ from kvbridge.engines.base import (
     TransferState,
     rdma_device_present,
 )
-from kvbridge.engines.regions import MemoryRegion
 
 NAME = "mooncake"
 MAX_BLOCKS_IN_FLIGHT = 1024

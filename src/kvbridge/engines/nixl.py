@@ -22,6 +22,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvbridge.cache.plan import TransferPlan
+from kvbridge.cache.regions import MemoryRegion, RegionMap
 from kvbridge.engines.base import (
     ClosedEngine,
     EngineError,
@@ -30,7 +31,6 @@ from kvbridge.engines.base import (
     TransferState,
     rdma_device_present,
 )
-from kvbridge.engines.regions import MemoryRegion, RegionMap
 from kvbridge.wire.messages import MemoryKind
 
 NAME = "nixl"

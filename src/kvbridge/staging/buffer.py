@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from kvbridge.cache.regions import MemoryRegion
 from kvbridge.cache.spec import KVArgs
-from kvbridge.engines.regions import MemoryRegion
 from kvbridge.staging import kernels
 from kvbridge.wire.messages import MemoryKind
 

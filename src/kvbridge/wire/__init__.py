@@ -28,8 +28,7 @@ from kvbridge.wire.messages import (
 )
 from kvbridge.wire.native import MAGIC as NATIVE_MAGIC
 from kvbridge.wire.native import NATIVE, Registration, TransferRequest
-from kvbridge.wire.profile import Inspection, Profile
-from kvbridge.wire.sglang.common import TO_DECODE, TO_PREFILL, Receiver, SGLangProfile
+from kvbridge.wire.profile import Inspection, Profile, Receiver
 from kvbridge.wire.sglang.mooncake import MOONCAKE
 from kvbridge.wire.sglang.nixl import GUARD, NIXL
 
@@ -60,27 +59,7 @@ def inspect_frames(
     NIXL's guarded messages may come with or without their guard frame.
     """
     chosen = get_profile(profile) if profile else detect_profile(frames)
-    if chosen is NATIVE:
-        return NATIVE.inspect(frames, type_name, secret=secret)
-    assert isinstance(chosen, SGLangProfile)
-    if chosen is NIXL and len(frames) and not _nixl_framed(frames):
-        # Captured after the guard was stripped (as sglang's from_zmq sees them).
-        result = chosen.inspect([GUARD, *frames], type_name, receiver)
-        result.notes.insert(0, f"no guard frame: read as the frames after {GUARD!r}")
-        return result
-    result = chosen.inspect(frames, type_name, receiver)
-    if result.type_name in SHARED_CONTROL_MESSAGES:
-        result.notes.append("a control message both SGLang backends send alike (sglang-nixl too)")
-    return result
-
-
-# sglang's backend-independent control messages: the same bytes in both SGLang profiles.
-SHARED_CONTROL_MESSAGES = {layout.type_name for layout in (*TO_PREFILL, *TO_DECODE)}
-
-
-def _nixl_framed(frames: Sequence[bytes]) -> bool:
-    first = bytes(frames[0])
-    return first == GUARD or first in NIXL.tags(None)
+    return chosen.inspect(frames, type_name, secret=secret, receiver=receiver)
 
 
 def decode_frames(
@@ -95,28 +74,12 @@ def decode_frames(
     checked against `secret`. ``receiver`` dispatches as that side's sglang listener does.
     """
     chosen = get_profile(profile) if profile else detect_profile(frames)
-    if chosen is NATIVE:
-        return NATIVE.decode(frames, secret=secret)
-    _refuse_unauthenticated(chosen, secret)
-    assert isinstance(chosen, SGLangProfile)
-    return chosen.decode(frames, receiver=receiver)
+    return chosen.decode(frames, secret=secret, receiver=receiver)
 
 
 def encode_frames(message: Message, profile: str, secret: bytes | None = None) -> list[bytes]:
     """The frames to send for a message in a profile (NIXL's guarded messages with the guard)."""
-    chosen = get_profile(profile)
-    if chosen is NATIVE:
-        return NATIVE.encode(message, secret=secret)
-    _refuse_unauthenticated(chosen, secret)
-    return chosen.encode(message)
-
-
-def _refuse_unauthenticated(profile: Profile, secret: bytes | None) -> None:
-    if secret is not None:
-        raise WireError(
-            "a shared secret is configured but this profile has no frame for an auth tag",
-            profile=profile.name,
-        )
+    return get_profile(profile).encode(message, secret=secret)
 
 
 def get_profile(name: str) -> Profile:

@@ -46,7 +46,7 @@ from kvbridge.wire.messages import (
     check_port,
     check_staging,
 )
-from kvbridge.wire.profile import Inspection, Profile, require_frames
+from kvbridge.wire.profile import Inspection, Profile, Receiver, require_frames
 
 PROFILE = "kvbridge/1"
 MAGIC = b"KVBR"
@@ -419,6 +419,7 @@ class NativeProfile(Profile):
         return LAYOUTS_BY_CODE[parse_header(bytes(frames[0])).type_code]
 
     def encode(self, message: Message, *, secret: bytes | None = None) -> list[bytes]:
+        """With `secret`, the last frame is the auth tag."""
         code = CODES_BY_TYPE.get(type(message))
         if code is None:
             raise WireError(
@@ -473,8 +474,11 @@ class NativeProfile(Profile):
         type_name: str | None = None,
         *,
         secret: bytes | None = None,
+        receiver: Receiver | None = None,
         guard: ReplayGuard | None = None,
     ) -> Message:
+        """`secret` verifies the auth tag (required then), `guard` refuses stale and replayed
+        ones; `receiver` is not used (native messages go either way)."""
         header, body, _ = self._split(frames, secret, guard)
         layout = LAYOUTS_BY_CODE[header.type_code]
         if type_name and type_name != layout.type_name:
@@ -493,6 +497,7 @@ class NativeProfile(Profile):
         type_name: str | None = None,
         *,
         secret: bytes | None = None,
+        receiver: Receiver | None = None,
     ) -> Inspection:
         try:
             header, body, tag = self._split(frames, secret)

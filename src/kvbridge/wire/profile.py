@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -9,6 +10,13 @@ from typing import Any
 
 from kvbridge.wire.errors import WireError
 from kvbridge.wire.layout import FrameRow, Layout, Message
+
+
+class Receiver(str, enum.Enum):
+    """The side whose listener thread receives a message (SGLang dispatches per side)."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
 
 
 @dataclass
@@ -51,22 +59,44 @@ class Profile(ABC):
     def classify(self, frames: Sequence[bytes]) -> Layout[Any]:
         """The layout these frames claim to be; `WireError` if they fit none."""
 
-    def encode(self, message: Message) -> list[bytes]:
-        return self.layout_for(type(message)).encode(message)
+    # One interface for every profile, so that callers never special-case one: `secret` is
+    # the shared secret (a profile without an auth-tag frame refuses to encode or decode
+    # with one), `receiver` the side whose listener to follow (profiles that dispatch by
+    # side; others ignore it).
 
-    def decode(self, frames: Sequence[bytes], type_name: str | None = None) -> Message:
-        layout = self.layout_named(type_name) if type_name else self.classify(frames)
-        message: Message = layout.decode(frames)
-        return message
+    @abstractmethod
+    def encode(self, message: Message, *, secret: bytes | None = None) -> list[bytes]:
+        """The frames to send for a message."""
 
-    def inspect(self, frames: Sequence[bytes], type_name: str | None = None) -> Inspection:
-        try:
-            layout = self.layout_named(type_name) if type_name else self.classify(frames)
-        except WireError as exc:
-            return Inspection(self.name, None, [], [str(exc)])
-        rows, errors = layout.inspect(frames)
-        message = None if errors else layout.decode(frames)
-        return Inspection(self.name, layout.type_name, rows, errors, message)
+    @abstractmethod
+    def decode(
+        self,
+        frames: Sequence[bytes],
+        type_name: str | None = None,
+        *,
+        secret: bytes | None = None,
+        receiver: Receiver | None = None,
+    ) -> Message:
+        """The message the frames carry; `WireError` naming the frame and field if none."""
+
+    @abstractmethod
+    def inspect(
+        self,
+        frames: Sequence[bytes],
+        type_name: str | None = None,
+        *,
+        secret: bytes | None = None,
+        receiver: Receiver | None = None,
+    ) -> Inspection:
+        """Frame by frame, for display: never raises for bad input."""
+
+    def refuse_secret(self, secret: bytes | None) -> None:
+        """A profile with no frame for an auth tag cannot honour a shared secret."""
+        if secret is not None:
+            raise WireError(
+                "a shared secret is configured but this profile has no frame for an auth tag",
+                profile=self.name,
+            )
 
 
 def require_frames(frames: Sequence[bytes], profile: str) -> None:

@@ -10,7 +10,6 @@ peer are ignored (and kept, so `to_zmq` gives back the frames received).
 
 from __future__ import annotations
 
-import enum
 from abc import abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -29,7 +28,7 @@ from kvbridge.wire.messages import (
     check_port,
     check_staging,
 )
-from kvbridge.wire.profile import Inspection, Profile, require_frames
+from kvbridge.wire.profile import Inspection, Profile, Receiver, require_frames
 from kvbridge.wire.sglang import ZmqMessage
 
 PROFILE = "sglang"
@@ -56,13 +55,6 @@ class Registration(StagingRing):
         check_port(self.dst_port, "dst_port")
         check_staging(self.staging_base_ptr, self.staging_total_size)
         check_dcp(self.dst_dcp_size, self.dst_dcp_rank, "dst_dcp_size", "dst_dcp_rank")
-
-
-class Receiver(str, enum.Enum):
-    """The side whose listener thread receives a message (SGLang dispatches per side)."""
-
-    PREFILL = "prefill"
-    DECODE = "decode"
 
 
 def tag(value: bytes) -> Field:
@@ -369,7 +361,8 @@ class SGLangProfile(Profile):
             )
         return layout, [bytes(frame) for frame in frames[len(prefix) :]]
 
-    def encode(self, message: Message) -> list[bytes]:
+    def encode(self, message: Message, *, secret: bytes | None = None) -> list[bytes]:
+        self.refuse_secret(secret)
         layout = self.layout_for(type(message))
         return [*layout.prefix, *layout.encode(message)]
 
@@ -377,17 +370,43 @@ class SGLangProfile(Profile):
         self,
         frames: Sequence[bytes],
         type_name: str | None = None,
+        *,
+        secret: bytes | None = None,
         receiver: Receiver | None = None,
     ) -> Message:
+        self.refuse_secret(secret)
         layout, body = self.split(frames, type_name, receiver)
         message: Message = layout.decode(body)
         return message
+
+    def missing_prefix(self, frames: Sequence[bytes]) -> tuple[bytes, ...]:
+        """Frames a capture may have lost before these (NIXL's guard, stripped before sglang's
+        from_zmq sees the rest): inspect reads the frames as if they were there."""
+        return ()
 
     def inspect(
         self,
         frames: Sequence[bytes],
         type_name: str | None = None,
+        *,
+        secret: bytes | None = None,
         receiver: Receiver | None = None,
+    ) -> Inspection:
+        """(`secret` is not used: an SGLang message has no tag to verify.)"""
+        missing = self.missing_prefix(frames)
+        if missing:
+            result = self._inspect([*missing, *frames], type_name, receiver)
+            result.notes.insert(0, f"no guard frame: read as the frames after {missing[0]!r}")
+            return result
+        result = self._inspect(frames, type_name, receiver)
+        if result.type_name in SHARED_TYPE_NAMES:
+            result.notes.append(
+                "a control message both SGLang backends send alike (sglang-nixl too)"
+            )
+        return result
+
+    def _inspect(
+        self, frames: Sequence[bytes], type_name: str | None, receiver: Receiver | None
     ) -> Inspection:
         try:
             layout, body = self.split(frames, type_name, receiver)
@@ -405,3 +424,7 @@ class SGLangProfile(Profile):
         if note:
             result.notes.append(note)
         return result
+
+
+# sglang's backend-independent control messages: the same bytes in both SGLang profiles.
+SHARED_TYPE_NAMES = frozenset(layout.type_name for layout in (*TO_PREFILL, *TO_DECODE))

@@ -24,6 +24,7 @@ from kvbridge.wire.messages import (
     TransferStatus,
     check_port,
 )
+from kvbridge.wire.profile import Receiver
 from kvbridge.wire.sglang import STAGING_FIELDS, ZmqMessage
 from kvbridge.wire.sglang.common import (
     AUX_DATA,
@@ -32,7 +33,6 @@ from kvbridge.wire.sglang.common import (
     RELEASE,
     TO_DECODE,
     TO_PREFILL,
-    Receiver,
     Registration,
     SGLangProfile,
 )

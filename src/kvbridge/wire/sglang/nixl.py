@@ -26,13 +26,13 @@ from kvbridge.wire.messages import (
     TransferStatus,
     check_port,
 )
+from kvbridge.wire.profile import Receiver
 from kvbridge.wire.sglang import STAGING_FIELDS, ZmqMessage
 from kvbridge.wire.sglang.common import (
     REGISTRATION_ROOM,
     RELEASE,
     TO_DECODE,
     TO_PREFILL,
-    Receiver,
     Registration,
     SGLangProfile,
     tagged_layout,
@@ -247,6 +247,12 @@ class NixlProfile(SGLangProfile):
     to_prefill = TO_PREFILL
     to_decode = (*TO_DECODE, KV_STATUS)
     layouts = (REGISTER_INFO, TRANSFER_INFO, *to_prefill, *to_decode)
+
+    def missing_prefix(self, frames: Sequence[bytes]) -> tuple[bytes, ...]:
+        if not len(frames) or not isinstance(frames[0], (bytes, bytearray, memoryview)):
+            return ()
+        first = bytes(frames[0])
+        return () if first == GUARD or first in self.tags(None) else (GUARD,)
 
     def untagged(self, frames: Sequence[bytes], receiver: Receiver | None) -> Layout[Any]:
         if not REGISTER_INFO.has_prefix(frames) or receiver is Receiver.DECODE:
