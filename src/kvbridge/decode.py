@@ -221,12 +221,9 @@ class DecodeManager(RankManager):
             ready.token_start, ready.token_count, scatter.dst_pages, args.page_size,
             args.dcp_size, args.dcp_rank,
         )  # fmt: skip
-        head_bytes = args.head_dim * args.dtype_size
+        column, width = scatter.source.columns(args.head_bytes, "dst")
         started = time.perf_counter()
-        ring.scatter(
-            scatter.allocation.offset, scatter.allocation.end, rows,
-            scatter.source.dst_head_offset * head_bytes, scatter.source.heads.count * head_bytes,
-        )  # fmt: skip
+        ring.scatter(scatter.allocation.offset, scatter.allocation.end, rows, column, width)
         with self._lock:
             self.stats.scattered_chunks += 1
             self.stats.scatter_s += time.perf_counter() - started

@@ -215,7 +215,7 @@ def plan_head_pages(
     _check_heads_fit(src, dst, source)
     src_array, dst_array = _paired_pages(src, dst, src_pages, dst_pages)
     # One head's tokens of one page: its K and V rows side by side.
-    head_page_bytes = src.kv_layout.kv_in_page * src.page_size * src.head_dim * src.dtype_size
+    head_page_bytes = src.kv_layout.kv_in_page * src.page_size * src.head_bytes
     src_offsets = src_array * src.page_bytes + source.src_head_offset * head_page_bytes
     dst_offsets = dst_array * dst.page_bytes + source.dst_head_offset * head_page_bytes
     # Merges only where the slice is all of both sides' heads (then it is plan_kv's runs).
@@ -334,12 +334,11 @@ def plan_tokens(
     src_rows, dst_rows = token_rows(
         src_array, src.page_size, token_start, dst_array, dst.page_size, dcp_size, dcp_rank
     )
-    head_bytes = src.head_dim * src.dtype_size
-    src_offsets = src_rows * src.token_bytes + source.src_head_offset * head_bytes
-    dst_offsets = dst_rows * dst.token_bytes + source.dst_head_offset * head_bytes
-    src_starts, dst_starts, lengths = merge_runs(
-        src_offsets, dst_offsets, source.heads.count * head_bytes
-    )
+    src_column, width = source.columns(src.head_bytes, "src")
+    dst_column, _ = source.columns(src.head_bytes, "dst")
+    src_offsets = src_rows * src.token_bytes + src_column
+    dst_offsets = dst_rows * dst.token_bytes + dst_column
+    src_starts, dst_starts, lengths = merge_runs(src_offsets, dst_offsets, width)
     return _on_every_buffer(src, dst, src_starts, dst_starts, lengths)
 
 

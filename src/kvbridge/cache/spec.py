@@ -123,9 +123,14 @@ class KVArgs:
         return DTYPE_SIZES[self.dtype]
 
     @property
+    def head_bytes(self) -> int:
+        """Bytes of one head of one token (K or V)."""
+        return self.head_dim * self.dtype_size
+
+    @property
     def token_bytes(self) -> int:
         """Bytes of one token in one KV buffer (its K and V with MHA_HEAD_MAJOR)."""
-        return self.kv_layout.kv_in_page * self.kv_heads * self.head_dim * self.dtype_size
+        return self.kv_layout.kv_in_page * self.kv_heads * self.head_bytes
 
     @property
     def page_bytes(self) -> int:

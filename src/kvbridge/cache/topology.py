@@ -56,6 +56,12 @@ class Source:
     src_head_offset: int  # first of them within the prefill rank's heads
     dst_head_offset: int  # and within the decode rank's heads
 
+    def columns(self, head_bytes: int, side: str) -> tuple[int, int]:
+        """Where the moved heads lie in one token row of a KV buffer, in bytes: (first byte,
+        width), on the prefill ("src") or the decode ("dst") side."""
+        offset = self.src_head_offset if side == "src" else self.dst_head_offset
+        return offset * head_bytes, self.heads.count * head_bytes
+
 
 @dataclass(frozen=True)
 class DecodeRoute:

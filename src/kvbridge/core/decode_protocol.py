@@ -432,10 +432,7 @@ class DecodeProtocol(ProtocolCore):
                 actions.append(Send(endpoint, beat))
         for endpoint, silent_s in self.liveness.expired(now):
             self.stats.peers_declared_dead += 1
-            reason = (
-                f"prefill {endpoint} silent for {silent_s:.1f} s (peer timeout "
-                f"{settings.peer_timeout_s:g} s)"
-            )
+            reason = self.liveness.silence(f"prefill {endpoint}", silent_s)
             # The last write lease this rank granted it started before it was last heard; a
             # rank that is only hung fences itself when that lease runs out (or, with an
             # engine that moves writes on its own threads, when its last write times out).

@@ -54,6 +54,10 @@ class Liveness:
                 newly_dead.append((peer, now - last))
         return newly_dead
 
+    def silence(self, who: str, silent_s: float) -> str:
+        """Why a peer was declared dead, in words (what its rooms fail with)."""
+        return f"{who} silent for {silent_s:.1f} s (peer timeout {self.timeout_s:g} s)"
+
     def alive(self, peer: str) -> bool:
         return peer not in self._dead
 

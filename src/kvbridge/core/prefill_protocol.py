@@ -478,8 +478,7 @@ class PrefillProtocol(ProtocolCore):
             np.asarray(job.dst_pages, dtype=np.int64), peer_args.page_size,
             peer_args.dcp_size, peer_args.dcp_rank,
         )  # fmt: skip
-        head_bytes = local.head_dim * local.dtype_size
-        width = source.heads.count * head_bytes
+        column, width = source.columns(local.head_bytes, "src")
         nbytes = staged_size(len(local.kv_buffers), src_rows.size, width)
         if nbytes == 0 or nbytes > self.settings.staging_bytes or nbytes > ring.length:
             self.stats.staging_fallbacks += 1
@@ -488,7 +487,6 @@ class PrefillProtocol(ProtocolCore):
             room=job.room, chunk_idx=job.chunk_idx, chunk_num_pages=job.src_pages.size,
             session_id=self.settings.endpoint, prefill_rank=self.rank, nbytes=nbytes,
         )  # fmt: skip
-        column = source.src_head_offset * head_bytes
         chunk.staging = _AwaitedStaging(job, request, now, src_rows, column, width)
         return request
 
@@ -753,10 +751,7 @@ class PrefillProtocol(ProtocolCore):
 
     def _peer_dead(self, peer_id: str, silent_s: float) -> list[Action]:
         self.stats.peers_declared_dead += 1
-        reason = (
-            f"decode {peer_id} silent for {silent_s:.1f} s (peer timeout "
-            f"{self.settings.peer_timeout_s:g} s)"
-        )
+        reason = self.liveness.silence(f"decode {peer_id}", silent_s)
         affected = [state for state in self.rooms.values()
                     if peer_id in state.requests and not state.status.finished]  # fmt: skip
         actions: list[Action] = []
