@@ -22,11 +22,9 @@ from kvbridge.core.decode_protocol import (
     RoomAborted,
     RoomCleared,
     RoomOpened,
-    RoomsChanged,
     ScatterChunk,
-    Tick,
-    sends,
 )
+from kvbridge.core.protocol import RoomsChanged, Send, Tick
 from kvbridge.core.room import DecodeRoom, RoomStatus, notification_for
 from kvbridge.wire import (
     STAGING_NEVER_FITS,
@@ -47,6 +45,11 @@ TOKEN = b"t" * 16
 ENDPOINTS = ("tcp://10.0.0.1:7000", "tcp://10.0.0.2:7000")  # prefill ranks 0 and 1
 LEASE_S = 3.0
 RING = 4096
+
+
+def sends(actions: list[Action]) -> list[Send]:
+    """The messages among the actions."""
+    return [action for action in actions if isinstance(action, Send)]
 
 
 def protocol(staging_bytes: int | None = RING) -> DecodeProtocol:

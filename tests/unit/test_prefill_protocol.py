@@ -21,14 +21,13 @@ from kvbridge.core.prefill_protocol import (
     Connected,
     PrefillProtocol,
     PrefillSettings,
-    Send,
     SenderAborted,
     SenderCleared,
     SenderOpened,
-    Tick,
     Write,
     WriteEnded,
 )
+from kvbridge.core.protocol import Send, Tick
 from kvbridge.core.room import Chunk, Failure
 from kvbridge.wire import (
     Abort,

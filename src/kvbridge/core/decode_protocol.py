@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,7 +31,6 @@ from kvbridge.wire import (
     FailureKind,
     Heartbeat,
     KVPoll,
-    Message,
     Registration,
     StagingRequest,
     StagingResponse,
@@ -122,11 +120,6 @@ class ChunkScattered:
 class Closing:
     """The rank is closing: rooms whose pages a prefill rank may still write into fail and
     their writers are asked to stop."""
-
-
-Event = (
-    Message | Registering | RoomOpened | RoomAborted | RoomCleared | ChunkScattered | Tick | Closing
-)
 
 
 @dataclass(frozen=True)
@@ -463,8 +456,3 @@ class DecodeProtocol(ProtocolCore):
             state.status.fail(FailureKind.ABORTED, reason)
             actions += self._abort_unsettled(state, "decode rank closing")
         return actions
-
-
-def sends(actions: Sequence[Action]) -> list[Send]:
-    """The messages among actions (for tests and logs)."""
-    return [action for action in actions if isinstance(action, Send)]

@@ -39,7 +39,6 @@ from kvbridge.wire import (
     FailureKind,
     Heartbeat,
     KVPoll,
-    Message,
     Registration,
     StagingRequest,
     StagingResponse,
@@ -145,12 +144,6 @@ class WriteEnded:
 
     room: int
     failure: Failure | None = None
-
-
-Event = (
-    Message | SenderOpened | ChunkSubmitted | SenderAborted | SenderCleared | Connected
-    | WriteEnded | Tick
-)  # fmt: skip
 
 
 @dataclass(frozen=True)
