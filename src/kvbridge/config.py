@@ -28,8 +28,12 @@ class ManagerConfig:
     transfer_timeout_s: how long decode waits for a room after sending its request.
     request_timeout_s: how long a prefill room waits for decode's transfer request(s).
     write_timeout_s: how long prefill waits for one engine write.
-    keep_plans: prefill keeps every (peer, plan) it wrote, for benchmarks that replay the
-        identical blocks through the raw engine.
+    writes_in_flight: write jobs a prefill rank hands out per decode peer at once (to the
+        engine, or waiting for ring space): the next is planned and gathered while earlier
+        ones move. Rooms toward a peer are written oldest first, so they complete in the order
+        they arrived.
+    keep_plans: prefill keeps every (room, peer, plan) it wrote, for benchmarks that replay
+        the identical blocks through the raw engine.
     staging: use the staging path when the TP sizes differ (decode registers a ring, prefill
         gathers each chunk into one write); off: every head slice is a separate block.
     staging_bytes: decode's ring, and prefill's local staging buffer, in bytes; a chunk that
@@ -55,6 +59,7 @@ class ManagerConfig:
     transfer_timeout_s: float = 300.0
     request_timeout_s: float = 300.0
     write_timeout_s: float = 60.0
+    writes_in_flight: int = 2
     keep_plans: bool = False
     staging: bool = True
     staging_bytes: int = 64 << 20
@@ -64,6 +69,10 @@ class ManagerConfig:
     peer_timeout_s: float = 3.0
     metrics_port: int | None = None
     secret: bytes | None = field(default_factory=secret_from_env, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.writes_in_flight < 1:
+            raise ValueError(f"writes_in_flight must be at least 1, got {self.writes_in_flight}")
 
     @property
     def exposed_without_secret(self) -> bool:

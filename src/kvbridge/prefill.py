@@ -9,8 +9,11 @@ outcome goes to every destination as a `TransferStatus`, with the reason on fail
 Every rule lives in `kvbridge.core.prefill_protocol.PrefillProtocol`; this module turns what
 happens (messages, ticks, the scheduler's calls, engine writes) into its events and executes
 the actions it returns. Threads: the control channel's thread owns the sockets and handles
-incoming messages and ticks; one worker thread makes every engine call (connect, gather,
-plan, write).
+incoming messages and ticks; a preparing thread waits for the write lease, gathers staged
+chunks and plans each write; the engine thread makes every engine call — connects, posts the
+prepared writes in the order the protocol handed them out, and polls every write in flight
+(the lease is checked before each post and poll), reporting each as it ends. Several writes
+are out at once, so the next one is planned while the current one moves.
 """
 
 from __future__ import annotations
@@ -19,8 +22,9 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
-from functools import partial
+from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
@@ -52,7 +56,7 @@ from kvbridge.core.prefill_protocol import (
 )
 from kvbridge.core.protocol import Tick
 from kvbridge.core.room import Chunk, Failure, RoomStatus
-from kvbridge.engines import EngineError, WriteFenced
+from kvbridge.engines import EngineError, TransferHandle, WriteFenced
 from kvbridge.runtime import RankManager, RankRuntime
 from kvbridge.wire import FailureKind, KVPoll, Message
 
@@ -62,8 +66,51 @@ log = logging.getLogger("kvbridge.prefill")
 # vLLM's engine step) then wait up to Python's 5 ms switch interval for each turn. Measured in
 # vLLM (8 × 1k-token loads): time until decode's KV is in place 35-50 ms → 23-33 ms.
 WRITE_POLL_S = 0.0001
+# Prepared writes to one peer that wait together are posted as one engine transfer (the
+# engine's per-transfer cost and this process's per-write work are paid once for them), at
+# most this many writes and blocks; a transfer carries at most one notification.
+MAX_MERGED_WRITES = 8
+MAX_MERGED_BLOCKS = 1 << 16
 
 __all__ = ["FINISHED_ROOMS_KEPT", "MAX_UNCLAIMED_ROOMS", "KVSender", "PrefillManager"]
+
+
+@dataclass
+class _Prepared:
+    """A write with its blocks planned (and its chunk gathered), ready for the engine."""
+
+    write: Write
+    plan: TransferPlan
+
+
+@dataclass
+class _Posted:
+    """Prepared writes to one peer that the engine is moving as one transfer."""
+
+    writes: list[_Prepared]
+    engine_peer: str
+    handle: TransferHandle
+    started: float  # monotonic, when it was posted
+
+
+def _merged(ready: deque[_Prepared]) -> list[_Prepared]:
+    """The writes at the head of `ready` that go as one transfer: in order, to one peer, at
+    most one of them with a notification, within `MAX_MERGED_WRITES` and
+    `MAX_MERGED_BLOCKS`."""
+    group = [ready.popleft()]
+    peer_id = group[0].write.job.peer_id
+    notifying = bool(group[0].write.notify)
+    blocks = len(group[0].plan)
+    while ready and len(group) < MAX_MERGED_WRITES:
+        following = ready[0]
+        if following.write.job.peer_id != peer_id or (notifying and following.write.notify):
+            break
+        if blocks + len(following.plan) > MAX_MERGED_BLOCKS:
+            break
+        group.append(ready.popleft())
+        notifying = notifying or bool(following.write.notify)
+        blocks += len(following.plan)
+    return group
 
 
 def _kind_of(exc: Exception) -> FailureKind:
@@ -102,24 +149,32 @@ class PrefillManager(RankManager):
                 request_timeout_s=config.request_timeout_s,
                 staging_timeout_s=config.staging_timeout_s,
                 staging_bytes=self._staging.length if self._staging is not None else None,
+                writes_in_flight=config.writes_in_flight,
             )
         )
         self.stats: PrefillStats = self.protocol.stats
         self._lock = self.runtime.lock
-        self._engine_peers: dict[str, str] = {}  # decode peer id → the engine's peer (worker)
+        # decode peer id → the engine's peer (engine thread)
+        self._engine_peers: dict[str, str] = {}
         self._connect_errors: dict[str, str] = {}
-        self.written_plans: list[tuple[str, TransferPlan]] = []
-        self._jobs: queue.SimpleQueue[Connect | Write | None] = queue.SimpleQueue()
-        self._worker = threading.Thread(
-            target=self._run_worker, name="kvbridge-prefill-worker", daemon=True
-        )
+        # (room, engine peer, plan) of every write, kept with `keep_plans` (benchmarks).
+        self.written_plans: list[tuple[int, str, TransferPlan]] = []
+        self._to_prepare: queue.SimpleQueue[Write | None] = queue.SimpleQueue()
+        self._to_engine: queue.SimpleQueue[Connect | _Prepared | None] = queue.SimpleQueue()
+        self._threads = [
+            threading.Thread(target=self._run_preparer, name="kvbridge-prefill-prepare",
+                             daemon=True),
+            threading.Thread(target=self._run_engine, name="kvbridge-prefill-engine",
+                             daemon=True),
+        ]  # fmt: skip
         self.bootstrap: BootstrapServer | None = None
         self._lease: LeaseRenewer | None = None
-        self._worker.start()
-        self.runtime.watch(self._worker)
+        for thread in self._threads:
+            thread.start()
+            self.runtime.watch(thread)
         self._handle = self.runtime.handle
         try:
-            self.runtime.start(self.protocol, self._jobs.put, self._counters)
+            self.runtime.start(self.protocol, self._execute_own, self._counters)
             if config.run_bootstrap:
                 self.bootstrap = BootstrapServer(
                     config.host, config.bootstrap_port, secret=config.secret
@@ -179,30 +234,25 @@ class PrefillManager(RankManager):
 
     def _on_tick(self) -> bool:
         self._handle(Tick())
-        with self._lock:
-            return self.protocol.busy
+        # Nothing here needs polling (the engine thread polls the writes; messages wake the
+        # channel): ticks at the idle pace keep deadlines and heartbeats.
+        return False
 
-    # --- worker thread: every engine call --------------------------------------------------
+    def _execute_own(self, action: object) -> None:
+        """The actions only prefill has: engine connects go to the engine thread (before any
+        write to that peer, which is prepared first), writes to the preparing thread."""
+        if isinstance(action, Write):
+            self._to_prepare.put(action)
+        elif isinstance(action, Connect):
+            self._to_engine.put(action)
 
-    def _run_worker(self) -> None:
-        while True:
-            item = self._jobs.get()
-            if item is None:
-                return
-            if isinstance(item, Connect):
-                self._connect(item)
-            else:
-                self._handle(WriteEnded(item.room, self._write(item)))
-
-    def _connect(self, connect: Connect) -> None:
-        try:
-            engine_peer = self.engine.connect(connect.descriptor, memory_regions(connect.peer_args))
-        except EngineError as exc:
-            self._connect_errors[connect.peer_id] = str(exc)
-            self._handle(Connected(connect.peer_id, str(exc)))
-            return
-        self._engine_peers[connect.peer_id] = engine_peer
-        self._handle(Connected(connect.peer_id))
+    def _ended(self, write: Write, exc: Exception | None = None) -> None:
+        """Report a write's end to the protocol, with the failure `exc` says."""
+        failure = None
+        if exc is not None:
+            log.warning("room %d: %s", write.room, exc)
+            failure = Failure(_kind_of(exc), f"room {write.room}: {exc}")
+        self._handle(WriteEnded(write, failure))
 
     def _lease_problem(self, peer_id: str) -> str | None:
         with self._lock:
@@ -219,69 +269,166 @@ class PrefillManager(RankManager):
             time.sleep(0.002)
         return None
 
-    def _write(self, write: Write) -> Failure | None:
-        """Write one job; the failure, if any."""
-        room, job = write.room, write.job
+    # --- preparing thread: lease, gather, plan ------------------------------------------------
+
+    def _run_preparer(self) -> None:
+        while (write := self._to_prepare.get()) is not None:
+            try:
+                prepared = self._prepare(write)
+            except (EngineError, PlanError, ValueError) as exc:
+                self._ended(write, exc)
+                continue
+            if prepared is None:
+                self._ended(write)  # its room ended meanwhile: nothing was written
+            else:
+                self._to_engine.put(prepared)
+        self._to_engine.put(None)
+
+    def _prepare(self, write: Write) -> _Prepared | None:
+        """The write's blocks (its chunk gathered into the staging buffer first, when
+        staged); None if its room ended meanwhile."""
         with self._lock:
-            state = self.protocol.rooms.get(room)
+            state = self.protocol.rooms.get(write.room)
             if state is None or state.status.finished:
-                return None  # aborted or cleared meanwhile: write nothing
-        try:
-            engine_peer = self._engine_peers.get(job.peer_id)
-            if engine_peer is None:
-                missing = self._connect_errors.get(job.peer_id, "not connected")
-                raise EngineError(self.engine.name, "write", missing)
-            why = self._await_lease(job.peer_id)
-            if why is not None:
-                raise WriteFenced(self.engine.name, "write", why)
-            # Engines that move a write on only when polled stop at the fence; others finish or
-            # time out what they were given (decode waits that out).
-            fence = (
-                partial(self._lease_problem, job.peer_id)
-                if not self.engine.progresses_on_its_own
-                else None
-            )
-            staging_ptr = 0
-            if write.staged is not None:
-                assert self._staging is not None
-                started = time.perf_counter()
-                self._staging.gather(write.staged.src_rows, write.staged.column,
-                                     write.staged.width)  # fmt: skip
-                self.stats.gather_s += time.perf_counter() - started
-                staging_ptr = self._staging.ptr
+                return None
+        why = self._await_lease(write.job.peer_id)
+        if why is not None:
+            raise WriteFenced(self.engine.name, "write", why)
+        staging_ptr = 0
+        if write.staged is not None:
+            assert self._staging is not None
+            staged = write.staged
             started = time.perf_counter()
-            plan = plan_write(self.kv_args, write, staging_ptr)
-            self.stats.plan_s += time.perf_counter() - started
-            why = self._lease_problem(job.peer_id)
+            self._staging.gather(staged.src_rows, staged.column, staged.width,
+                                 staged.local_offset)  # fmt: skip
+            self.stats.gather_s += time.perf_counter() - started
+            staging_ptr = self._staging.ptr
+        started = time.perf_counter()
+        plan = plan_write(self.kv_args, write, staging_ptr)
+        self.stats.plan_s += time.perf_counter() - started
+        return _Prepared(write, plan)
+
+    # --- engine thread: every engine call ------------------------------------------------------
+
+    def _run_engine(self) -> None:
+        posted: list[_Posted] = []
+        ready: deque[_Prepared] = deque()  # prepared, in the order the protocol handed out
+        while True:
+            # Block only when nothing is in flight or waiting; else take what arrived.
+            items: list[Connect | _Prepared | None] = (
+                [] if posted or ready else [self._to_engine.get()]
+            )
+            while True:
+                try:
+                    items.append(self._to_engine.get_nowait())
+                except queue.Empty:
+                    break
+            for item in items:
+                if item is None:
+                    for left in posted:  # closing: nothing more moves
+                        left.handle.release()
+                    return
+                if isinstance(item, Connect):
+                    self._connect(item)
+                else:
+                    ready.append(item)
+            if ready:
+                started = self._post(_merged(ready))
+                if started is not None:
+                    posted.append(started)
+            # Writes that ended (an engine may move a whole write inside its post call) are
+            # reported before the next post.
+            posted = self._progress(posted)
+            if posted and not ready:
+                time.sleep(WRITE_POLL_S)
+
+    def _connect(self, connect: Connect) -> None:
+        try:
+            engine_peer = self.engine.connect(connect.descriptor, memory_regions(connect.peer_args))
+        except EngineError as exc:
+            self._connect_errors[connect.peer_id] = str(exc)
+            self._handle(Connected(connect.peer_id, str(exc)))
+            return
+        self._engine_peers[connect.peer_id] = engine_peer
+        self._handle(Connected(connect.peer_id))
+
+    def _post(self, group: list[_Prepared]) -> _Posted | None:
+        """Hand prepared writes to one peer to the engine as one transfer (under a valid
+        lease); None if they ended already (failed, or nothing to move)."""
+        writes = [prepared.write for prepared in group]
+        peer_id = writes[0].job.peer_id
+        notify = next((write.notify for write in writes if write.notify), b"")
+        plan = TransferPlan.concat(*(prepared.plan for prepared in group))
+        try:
+            engine_peer = self._engine_peers.get(peer_id)
+            if engine_peer is None:
+                missing = self._connect_errors.get(peer_id, "not connected")
+                raise EngineError(self.engine.name, "write", missing)
+            why = self._lease_problem(peer_id)
             if why is not None:
                 raise WriteFenced(self.engine.name, "write", why)
             if len(plan):
-                started = time.perf_counter()
-                handle = self.engine.write(engine_peer, plan, write.notify)
-                handle.wait(self.config.write_timeout_s, WRITE_POLL_S, fence=fence)
-                elapsed = time.perf_counter() - started
-                self.stats.write_s += elapsed
-                self.stats.blocks_written += len(plan)
-                self.metrics.observe_write(elapsed, len(plan), plan.total_bytes)
-                log.debug("room %d: %d block(s), %d bytes to %s in %.2f ms%s", room, len(plan),
-                          plan.total_bytes, job.peer_id, elapsed * 1e3,
-                          " (last chunk)" if job.last else "")  # fmt: skip
-                if self.config.keep_plans:
-                    self.written_plans.append((engine_peer, plan))
-            elif write.notify and self.engine.delivers_notifications:
-                self.engine.notify(engine_peer, write.notify)
-        except (EngineError, PlanError, ValueError) as exc:
-            log.warning("room %d: %s", room, exc)
-            return Failure(_kind_of(exc), f"room {room}: {exc}")
+                started = time.monotonic()
+                handle = self.engine.write(engine_peer, plan, notify)
+                return _Posted(group, engine_peer, handle, started)
+            if notify and self.engine.delivers_notifications:
+                self.engine.notify(engine_peer, notify)
+        except (EngineError, ValueError) as exc:
+            for write in writes:
+                self._ended(write, exc)
+            return None
+        for write in writes:
+            self._ended(write)
         return None
+
+    def _progress(self, posted: list[_Posted]) -> list[_Posted]:
+        """Poll every transfer in flight once; report the writes of those that ended; the
+        rest."""
+        # Engines that move a write on only when polled stop at the fence (the lease, asked
+        # once per peer per round); others finish or time out what they were given (decode
+        # waits that out).
+        fenced = not self.engine.progresses_on_its_own
+        peers = {item.writes[0].write.job.peer_id for item in posted}
+        leases = {peer: self._lease_problem(peer) for peer in peers} if fenced else {}
+        still: list[_Posted] = []
+        for item in posted:
+            peer_id = item.writes[0].write.job.peer_id
+            try:
+                done = item.handle.check(
+                    item.started, self.config.write_timeout_s, leases.get(peer_id)
+                )
+            except EngineError as exc:
+                for prepared in item.writes:
+                    self._ended(prepared.write, exc)
+                continue
+            if not done:
+                still.append(item)
+                continue
+            elapsed = time.monotonic() - item.started
+            blocks = sum(len(prepared.plan) for prepared in item.writes)
+            nbytes = sum(prepared.plan.total_bytes for prepared in item.writes)
+            self.stats.write_s += elapsed
+            self.stats.blocks_written += blocks
+            self.metrics.observe_write(elapsed, blocks, nbytes)
+            log.debug("room(s) %s: %d block(s), %d bytes to %s in %.2f ms",
+                      ", ".join(str(p.write.room) for p in item.writes), blocks, nbytes,
+                      peer_id, elapsed * 1e3)  # fmt: skip
+            for prepared in item.writes:
+                if self.config.keep_plans:
+                    self.written_plans.append(
+                        (prepared.write.room, item.engine_peer, prepared.plan)
+                    )
+                self._ended(prepared.write)
+        return still
 
     # --- lifecycle -------------------------------------------------------------------------
 
     def close(self) -> None:
         if self._lease is not None:  # withdrawn first: a restarted rank can register at once
             self._lease.close()
-        self._jobs.put(None)
-        self._worker.join(timeout=10.0)
+        self._to_prepare.put(None)  # the preparing thread then stops the engine thread
+        for thread in self._threads:
+            thread.join(timeout=10.0)
         self.runtime.close()
         if self.bootstrap is not None:
             self.bootstrap.close()

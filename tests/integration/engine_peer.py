@@ -21,6 +21,7 @@ from kv_cache import rank_cache
 
 from kvbridge.cache import BufferSpec, plan_kv
 from kvbridge.engines import MemoryRegion, create_engine
+from kvbridge.engines.mooncake import MooncakeEngine
 
 TIMEOUT_S = 60.0
 GEOMETRY = dict(layer_ids=(0, 1, 2), page_size=4, total_kv_heads=2, head_dim=64)
@@ -74,9 +75,9 @@ def main() -> int:
         plan = plan_kv(cache.args, peer_args, order["src_pages"], order["dst_pages"])
         started = time.perf_counter()
         engine.write(peer, plan, notify=b"done").wait(TIMEOUT_S)
-        say(
-            ok=True, blocks=len(plan), bytes=plan.total_bytes, seconds=time.perf_counter() - started
-        )
+        seconds = time.perf_counter() - started
+        batch = engine.batch_blocks if isinstance(engine, MooncakeEngine) else None
+        say(ok=True, blocks=len(plan), bytes=plan.total_bytes, seconds=seconds, batch_blocks=batch)
         return 0
     finally:
         engine.close()

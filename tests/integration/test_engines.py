@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -24,12 +25,13 @@ NOTIFIES = {"nixl": True, "mooncake": False}
 
 
 class Peer:
-    def __init__(self, prefix: list[str], *args: str) -> None:
+    def __init__(self, prefix: list[str], *args: str, env: dict[str, str] | None = None) -> None:
         self.process = subprocess.Popen(
             [*prefix, sys.executable, str(PEER), *args],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
+            env={**os.environ, **(env or {})},
         )
 
     def read(self) -> dict[str, object]:
@@ -71,11 +73,56 @@ def test_two_process_scattered_write(
     engine_prefix: tuple[str, list[str]], tmp_path: Path, peers: ExitStack
 ) -> None:
     engine, prefix = engine_prefix
+    scattered_write(engine, prefix, tmp_path, peers)
+
+
+def test_mooncake_batches_stay_within_its_per_peer_queue(
+    private_netns: list[str], tmp_path: Path, peers: ExitStack
+) -> None:
+    """With Mooncake's TCP queue set to 16 blocks per peer, a write of 240 blocks goes as
+    batches of 8 on each of the two submit threads, and arrives whole."""
+    reason = unavailable_reason("mooncake")
+    if reason is not None:
+        pytest.skip(f"mooncake cannot be used here: {reason}")
+    limits = {"MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": "16",
+              "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER": "16"}  # fmt: skip
+    report = scattered_write("mooncake", private_netns, tmp_path, peers, limits)
+    assert report["blocks"] == 40 * 6
+    assert report["batch_blocks"] == 8
+
+
+def test_mooncake_refuses_batches_beyond_its_per_peer_queue(private_netns: list[str]) -> None:
+    reason = unavailable_reason("mooncake")
+    if reason is not None:
+        pytest.skip(f"mooncake cannot be used here: {reason}")
+    code = ("from kvbridge.engines import create_engine\n"
+            "create_engine('mooncake', 'x', options={'batch_blocks': '1024'})")  # fmt: skip
+    result = subprocess.run(
+        [*private_netns, sys.executable, "-c", code], capture_output=True, text=True,
+        timeout=TIMEOUT_S, env={**os.environ, "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": "1024"},
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert (
+        "2 submit thread(s) × batches of 1024 blocks exceed Mooncake's TCP queue of 1024 blocks "
+        "per peer (MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER and MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER)"
+        ": raise them or lower batch_blocks"
+    ) in result.stderr
+
+
+def scattered_write(
+    engine: str,
+    prefix: list[str],
+    tmp_path: Path,
+    peers: ExitStack,
+    env: dict[str, str] | None = None,
+) -> dict[str, object]:
+    """Scattered pages from one process to another through the engine; the initiator's
+    report once every byte was checked."""
     src_total, dst_total, count, seed = 48, 96, 40, 7
     out = tmp_path / "target.npz"
-    target = Peer(prefix, engine, "target", str(dst_total), str(out))
+    target = Peer(prefix, engine, "target", str(dst_total), str(out), env=env)
     peers.callback(target.close)
-    initiator = Peer(prefix, engine, "initiator", str(src_total), str(seed))
+    initiator = Peer(prefix, engine, "initiator", str(src_total), str(seed), env=env)
     peers.callback(initiator.close)
     target_info, initiator_info = target.read(), initiator.read()
     assert initiator_info["transport"]
@@ -100,3 +147,4 @@ def test_two_process_scattered_write(
         expected = np.zeros((dst_total, *array.shape[1:]), dtype=array.dtype)
         expected[dst_pages] = array[src_pages]
         assert np.array_equal(received[f"arr_{index}"], expected), f"buffer {index}"
+    return report

@@ -1,6 +1,7 @@
 """Prefill's protocol core without sockets, threads or an engine: admission, the write path
-job by job, the staging flow, leases, deadlines, and random event sequences that never
-report a failure (or acknowledge an abort) while a write of the room can still land."""
+(several writes out per peer, oldest room first), the staging flow (gathered straight into
+decode's pages, or through decode's ring), leases, deadlines, and random event sequences that
+never report a failure (or acknowledge an abort) while a write of the room can still land."""
 
 from __future__ import annotations
 
@@ -19,8 +20,10 @@ from kvbridge.core.prefill_protocol import (
     ChunkSubmitted,
     Connect,
     Connected,
+    PageRows,
     PrefillProtocol,
     PrefillSettings,
+    RingSpace,
     SenderAborted,
     SenderCleared,
     SenderOpened,
@@ -51,13 +54,15 @@ TIMEOUT_S = 3.0
 RING_PTR = 0x7000_0000
 
 
-def protocol(local: KVArgs | None = None, staging_bytes: int | None = 1 << 20) -> PrefillProtocol:
+def protocol(
+    local: KVArgs | None = None, staging_bytes: int | None = 1 << 20, window: int = 2
+) -> PrefillProtocol:
     return PrefillProtocol(
         PrefillSettings(
             kv_args=local or rank_cache(seed=1, **GEOMETRY).args,
             endpoint="tcp://10.0.0.1:7000", engine="nixl", heartbeat_interval_s=0.5,
             peer_timeout_s=TIMEOUT_S, request_timeout_s=30.0, staging_timeout_s=5.0,
-            staging_bytes=staging_bytes,
+            staging_bytes=staging_bytes, writes_in_flight=window,
         )
     )  # fmt: skip
 
@@ -145,20 +150,23 @@ def test_a_peer_that_cannot_be_served_fails_its_rooms_with_the_kind() -> None:
     assert "uses engine mooncake" in failed.reason
 
 
-def test_chunks_go_in_order_one_write_at_a_time_and_success_is_reported_once() -> None:
+def test_a_rooms_chunks_go_out_together_and_success_waits_for_every_write() -> None:
     prefill = protocol()
     leased(prefill)
     prefill.handle(SenderOpened(1), 0.0)
     prefill.handle(ChunkSubmitted(1, Chunk(np.array([3, 4]), last=False)), 0.0)
     (first,) = writes(prefill.handle(request(1, [10, 11, 12]), 0.1))
     assert (first.job.page_offset, first.notify) == (0, b"")
-    assert writes(prefill.handle(ChunkSubmitted(1, Chunk(np.array([5]), True, 0)), 0.1)) == []
-    (second,) = writes(prefill.handle(WriteEnded(1), 0.2))
+    # The next chunk is handed out while the first one moves (two writes per peer).
+    (second,) = writes(prefill.handle(ChunkSubmitted(1, Chunk(np.array([5]), True, 0)), 0.1))
     assert (second.job.page_offset, second.notify) == (2, b"kvbridge:1:0")
-    actions = prefill.handle(WriteEnded(1), 0.3)
+    assert messages(prefill.handle(WriteEnded(second), 0.2), TransferStatus) == []
+    assert not prefill.pages_free(1)
+    actions = prefill.handle(WriteEnded(first), 0.3)
     (done,) = messages(actions, TransferStatus)
     assert isinstance(done, TransferStatus)
     assert (done.status, done.failure_kind, done.session_token) == (KVPoll.Success, None, TOKEN)
+    assert prefill.handle(WriteEnded(first), 0.3) == []  # reported once: it ended already
     assert prefill.pages_free(1)
     prefill.handle(SenderCleared(1), 0.4)
     assert prefill.stats.rooms_finished == {("Success", ""): 1}
@@ -168,17 +176,65 @@ def test_chunks_go_in_order_one_write_at_a_time_and_success_is_reported_once() -
     assert refused.failure_kind == FailureKind.REFUSED
 
 
+def test_rooms_toward_a_peer_are_written_in_arrival_order_not_interleaved() -> None:
+    prefill = protocol(window=2)
+    leased(prefill)
+    handed: list[tuple[int, int]] = []
+    out: list[Write] = []
+    for room in (1, 2, 3):  # three rooms arrive, each of two chunks
+        prefill.handle(SenderOpened(room), 0.0)
+        for last in (False, True):
+            prefill.handle(ChunkSubmitted(room, Chunk(np.array([room * 2 + last]), last)), 0.0)
+        out += writes(prefill.handle(request(room, [room * 2, room * 2 + 1]), 0.1))
+    assert len(out) == 2  # the window: two writes out toward the peer
+    finished: list[int] = []
+    while out:
+        write = out.pop(0)
+        handed.append((write.room, write.job.chunk_idx))
+        actions = prefill.handle(WriteEnded(write), 0.2)
+        out += writes(actions)
+        assert len(out) <= 2
+        finished += [m.room for m in messages(actions, TransferStatus)]  # type: ignore[attr-defined]
+    assert handed == [(1, 0), (1, 1), (2, 0), (2, 1), (3, 0), (3, 1)]
+    assert finished == [1, 2, 3]
+    # A chunk that an earlier room queues later still goes before a later room's chunks.
+    prefill.handle(SenderOpened(4), 0.3)
+    prefill.handle(SenderOpened(5), 0.3)
+    prefill.handle(request(4, [0, 1]), 0.3)
+    prefill.handle(request(5, [2, 3]), 0.3)
+    prefill.handle(ChunkSubmitted(5, Chunk(np.array([9]), last=False)), 0.3)
+    prefill.handle(ChunkSubmitted(5, Chunk(np.array([10]), last=False)), 0.3)
+    prefill.handle(ChunkSubmitted(5, Chunk(np.array([11]), last=True)), 0.3)
+    actions = prefill.handle(ChunkSubmitted(4, Chunk(np.array([1, 2]), last=True)), 0.3)
+    assert writes(actions) == []  # room 5 fills the window
+    (blocking, _) = [w for w in prefill._jobs.values() if w.write is not None]
+    assert blocking.write is not None
+    (next_write,) = writes(prefill.handle(WriteEnded(blocking.write), 0.4))
+    assert next_write.room == 4  # room 4 arrived first
+
+
+def test_one_write_at_a_time_when_the_window_is_one() -> None:
+    prefill = protocol(window=1)
+    leased(prefill)
+    prefill.handle(SenderOpened(1), 0.0)
+    prefill.handle(ChunkSubmitted(1, Chunk(np.array([3]), last=False)), 0.0)
+    prefill.handle(ChunkSubmitted(1, Chunk(np.array([4]), last=True)), 0.0)
+    (first,) = writes(prefill.handle(request(1, [10, 11]), 0.1))
+    (second,) = writes(prefill.handle(WriteEnded(first), 0.2))
+    assert (first.job.chunk_idx, second.job.chunk_idx) == (0, 1)
+
+
 def test_an_abort_during_a_write_is_acknowledged_only_when_the_write_ended() -> None:
     prefill = protocol()
     leased(prefill)
     prefill.handle(SenderOpened(1), 0.0)
     prefill.handle(ChunkSubmitted(1, Chunk(np.array([3]), last=True)), 0.0)
-    assert writes(prefill.handle(request(1, [10]), 0.1))
+    (write,) = writes(prefill.handle(request(1, [10]), 0.1))
     actions = prefill.handle(Abort(1, "10.0.0.2", 7100, "client gone"), 0.2)
     assert messages(actions, AbortAck) == []
     assert messages(actions, TransferStatus) == []
     assert not prefill.pages_free(1)  # the engine may still read the pages
-    actions = prefill.handle(WriteEnded(1), 0.3)
+    actions = prefill.handle(WriteEnded(write), 0.3)
     (failed,) = messages(actions, TransferStatus)
     (ack,) = messages(actions, AbortAck)
     assert isinstance(failed, TransferStatus)
@@ -202,9 +258,9 @@ def test_a_failed_write_fails_the_room_with_its_kind() -> None:
     leased(prefill)
     prefill.handle(SenderOpened(1), 0.0)
     prefill.handle(ChunkSubmitted(1, Chunk(np.array([3]), last=True)), 0.0)
-    prefill.handle(request(1, [10]), 0.1)
+    (write,) = writes(prefill.handle(request(1, [10]), 0.1))
     failure = Failure(FailureKind.ENGINE, "room 1: nixl: write failed: boom")
-    (failed,) = messages(prefill.handle(WriteEnded(1, failure), 0.2), TransferStatus)
+    (failed,) = messages(prefill.handle(WriteEnded(write, failure), 0.2), TransferStatus)
     assert isinstance(failed, TransferStatus)
     assert (failed.failure_kind, failed.reason) == (FailureKind.ENGINE, failure.reason)
 
@@ -234,11 +290,14 @@ def test_deadlines_silence_and_the_cap_on_unclaimed_rooms() -> None:
     assert refused.failure_kind == FailureKind.REFUSED
 
 
-def staging_pair() -> tuple[PrefillProtocol, Registration]:
-    """Prefill at TP 1, decode rank 0 of TP 2 with a ring: chunks are staged."""
-    local = rank_cache(seed=1, **GEOMETRY).args
-    remote = rank_cache(seed=None, **GEOMETRY, attn_tp_size=2).args
-    remote = dataclasses.replace(remote, staging_buffer=BufferSpec(RING_PTR, 1 << 20, 1))
+def staging_pair(direct: bool = False) -> tuple[PrefillProtocol, Registration]:
+    """Chunks of head slices: prefill rank 0 of TP 2 to a decode rank of TP 1 with a ring
+    (decode's rows interleave both prefill ranks' heads), or — `direct` — prefill at TP 1 to
+    decode rank 0 of TP 2, whose one head this rank alone holds (no ring needed)."""
+    local = rank_cache(seed=1, **GEOMETRY, attn_tp_size=1 if direct else 2).args
+    remote = rank_cache(seed=None, **GEOMETRY, attn_tp_size=2 if direct else 1).args
+    if not direct:
+        remote = dataclasses.replace(remote, staging_buffer=BufferSpec(RING_PTR, 1 << 20, 1))
     prefill = protocol(local)
     reg = registration(remote)
     actions = prefill.handle(reg, 0.0)
@@ -260,12 +319,49 @@ def test_a_staged_chunk_asks_for_ring_space_then_writes_there_and_says_it_landed
     answer = StagingResponse(1, ask.chunk_idx, 4096, 0, 4096 + ask.nbytes, PEER)
     (write,) = writes(prefill.handle(answer, 0.2))
     assert write.staged is not None
-    assert (write.staged.dst_ptr, write.staged.nbytes) == (RING_PTR + 4096, ask.nbytes)
-    actions = prefill.handle(WriteEnded(1), 0.3)
+    assert isinstance(write.staged.destination, RingSpace)
+    assert (write.staged.destination.ptr, write.staged.nbytes) == (RING_PTR + 4096, ask.nbytes)
+    actions = prefill.handle(WriteEnded(write), 0.3)
     ready, status = [a.message for a in actions if isinstance(a, Send)]
     assert isinstance(ready, ChunkReady)  # before the status: decode scatters, then succeeds
     assert isinstance(status, TransferStatus)
     assert prefill.stats.staged_chunks == 1
+
+
+def test_a_decode_rank_fed_by_this_rank_alone_gets_the_gathered_rows_in_its_pages() -> None:
+    prefill, _ = staging_pair(direct=True)
+    actions = prefill.handle(request(1, [10, 11]), 0.1)
+    assert messages(actions, StagingRequest) == []  # no ring involved
+    (write,) = writes(actions)
+    assert write.staged is not None
+    assert isinstance(write.staged.destination, PageRows)
+    # Pages of 4 tokens: decode's pages 10 and 11 are token rows 40..47.
+    assert write.staged.destination.rows.tolist() == list(range(40, 48))
+    actions = prefill.handle(WriteEnded(write), 0.2)
+    assert messages(actions, ChunkReady) == []
+    (status,) = messages(actions, TransferStatus)
+    assert isinstance(status, TransferStatus)
+    assert status.status == KVPoll.Success
+
+
+def test_gathered_chunks_wait_for_room_in_the_staging_buffer() -> None:
+    local = rank_cache(seed=1, **GEOMETRY).args
+    remote = rank_cache(seed=None, **GEOMETRY, attn_tp_size=2).args
+    # Each chunk of 2 pages gathers 4 buffers × 8 tokens × 16 bytes = 512 bytes.
+    prefill = protocol(local, staging_bytes=640, window=4)
+    (beat,) = messages(prefill.handle(registration(remote), 0.0), Heartbeat)
+    assert isinstance(beat, Heartbeat)
+    prefill.handle(Connected(PEER), 0.0)
+    prefill.handle(Heartbeat(DECODE_ENDPOINT, 1, 3000, beat.sequence), 0.0)
+    prefill.handle(SenderOpened(1), 0.0)
+    prefill.handle(ChunkSubmitted(1, Chunk(np.array([3, 4]), last=False)), 0.0)
+    prefill.handle(ChunkSubmitted(1, Chunk(np.array([5, 6]), last=True)), 0.0)
+    (first,) = writes(prefill.handle(request(1, [10, 11, 12, 13]), 0.1))
+    assert first.staged is not None
+    assert first.staged.nbytes == 512
+    (second,) = writes(prefill.handle(WriteEnded(first), 0.2))  # its space is free again
+    assert second.staged is not None
+    assert second.staged.local_offset == 0
 
 
 def test_a_chunk_that_never_fits_goes_token_by_token() -> None:
@@ -318,18 +414,19 @@ EVENTS = st.lists(
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(events=EVENTS, staged=st.booleans())
+@given(events=EVENTS, mode=st.sampled_from(["plain", "ring", "direct"]), window=st.integers(1, 3))
 def test_a_failure_is_never_reported_while_a_write_can_land(
-    events: list[tuple[str, int, float]], staged: bool
+    events: list[tuple[str, int, float]], mode: str, window: int
 ) -> None:
-    if staged:
-        prefill, _ = staging_pair()
-    else:
-        prefill = protocol()
+    if mode == "plain":
+        prefill = protocol(window=window)
         leased(prefill)
+    else:
+        prefill, _ = staging_pair(direct=mode == "direct")
+        prefill.settings = dataclasses.replace(prefill.settings, writes_in_flight=window)
     now = 0.0
-    out: dict[int, Write] = {}  # writes the "engine" has not ended
-    asked: dict[int, StagingRequest] = {}
+    out: dict[int, list[Write]] = {}  # per room, writes the "engine" has not ended
+    asked: dict[int, list[StagingRequest]] = {}  # per room, unanswered ring requests
     reported: dict[int, int] = {}
     for kind, room, dt in events:
         now += dt
@@ -347,39 +444,44 @@ def test_a_failure_is_never_reported_while_a_write_can_land(
             actions = prefill.handle(Abort(room, "10.0.0.2", 7100, "random"), now)
         elif kind == "sender_abort":
             actions = prefill.handle(SenderAborted(room, "random"), now)
-        elif kind in ("ended", "failed") and room in out:
-            del out[room]
+        elif kind in ("ended", "failed") and out.get(room):
+            write = out[room].pop(0)
             failure = Failure(FailureKind.ENGINE, "boom") if kind == "failed" else None
-            actions = prefill.handle(WriteEnded(room, failure), now)
+            actions = prefill.handle(WriteEnded(write, failure), now)
         elif kind == "tick":
             actions = prefill.handle(Tick(), now)
         elif kind == "beat":
             actions = prefill.handle(Heartbeat(DECODE_ENDPOINT, 1, 3000, None), now)
         elif kind == "clear":
             actions = prefill.handle(SenderCleared(room), now)
-            out.pop(room, None)  # a write of a cleared room ends unseen
-            asked.pop(room, None)
-        elif kind == "answer" and room in asked:
-            ask = asked.pop(room)
+        elif kind == "answer" and asked.get(room):
+            ask = asked[room].pop(0)
             answer = StagingResponse(room, ask.chunk_idx, 0, 0, ask.nbytes, PEER)
             actions = prefill.handle(answer, now)
         for action in actions:
             if isinstance(action, Write):
-                assert action.room not in out, "two writes of one room at once"
-                out[action.room] = action
+                out.setdefault(action.room, []).append(action)
             elif isinstance(action, Send) and isinstance(action.message, StagingRequest):
-                asked[action.message.room] = action.message
+                asked.setdefault(action.message.room, []).append(action.message)
             elif isinstance(action, Send) and isinstance(
                 action.message, (TransferStatus, AbortAck)
             ):
                 message = action.message
                 if isinstance(message, AbortAck) or message.status == KVPoll.Failed:
                     # Decode may reuse the pages as soon as it hears this.
-                    assert message.room not in out, (kind, message)
+                    assert not out.get(message.room), (kind, message)
                 if isinstance(message, TransferStatus) and message.status != KVPoll.Failed:
                     assert message.status == KVPoll.Success
+                    assert not out.get(message.room), "success while a write is out"
                     reported[message.room] = reported.get(message.room, 0) + 1
                     assert reported[message.room] == 1, "success reported twice"
+        # Ring requests the protocol gave up on (the peer fell silent, or the staging
+        # deadline passed) are answered by nobody.
+        awaited = {(e.job.room, e.job.chunk_idx) for e in prefill._jobs.values() if e.staging}
+        asked = {room: [a for a in asks if (room, a.chunk_idx) in awaited]
+                 for room, asks in asked.items()}  # fmt: skip
+        # The window: never more writes and ring requests out toward the peer than allowed.
+        assert sum(map(len, out.values())) + sum(map(len, asked.values())) <= window
         for room_id in prefill.rooms:
             if prefill.pages_free(room_id):
-                assert room_id not in out, "pages free while a write of them is out"
+                assert not out.get(room_id), "pages free while a write of them is out"

@@ -49,15 +49,19 @@ def test_prefill_room_slices_destination_pages_per_chunk() -> None:
     (first,) = room.next_jobs()
     assert (first.page_offset, first.dst_pages.tolist()) == (0, [10, 11, 12])
     assert first.dst_aux_index is None
+    room.job_handed_out()
+    assert room.in_flight
     room.add_chunk(Chunk(np.array([9]), last=True, aux_index=5, state_indices=(2,)))
-    assert room.next_jobs() == []  # the first chunk is still in flight
-    room.chunk_written(False)
-    (second,) = room.next_jobs()
-    assert second.page_offset == 2
+    (second,) = room.next_jobs()  # the next chunk may go while the first one moves
+    assert (second.chunk_idx, second.page_offset) == (1, 2)
     assert (second.src_aux_index, second.dst_aux_index) == (5, 0)
     assert (second.src_state_indices, second.dst_state_indices) == ((2,), (4,))
-    room.chunk_written(True)
+    room.job_handed_out()
+    room.job_ended(handed_out=True)  # the last chunk's write ended first
+    assert room.status.poll == KVPoll.Transferring  # the first one is still out
+    room.job_ended(handed_out=True)
     assert room.status.poll == KVPoll.Success
+    assert not room.in_flight
     with pytest.raises(ValueError, match="after the last chunk"):
         room.add_chunk(Chunk(np.array([1]), last=True))
 
@@ -71,12 +75,11 @@ def test_decode_prefix_pages_are_skipped_and_offsets_count_from_the_prefix() -> 
     room.add_chunk(Chunk(np.array([1]), last=False))  # room page 0: inside the prefix
     room.add_chunk(Chunk(np.array([2, 3]), last=False))  # pages 1 (prefix) and 2
     room.add_chunk(Chunk(np.array([4, 5]), last=True, aux_index=7))  # pages 3 and 4
-    (first,) = room.next_jobs()  # the first chunk had nothing to send: on to the next
+    first, last = room.next_jobs()  # the first chunk had nothing to send
     assert (first.src_pages.tolist(), first.page_offset) == ([3], 0)
-    room.chunk_written(False)
-    (last,) = room.next_jobs()
     assert (last.src_pages.tolist(), last.page_offset, last.src_aux_index) == ([4, 5], 1, 7)
-    room.chunk_written(True)
+    room.job_ended(handed_out=False)
+    room.job_ended(handed_out=False)
     assert room.status.poll == KVPoll.Success
 
 

@@ -10,6 +10,7 @@ executed with vectorized byte indexing over it.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import itertools
 import math
 from dataclasses import dataclass
@@ -18,8 +19,16 @@ import numpy as np
 import pytest
 
 from kvbridge.cache import BufferSpec, KVArgs, PlanError, TransferPlan, plan_kv
-from kvbridge.cache.plan import check_state_slicing, pair, plan_state_slices, plan_tokens
-from kvbridge.cache.topology import TopologyError, rank_heads, topology
+from kvbridge.cache.plan import (
+    check_state_slicing,
+    pair,
+    plan_gathered,
+    plan_state_slices,
+    plan_tokens,
+    token_rows,
+)
+from kvbridge.cache.topology import Source, TopologyError, rank_heads, topology
+from kvbridge.staging import kernels
 from kvbridge.wire import KVLayout
 
 LAYERS, HEAD_DIM, TOKENS = 2, 4, 37
@@ -97,7 +106,7 @@ def test_grid_against_the_global_tensor(
     truth = rng.integers(0, 2**16, size=(parts, LAYERS, TOKENS, heads, HEAD_DIM), dtype=np.uint16)
     src_pages_needed = math.ceil(TOKENS / page_size)
     local_tokens = [len(range(r, TOKENS, dcp)) for r in range(dcp)]
-    arena = Arena(2 * (pt + dt * dcp) * parts * LAYERS * (src_pages_needed + 8) * page_size
+    arena = Arena(3 * (pt + 2 * dt * dcp) * parts * LAYERS * (src_pages_needed + 8) * page_size
                   * heads * HEAD_DIM + 4096)  # fmt: skip
 
     def heads_of(rank: int, tp: int) -> tuple[int, int]:
@@ -142,13 +151,44 @@ def test_grid_against_the_global_tensor(
                         low * page_size, dst_pages, dcp_size=dcp, dcp_rank=r,
                     )  # fmt: skip
                     arena.execute(plan)
+            ranks = [rank]
+            direct = pair(prefill[route.sources[0].prefill_rank].args, rank.args).direct
+            if direct:  # the same again, gathered and written straight into decode's pages
+                only = route.sources[0]
+                ranks.append(gathered_into(arena, prefill, src_pages, layout, only, count,
+                                           heads, d, dt, dst_pages, chunked, dcp, r))  # fmt: skip
             tokens = np.arange(r, TOKENS, dcp)
             local = np.arange(tokens.size)
-            for index, buffer in enumerate(rank.kv):
-                part, layer = divmod(index, LAYERS)
-                got = buffer[dst_pages[local // page_size], local % page_size]
-                expected = truth[part, layer, tokens, start : start + count]
-                assert np.array_equal(got, expected), f"decode {d} dcp {r} buffer {index}"
+            for received in ranks:
+                for index, buffer in enumerate(received.kv):
+                    part, layer = divmod(index, LAYERS)
+                    got = buffer[dst_pages[local // page_size], local % page_size]
+                    expected = truth[part, layer, tokens, start : start + count]
+                    assert np.array_equal(got, expected), f"decode {d} dcp {r} buffer {index}"
+
+
+def gathered_into(arena: Arena, prefill: list[Rank], src_pages: list[np.ndarray],
+                  layout: KVLayout, source: Source, count: int, heads: int, d: int, dt: int,
+                  dst_pages: np.ndarray, chunked: bool, dcp: int,
+                  dcp_rank: int) -> Rank:  # fmt: skip
+    """A decode rank fed by one prefill rank alone, filled the way a prefill rank does it
+    then: each chunk's head slice gathered into a staging buffer, written by `plan_gathered`."""
+    src = prefill[source.prefill_rank]
+    page_size = src.args.page_size
+    rank = make_rank(arena, layout, count, heads, d, dt, dst_pages.max() + 1, page_size)
+    rank.args = dataclasses.replace(rank.args, dcp_size=dcp, dcp_rank=dcp_rank)
+    views = [kernels.buffer_rows(b, src.args.token_bytes) for b in src.args.kv_buffers]
+    pages = src_pages[source.prefill_rank]
+    staging = arena.array((len(views) * pages.size * page_size * count * HEAD_DIM,))
+    staging = staging.view(np.uint8)
+    bounds = [0, 1, pages.size] if chunked and pages.size > 1 else [0, pages.size]
+    column, width = source.columns(src.args.head_bytes, "src")
+    for low, high in itertools.pairwise(bounds):
+        src_rows, dst_rows = token_rows(pages[low:high], page_size, low * page_size,
+                                        dst_pages, page_size, dcp, dcp_rank)  # fmt: skip
+        kernels.gather(views, src_rows, column, width, staging)
+        arena.execute(plan_gathered(src.args, rank.args, source, staging.ctypes.data, dst_rows))
+    return rank
 
 
 HeadMajorCase = tuple[int, int, int, int, bool]

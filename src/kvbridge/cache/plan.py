@@ -188,13 +188,24 @@ def _on_every_buffer(
     dst_offsets: npt.NDArray[np.int64],
     lengths: npt.NDArray[np.int64],
 ) -> TransferPlan:
-    """The same blocks (byte offsets within a buffer) in every KV buffer, paired by layer:
-    (buffers, blocks) grids flattened buffer-major, so each buffer's blocks keep their order."""
+    """The same blocks (byte offsets within a buffer) in every KV buffer, paired by layer."""
     src_ptrs, dst_ptrs = _buffer_pairs(src, dst)
-    src_addr = src_ptrs[:, None] + src_offsets.astype(U64)[None, :]
-    dst_addr = dst_ptrs[:, None] + dst_offsets.astype(U64)[None, :]
-    length = np.broadcast_to(lengths.astype(U64), src_addr.shape)
-    return TransferPlan(src_addr.ravel(), dst_addr.ravel(), length.ravel().copy())
+    return _grid(src_ptrs, dst_ptrs, src_offsets, dst_offsets, lengths)
+
+
+def _grid(
+    src_bases: Addresses,
+    dst_bases: Addresses,
+    src_offsets: npt.NDArray[np.int64],
+    dst_offsets: npt.NDArray[np.int64],
+    lengths: npt.NDArray[np.int64],
+) -> TransferPlan:
+    """Blocks at the same offsets from each pair of base addresses: (bases, blocks) grids
+    flattened base-major, so each buffer's blocks keep their order."""
+    src_addr = src_bases[:, None] + src_offsets.astype(U64)[None, :]
+    dst_addr = dst_bases[:, None] + dst_offsets.astype(U64)[None, :]
+    length = np.broadcast_to(lengths.astype(U64), src_addr.shape).ravel()
+    return TransferPlan(src_addr.ravel(), dst_addr.ravel(), length)
 
 
 def plan_head_pages(
@@ -342,6 +353,28 @@ def plan_tokens(
     return _on_every_buffer(src, dst, src_starts, dst_starts, lengths)
 
 
+def plan_gathered(
+    src: KVArgs, dst: KVArgs, source: Source, staged_ptr: int, dst_rows: npt.NDArray[np.int64]
+) -> TransferPlan:
+    """Blocks that put a chunk gathered at `staged_ptr` (``[buffers, tokens, width]`` bytes,
+    buffer-major, as `staging.kernels.gather` lays it out) into decode's pages at their token
+    rows `dst_rows`. Used where this prefill rank alone holds the decode rank's heads: a
+    token's slice is then the decode rank's whole row, and runs of consecutive rows are one
+    block per buffer, with no ring and no scatter on decode."""
+    if src.layer_ids != dst.layer_ids:
+        raise PlanError("a gathered chunk goes to a decode rank with the same layers in order")
+    _check_heads_fit(src, dst, source)
+    dst_column, width = source.columns(src.head_bytes, "dst")
+    tokens = dst_rows.size
+    src_offsets = np.arange(tokens, dtype=np.int64) * width
+    dst_offsets = dst_rows.astype(np.int64) * dst.token_bytes + dst_column
+    src_starts, dst_starts, lengths = merge_runs(src_offsets, dst_offsets, width)
+    buffers = len(src.kv_buffers)
+    src_bases = U64(staged_ptr) + np.arange(buffers, dtype=U64) * U64(tokens * width)
+    dst_bases = np.array([buffer.ptr for buffer in dst.kv_buffers], dtype=U64)
+    return _grid(src_bases, dst_bases, src_starts, dst_starts, lengths)
+
+
 def plan_slots(
     src_buffers: tuple[BufferSpec, ...],
     dst_buffers: tuple[BufferSpec, ...],
@@ -430,9 +463,11 @@ class Pairing:
     topology: Topology
     source: Source | None  # None: this rank only answers the decode rank's dummy requests
     whole_pages: bool  # same heads and page size: plan by page runs
-    # Head slices that may go through decode's staging ring (it registered one, and both
-    # sides hold the same layers in the same order).
+    # Head slices that may be gathered into one staging buffer (both sides hold the same
+    # layers in the same order): written straight into decode's pages when this rank alone
+    # holds every head of the decode rank (`direct`), else through decode's staging ring.
     stageable: bool = False
+    direct: bool = False
 
     def plan(
         self,
@@ -496,11 +531,14 @@ def pair(src: KVArgs, dst: KVArgs) -> Pairing:
             f"need the same page size and no DCP, got pages of {src.page_size} → "
             f"{dst.page_size} tokens, DCP {dst.dcp_size}"
         )
-    stageable = (
+    gatherable = (
         source is not None
         and not whole
         and src.kv_layout == KVLayout.MHA
-        and dst.staging_buffer is not None
         and src.layer_ids == dst.layer_ids
     )
-    return Pairing(mapping, source, whole, stageable)
+    # Several prefill ranks' heads interleave in each of decode's token rows: only a ring
+    # (and decode's scatter) puts them together. One source fills whole rows itself.
+    direct = gatherable and source is not None and source.heads.count == dst.kv_heads
+    stageable = gatherable and (direct or dst.staging_buffer is not None)
+    return Pairing(mapping, source, whole, stageable, direct)

@@ -43,6 +43,9 @@ log = logging.getLogger("kvbridge.decode")
 # Slack on top of a dead prefill rank's write lease before its rooms' pages count as safe:
 # its last check of the lease and the write step after it, clock rates.
 FENCE_MARGIN_S = 0.5
+# How often a tick also looks at every room's deadline and every peer's silence; the ticks in
+# between (every millisecond while rooms transfer) only take the engine's notifications.
+SWEEP_INTERVAL_S = 0.01
 
 
 # --- actions: what the manager executes ----------------------------------------------------
@@ -171,6 +174,10 @@ class DecodeProtocol(ProtocolCore):
         self.ring = StagingRing(settings.staging_bytes) if settings.staging_bytes else None
         self._staged: dict[tuple[int, int, int], Allocation] = {}  # (rank, room, chunk)
         self._waiting: deque[StagingRequest] = deque()  # no ring space yet
+        # Ticks come every millisecond while rooms transfer (the engine's notifications);
+        # deadlines and liveness, which look at every room and peer, only every sweep.
+        self._next_sweep = 0.0
+        self._transferring = False
         super().__init__(
             {
                 Heartbeat: self._on_heartbeat,
@@ -203,8 +210,9 @@ class DecodeProtocol(ProtocolCore):
 
     @property
     def busy(self) -> bool:
-        """Whether a room is transferring (the control loop then polls the engine often)."""
-        return any(state.status.poll == KVPoll.Transferring for state in self.rooms.values())
+        """Whether a room is transferring (the control loop then polls the engine often): set
+        when a room opens, looked at again every sweep."""
+        return self._transferring
 
     # --- messages from prefill ranks -------------------------------------------------------
 
@@ -361,6 +369,7 @@ class DecodeProtocol(ProtocolCore):
     def _on_room_opened(self, event: RoomOpened, now: float) -> list[Action]:
         state = event.state
         state.status.advance(KVPoll.Transferring)
+        self._transferring = True
         self.rooms[state.room] = state
         self.stats.rooms_started += 1
         return [Send(endpoint, request) for endpoint, request in event.requests]
@@ -396,7 +405,6 @@ class DecodeProtocol(ProtocolCore):
     # --- time --------------------------------------------------------------------------------
 
     def _on_tick(self, tick: Tick, now: float) -> list[Action]:
-        actions = self._check_liveness(now)
         changed = bool(tick.notifications)
         for message in tick.notifications:
             parsed = parse_notification(message)
@@ -406,10 +414,17 @@ class DecodeProtocol(ProtocolCore):
             state = self.rooms.get(room)
             if state is not None:
                 state.on_notification(prefill_rank)
+        if now < self._next_sweep:
+            return [RoomsChanged()] if changed else []
+        self._next_sweep = now + SWEEP_INTERVAL_S
+        actions = self._check_liveness(now)
         for state in list(self.rooms.values()):
             if state.check_deadline(now):  # stop the ranks that may still write, and hear them
                 actions += self._abort_unsettled(state, state.status.failure_reason or "deadline")
                 changed = True
+        self._transferring = any(
+            state.status.poll == KVPoll.Transferring for state in self.rooms.values()
+        )
         return [*actions, RoomsChanged()] if changed else actions
 
     def _check_liveness(self, now: float) -> list[Action]:

@@ -6,18 +6,23 @@ tick — each with the time, and executes the actions it returns, in order: send
 connect the engine to a decode peer, write one job, wake whoever waits on rooms.
 
 The rules that live here: which decode peers are admitted (caps, duplicates, pairing), which
-rooms a request may create, a room's chunks in order and one write of a room at a time, the
-staging flow (ask decode for ring space, fall back to per-token blocks when it never fits),
-the write lease (a decode peer's echo of a heartbeat lets this rank write to it for one peer
-timeout from when that heartbeat was sent), the deadlines, and the safe-abort rule: a failed
-room is reported to its destinations, and aborts are acknowledged, only once no write of it
-is in flight, because decode may reuse the pages as soon as it hears.
+rooms a request may create, which writes go out when (several per decode peer, up to
+`writes_in_flight`; the oldest room first, so that rooms toward one peer complete in the
+order they arrived instead of all together at the end), the staging flow (gather a chunk's
+head slices into this rank's staging buffer, then write them straight into decode's pages when
+this rank alone holds the decode rank's heads, else into ring space decode grants; per-token
+blocks when it never fits), the write lease (a decode peer's echo of a heartbeat lets this
+rank write to it for one peer timeout from when that heartbeat was sent), the deadlines, and
+the safe-abort rule: a failed room is reported to its destinations, and aborts are
+acknowledged, only once no write of it is in flight, because decode may reuse the pages as
+soon as it hears.
 """
 
 from __future__ import annotations
 
+import heapq
 import logging
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -27,11 +32,12 @@ import numpy.typing as npt
 
 from kvbridge.cache import GeometryError, KVArgs, PlanError, TransferPlan, plan_slots
 from kvbridge.cache.peer import kv_args_of
-from kvbridge.cache.plan import Pairing, pair, plan_state_slices, token_rows
+from kvbridge.cache.plan import Pairing, pair, plan_gathered, plan_state_slices, token_rows
 from kvbridge.core.liveness import Liveness
 from kvbridge.core.protocol import ProtocolCore, RankStats, RoomsChanged, Send, Tick
 from kvbridge.core.room import Chunk, ChunkJob, Failure, PrefillRoom, notification_for
 from kvbridge.staging.kernels import staged_size
+from kvbridge.staging.ring import Allocation, StagingRing
 from kvbridge.wire import (
     Abort,
     AbortAck,
@@ -57,6 +63,8 @@ MAX_BEATS_REMEMBERED = 64
 # before the scheduler claims them, and registered decode peers, are capped.
 MAX_UNCLAIMED_ROOMS = 16384
 MAX_DECODE_PEERS = 1024
+# Chunks gathered into this rank's staging buffer start on this boundary.
+RING_ALIGNMENT = 64
 
 
 # --- actions: what the manager executes ----------------------------------------------------
@@ -72,23 +80,39 @@ class Connect:
 
 
 @dataclass(frozen=True)
+class RingSpace:
+    """Where a gathered chunk goes in decode's staging ring (one block), and the message that
+    tells decode it landed (sent once the write ended; decode then scatters it)."""
+
+    ptr: int
+    ready: ChunkReady
+
+
+@dataclass(frozen=True)
+class PageRows:
+    """A gathered chunk goes straight into decode's pages, at these token rows."""
+
+    rows: npt.NDArray[np.int64]
+
+
+@dataclass(frozen=True)
 class StagedChunk:
-    """A chunk gathered into the local staging buffer and written in one block to decode's
-    ring: the token rows and the byte columns to gather, where it goes, and the message that
-    tells decode it landed (sent once the write ended)."""
+    """A chunk gathered into this rank's staging buffer at `local_offset` — bytes
+    ``[column, column + width)`` of its token rows in every KV buffer, buffer-major — and
+    written from there to `destination`."""
 
     src_rows: npt.NDArray[np.int64]
     column: int
     width: int
     nbytes: int
-    dst_ptr: int
-    ready: ChunkReady
+    local_offset: int
+    destination: RingSpace | PageRows
 
 
 @dataclass(frozen=True)
 class Write:
     """Write one job: plan it (or gather it, when staged), write it to the peer with the
-    notification if any, and report `WriteEnded`."""
+    notification if any, and report `WriteEnded` with this action."""
 
     room: int
     job: ChunkJob
@@ -140,9 +164,10 @@ class Connected:
 
 @dataclass(frozen=True)
 class WriteEnded:
-    """A `Write` ended; `failure` is why it failed, or None."""
+    """A `Write` ended (or was never started: its room had ended); `failure` is why it
+    failed, or None."""
 
-    room: int
+    write: Write
     failure: Failure | None = None
 
 
@@ -156,6 +181,9 @@ class PrefillSettings:
     request_timeout_s: float
     staging_timeout_s: float
     staging_bytes: int | None = None  # the local staging buffer's size; None: none
+    # Write jobs handed out per decode peer at once (to the engine, or waiting for ring
+    # space): the next ones are planned and gathered while earlier ones move.
+    writes_in_flight: int = 2
 
     @property
     def rank(self) -> int:
@@ -179,25 +207,33 @@ class DecodePeer:
         return self.registration.session_token
 
 
-@dataclass
-class _ChunkInProgress:
-    """A room's current chunk: its jobs not yet started, and what is out — a `Write` the
-    manager has not reported on, or a staging request decode has not answered."""
-
-    jobs: deque[ChunkJob]
-    last: bool
-    writing: Write | None = None
-    staging: _AwaitedStaging | None = None
+JobKey = tuple[int, int, str]  # room, chunk index, decode peer id
 
 
 @dataclass(frozen=True)
 class _AwaitedStaging:
-    job: ChunkJob
     request: StagingRequest
     asked_at: float
     src_rows: npt.NDArray[np.int64]
     column: int
     width: int
+
+
+@dataclass
+class _Job:
+    """A write job from the moment its chunk is queued until it ended: queued (waiting for
+    its turn), then handed out — waiting for decode's ring space (`staging`), or with the
+    manager (`write`)."""
+
+    job: ChunkJob
+    handed_out: bool = False
+    staging: _AwaitedStaging | None = None
+    write: Write | None = None
+    local: Allocation | None = None  # its space in this rank's staging buffer
+
+    @property
+    def key(self) -> JobKey:
+        return self.job.room, self.job.chunk_idx, self.job.peer_id
 
 
 @dataclass
@@ -227,7 +263,14 @@ class PrefillProtocol(ProtocolCore):
         self._finished_set: set[int] = set()
         self.peers: dict[str, DecodePeer] = {}
         self._peer_by_endpoint: dict[str, str] = {}
-        self._chunks: dict[int, _ChunkInProgress] = {}
+        self._jobs: dict[JobKey, _Job] = {}
+        # Per decode peer, the queued jobs by (room arrival, chunk, room): a heap, oldest first.
+        self._queued: dict[str, list[tuple[int, int, int]]] = {}
+        self._out: Counter[str] = Counter()  # jobs handed out, per decode peer
+        self._sequence = 0  # rooms created so far: each room's place in the arrival order
+        # This rank's staging buffer, shared by the chunks gathered into it while they move.
+        usable = (settings.staging_bytes or 0) // RING_ALIGNMENT * RING_ALIGNMENT
+        self._local = StagingRing(usable, RING_ALIGNMENT) if usable else None
         self.liveness = Liveness(settings.heartbeat_interval_s, settings.peer_timeout_s)
         self._heartbeats = 0
         self._beats_sent: OrderedDict[int, float] = OrderedDict()  # sequence → when sent
@@ -279,10 +322,6 @@ class PrefillProtocol(ProtocolCore):
             state.status.poll == KVPoll.Failed and not state.in_flight
         )
 
-    @property
-    def busy(self) -> bool:
-        return any(not state.status.finished for state in self.rooms.values())
-
     # --- helpers ---------------------------------------------------------------------------
 
     def _heard(self, event: object, now: float) -> None:
@@ -301,9 +340,11 @@ class PrefillProtocol(ProtocolCore):
         """The room's state; created on first use unless it already ended here."""
         state = self.rooms.get(room)
         if state is None and room not in self._finished_set:
+            self._sequence += 1
             state = self.rooms[room] = PrefillRoom(
-                room, created_at=now, page_size=self.settings.kv_args.page_size
-            )
+                room, created_at=now, page_size=self.settings.kv_args.page_size,
+                sequence=self._sequence,
+            )  # fmt: skip
             self.stats.rooms_started += 1
             self._unclaimed[room] = None
         return state
@@ -353,8 +394,9 @@ class PrefillProtocol(ProtocolCore):
         self, state: PrefillRoom, failure: Failure, peer_id: str | None = None
     ) -> list[Action]:
         """Fail the room; tell its destinations (and acknowledge aborts) once nothing of it
-        is out — at once if idle, else when its write ends or decode answers its staging
-        request (decode frees ring space granted to a room when it hears the room failed)."""
+        is out — at once if idle, else when its last write ends or decode answers its last
+        staging request (decode frees ring space granted to a room when it hears the room
+        failed). Its queued jobs are dropped when their turn comes."""
         actions: list[Action] = []
         if state.status.fail(failure.kind, failure.reason):
             log.warning("room %d failed (%s): %s", state.room, failure.kind, failure.reason)
@@ -363,15 +405,13 @@ class PrefillProtocol(ProtocolCore):
             actions += self._report(state, also_peer=peer_id)  # a peer it never wrote to
         if state.status.poll != KVPoll.Failed:
             return actions  # it had succeeded: nothing to settle, success was reported
-        chunk = self._chunks.get(state.room)
-        if chunk is None or (chunk.writing is None and chunk.staging is None):
+        if not state.in_flight:
             actions += self._settle(state)
         return actions
 
     def _settle(self, state: PrefillRoom) -> list[Action]:
         """A failed room with nothing out: report it once, acknowledge every abort."""
-        state.in_flight = False
-        self._chunks.pop(state.room, None)
+        self._drop_queued(state.room)
         actions: list[Action] = []
         if not state.failure_reported:
             state.failure_reported = True
@@ -387,124 +427,211 @@ class PrefillProtocol(ProtocolCore):
         peer_id = self._peer_by_endpoint.get(endpoint)
         return self.peers.get(peer_id) if peer_id is not None else None
 
-    def _clear(self, room: int) -> None:
-        """The one cleanup path of a room (idempotent)."""
-        state = self.rooms.pop(room, None)
+    def _clear(self, room: int) -> list[Action]:
+        """The one cleanup path of a room (idempotent). A room cleared before it ended fails
+        (its destinations hear so); one with a write still out stays, answering who asks
+        about it, until that write ended."""
+        state = self.rooms.get(room)
         if state is None:
-            return
+            return []
+        actions: list[Action] = []
+        if not state.status.finished:
+            reason = f"room {room}: cleared by prefill's scheduler before it ended"
+            actions += self._fail(state, Failure(FailureKind.ABORTED, reason))
+        if state.in_flight:
+            state.cleared = True
+            return actions
+        self._forget(state)
+        return actions
+
+    def _forget(self, state: PrefillRoom) -> None:
+        room = state.room
+        del self.rooms[room]
         status = state.status
         self.stats.count_finished(status)
         log.debug("room %d: cleared (%s)", room, status.failure_reason or status.poll.name)
         self._unclaimed.pop(room, None)
-        self._chunks.pop(room, None)
+        self._drop_queued(room)
         if len(self._finished) == self._finished.maxlen:
             self._finished_set.discard(self._finished[0])
         self._finished.append(room)
         self._finished_set.add(room)
 
-    # --- a room's chunks, one job at a time ------------------------------------------------
+    # --- write jobs: queued per decode peer, handed out oldest room first ----------------------
 
     def _schedule(self, state: PrefillRoom, now: float) -> list[Action]:
-        """Start the room's next chunk if it can start; report success when the last ended."""
-        if state.room in self._chunks:
-            return []
+        """Queue the jobs of the room's chunks that can start; report success if it came."""
+        was = state.status.poll
         try:
             jobs = state.next_jobs()
         except ValueError as exc:
             return self._fail(state, Failure(FailureKind.INTERNAL, str(exc)))
-        if jobs:
-            self._chunks[state.room] = _ChunkInProgress(deque(jobs), jobs[0].last)
-            return self._advance(state, now)
-        if state.status.poll == KVPoll.Success:
-            return [*self._report(state), RoomsChanged()]
-        return []
+        for job in jobs:
+            entry = _Job(job)
+            self._jobs[entry.key] = entry
+            heapq.heappush(self._queued.setdefault(job.peer_id, []),
+                           (state.sequence, job.chunk_idx, job.room))  # fmt: skip
+        actions: list[Action] = [RoomsChanged()] if state.status.poll != was else []
+        if state.status.poll == KVPoll.Success and was != KVPoll.Success:
+            actions += self._report(state)  # nothing to write (dummy requests only)
+        return actions + self._dispatch(now)
 
-    def _advance(self, state: PrefillRoom, now: float) -> list[Action]:
-        """Start the current chunk's next job; when none is left, the chunk is written."""
-        chunk = self._chunks[state.room]
-        if chunk.jobs:
-            return self._start(state, chunk, chunk.jobs.popleft(), now)
-        del self._chunks[state.room]
-        state.chunk_written(chunk.last)
-        return [RoomsChanged(), *self._schedule(state, now)]
+    def _dispatch(self, now: float) -> list[Action]:
+        """Hand out queued jobs, oldest room first, while a peer has fewer than
+        `writes_in_flight` out (and a gathered chunk has room in the staging buffer)."""
+        actions: list[Action] = []
+        window = self.settings.writes_in_flight
+        for peer_id in list(self._queued):
+            queued = self._queued[peer_id]
+            while queued and self._out[peer_id] < window:
+                _, chunk_idx, room = queued[0]
+                entry = self._jobs.get((room, chunk_idx, peer_id))
+                state = self.rooms.get(room)
+                if entry is None or state is None or state.status.finished:
+                    heapq.heappop(queued)  # its room ended: nothing of it starts
+                    if entry is not None:
+                        actions += self._job_ended(entry)
+                    continue
+                started = self._start(state, entry, now)
+                if started is None:
+                    break  # no room in the staging buffer until a gathered chunk moved
+                heapq.heappop(queued)
+                actions += started
+            if not queued:
+                del self._queued[peer_id]
+        return actions
 
-    def _start(
-        self, state: PrefillRoom, chunk: _ChunkInProgress, job: ChunkJob, now: float
-    ) -> list[Action]:
+    def _drop_queued(self, room: int) -> None:
+        """Forget a room's jobs that were never handed out (their heap entries are skipped
+        when their turn comes)."""
+        for entry in [e for e in self._jobs.values() if e.job.room == room and not e.handed_out]:
+            del self._jobs[entry.key]
+
+    def _hand_out(self, state: PrefillRoom, entry: _Job) -> None:
+        entry.handed_out = True
+        state.job_handed_out()
+        self._out[entry.job.peer_id] += 1
+
+    def _job_ended(self, entry: _Job) -> list[Action]:
+        """A job ended (written, failed, its staging answered for a room that failed, or
+        dropped before it was handed out): its resources go back; a room with nothing out
+        any more settles, and a room whose last job ended reports success."""
+        if self._jobs.pop(entry.key, None) is None:
+            return []  # dropped with its failed room already
+        if entry.local is not None:
+            assert self._local is not None
+            self._local.free(entry.local)
+        if entry.handed_out:
+            self._out[entry.job.peer_id] -= 1
+        state = self.rooms.get(entry.job.room)
+        if state is None:  # cleared meanwhile
+            return [RoomsChanged()]
+        was = state.status.poll
+        state.job_ended(entry.handed_out)
+        if state.status.poll == KVPoll.Failed and not state.in_flight:
+            settled = self._settle(state) if entry.handed_out else []
+            if state.cleared:
+                self._forget(state)
+            return settled
+        actions: list[Action] = []
+        if state.status.poll == KVPoll.Success and was != KVPoll.Success:
+            actions += self._report(state)
+        return [*actions, RoomsChanged()] if entry.handed_out else actions
+
+    def _start(self, state: PrefillRoom, entry: _Job, now: float) -> list[Action] | None:
+        """Hand the job out: a write, or a request for ring space. None when it must wait
+        for room in this rank's staging buffer."""
+        job = entry.job
         peer = self.peers.get(job.peer_id)
         if peer is None or peer.error is not None or peer.kv_args is None or peer.pairing is None:
             why = peer.error.reason if peer is not None and peer.error else "not connected"
             failure = Failure(FailureKind.ENGINE, f"room {state.room}: {why}")
-            return self._fail(state, failure)
-        if peer.pairing.stageable:
-            request = self._staging_request(job, peer, chunk, now)
-            if request is not None:
-                return [Send(peer.endpoint, request)]
-        return [self._write(chunk, job, peer, None)]
+            return [*self._fail(state, failure), *self._job_ended(entry)]
+        if not peer.pairing.stageable:
+            self._hand_out(state, entry)
+            return [self._write(entry, peer, None)]
+        gather = self._gather_for(job, peer)
+        if gather is None:  # nothing to gather, or too big for a staging buffer
+            self._hand_out(state, entry)
+            return [self._write(entry, peer, None)]
+        src_rows, dst_rows, column, width, nbytes = gather
+        assert self._local is not None
+        entry.local = self._local.allocate(nbytes)
+        if entry.local is None:
+            return None
+        self._hand_out(state, entry)
+        if peer.pairing.direct:
+            staged = StagedChunk(src_rows, column, width, nbytes, entry.local.offset,
+                                 PageRows(dst_rows))  # fmt: skip
+            self.stats.staged_chunks += 1
+            return [self._write(entry, peer, staged)]
+        request = StagingRequest(
+            room=job.room, chunk_idx=job.chunk_idx, chunk_num_pages=job.src_pages.size,
+            session_id=self.settings.endpoint, prefill_rank=self.rank, nbytes=nbytes,
+        )  # fmt: skip
+        entry.staging = _AwaitedStaging(request, now, src_rows, column, width)
+        return [Send(peer.endpoint, request)]
 
-    def _write(
-        self, chunk: _ChunkInProgress, job: ChunkJob, peer: DecodePeer, staged: StagedChunk | None
-    ) -> Write:
+    def _write(self, entry: _Job, peer: DecodePeer, staged: StagedChunk | None) -> Write:
         assert peer.kv_args is not None
         assert peer.pairing is not None
+        job = entry.job
         notify = notification_for(job.room, self.rank) if job.last else b""
-        chunk.writing = Write(job.room, job, peer.kv_args, peer.pairing, notify, staged)
-        return chunk.writing
+        entry.write = Write(job.room, job, peer.kv_args, peer.pairing, notify, staged)
+        return entry.write
 
-    def _staging_request(
-        self, job: ChunkJob, peer: DecodePeer, chunk: _ChunkInProgress, now: float
-    ) -> StagingRequest | None:
-        """Ask decode for ring space for the chunk's head slices (gathered into one block);
-        None to send it token by token: no buffer on either side, or too big for one."""
+    def _gather_for(
+        self, job: ChunkJob, peer: DecodePeer
+    ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], int, int, int] | None:
+        """What gathering the chunk's head slices takes — (source rows, decode's rows, first
+        byte, width, bytes) — or None to send it token by token: no staging buffer here (or,
+        through the ring, on decode), or the chunk does not fit one."""
         local, peer_args, pairing = self.settings.kv_args, peer.kv_args, peer.pairing
         assert peer_args is not None
         assert pairing is not None
         assert pairing.source is not None
         ring = peer_args.staging_buffer
-        if self.settings.staging_bytes is None or ring is None:
+        if self._local is None or (not pairing.direct and ring is None):
             self.stats.staging_fallbacks += 1
             return None
-        source = pairing.source
         token_start = job.page_offset * local.page_size
-        src_rows, _ = token_rows(
+        src_rows, dst_rows = token_rows(
             job.src_pages, local.page_size, token_start,
             np.asarray(job.dst_pages, dtype=np.int64), peer_args.page_size,
             peer_args.dcp_size, peer_args.dcp_rank,
         )  # fmt: skip
-        column, width = source.columns(local.head_bytes, "src")
+        column, width = pairing.source.columns(local.head_bytes, "src")
         nbytes = staged_size(len(local.kv_buffers), src_rows.size, width)
-        if nbytes == 0 or nbytes > self.settings.staging_bytes or nbytes > ring.length:
+        too_big = not self._local.fits_ever(nbytes) or (
+            not pairing.direct and ring is not None and nbytes > ring.length
+        )
+        if nbytes == 0 or too_big:
             self.stats.staging_fallbacks += 1
             return None
-        request = StagingRequest(
-            room=job.room, chunk_idx=job.chunk_idx, chunk_num_pages=job.src_pages.size,
-            session_id=self.settings.endpoint, prefill_rank=self.rank, nbytes=nbytes,
-        )  # fmt: skip
-        chunk.staging = _AwaitedStaging(job, request, now, src_rows, column, width)
-        return request
+        return src_rows, dst_rows, column, width, nbytes
 
     def _on_staging_response(self, answer: StagingResponse, now: float) -> list[Action]:
-        chunk = self._chunks.get(answer.room)
-        awaited = chunk.staging if chunk is not None else None
-        if (
-            chunk is None
-            or awaited is None
-            or awaited.job.peer_id != answer.session_id
-            or awaited.job.chunk_idx != answer.chunk_idx
-        ):  # an answer nobody waits for is never kept
+        entry = self._jobs.get((answer.room, answer.chunk_idx, answer.session_id))
+        awaited = entry.staging if entry is not None else None
+        if entry is None or awaited is None:  # an answer nobody waits for is never kept
             return self._ignore("staging answer for room %d chunk %d that nobody awaits",
                                 answer.room, answer.chunk_idx)  # fmt: skip
-        chunk.staging = None
+        entry.staging = None
         self.stats.staging_wait_s += now - awaited.asked_at
-        state = self.rooms[answer.room]
-        if state.status.finished:  # it failed meanwhile; decode frees the grant on hearing it
-            return self._settle(state)
-        job, peer = awaited.job, self.peers[awaited.job.peer_id]
+        state = self.rooms.get(answer.room)
+        if state is None or state.status.finished:
+            # It failed meanwhile; decode frees the grant on hearing it.
+            return self._job_ended(entry) + self._dispatch(now)
+        job, peer = entry.job, self.peers[entry.job.peer_id]
         if answer.never_fits:
             self.stats.staging_fallbacks += 1
-            return [self._write(chunk, job, peer, None)]
+            if entry.local is not None and self._local is not None:
+                self._local.free(entry.local)
+                entry.local = None
+            return [self._write(entry, peer, None)]
         assert peer.kv_args is not None
         assert peer.kv_args.staging_buffer is not None
+        assert entry.local is not None
         local = self.settings.kv_args
         ready = ChunkReady(
             room=job.room, chunk_idx=job.chunk_idx, page_start=job.page_offset,
@@ -514,26 +641,33 @@ class PrefillProtocol(ProtocolCore):
         )  # fmt: skip
         staged = StagedChunk(
             awaited.src_rows, awaited.column, awaited.width, awaited.request.nbytes,
-            peer.kv_args.staging_buffer.ptr + answer.offset, ready,
+            entry.local.offset,
+            RingSpace(peer.kv_args.staging_buffer.ptr + answer.offset, ready),
         )  # fmt: skip
         self.stats.staged_chunks += 1
-        return [self._write(chunk, job, peer, staged)]
+        return [self._write(entry, peer, staged)]
 
     def _on_write_ended(self, ended: WriteEnded, now: float) -> list[Action]:
-        state = self.rooms.get(ended.room)
-        chunk = self._chunks.get(ended.room)
-        if state is None or chunk is None or chunk.writing is None:
-            return [RoomsChanged()]  # cleared meanwhile
-        write, chunk.writing = chunk.writing, None
-        if ended.failure is not None:
-            state.status.fail(ended.failure.kind, ended.failure.reason)
-        if state.status.poll == KVPoll.Failed:
-            return self._settle(state)  # now nothing of this room is out
+        job = ended.write.job
+        entry = self._jobs.get((job.room, job.chunk_idx, job.peer_id))
+        if entry is None or entry.write is not ended.write:
+            return []  # not a write this rank handed out
+        entry.write = None
+        state = self.rooms.get(job.room)
         actions: list[Action] = []
-        peer = self.peers.get(write.job.peer_id)
-        if write.staged is not None and peer is not None:  # it landed: decode may scatter it
-            actions.append(Send(peer.endpoint, write.staged.ready))
-        return actions + self._advance(state, now)
+        if state is not None and ended.failure is not None:
+            state.status.fail(ended.failure.kind, ended.failure.reason)
+        staged = ended.write.staged
+        peer = self.peers.get(job.peer_id)
+        if (
+            state is not None
+            and not state.status.finished
+            and staged is not None
+            and isinstance(staged.destination, RingSpace)
+            and peer is not None
+        ):  # it landed in the ring: decode may scatter it
+            actions.append(Send(peer.endpoint, staged.destination.ready))
+        return actions + self._job_ended(entry) + self._dispatch(now)
 
     # --- messages from decode peers --------------------------------------------------------
 
@@ -702,8 +836,7 @@ class PrefillProtocol(ProtocolCore):
         )
 
     def _on_sender_cleared(self, event: SenderCleared, now: float) -> list[Action]:
-        self._clear(event.room)
-        return []
+        return self._clear(event.room)
 
     # --- time --------------------------------------------------------------------------------
 
@@ -729,15 +862,21 @@ class PrefillProtocol(ProtocolCore):
             reason = (f"room {room}: prefill rank {self.rank} was not given this room "
                       f"within {timeout_s:g} s of decode's request")  # fmt: skip
             actions += self._fail(self.rooms[room], Failure(FailureKind.TIMEOUT, reason))
-            self._clear(room)
-        for room, chunk in list(self._chunks.items()):
-            awaited = chunk.staging
-            if awaited is not None and now - awaited.asked_at > settings.staging_timeout_s:
-                chunk.staging = None
-                reason = (f"room {room}: decode {awaited.job.peer_id} gave no staging space "
-                          f"for chunk {awaited.job.chunk_idx} in "
-                          f"{settings.staging_timeout_s:g} s")  # fmt: skip
-                actions += self._fail(self.rooms[room], Failure(FailureKind.TIMEOUT, reason))
+            actions += self._clear(room)
+        for entry in [entry for entry in self._jobs.values() if entry.staging is not None]:
+            assert entry.staging is not None
+            if now - entry.staging.asked_at <= settings.staging_timeout_s:
+                continue
+            entry.staging = None
+            job = entry.job
+            reason = (f"room {job.room}: decode {job.peer_id} gave no staging space for chunk "
+                      f"{job.chunk_idx} in {settings.staging_timeout_s:g} s")  # fmt: skip
+            waiting_room = self.rooms.get(job.room)
+            if waiting_room is not None:
+                actions += self._fail(waiting_room, Failure(FailureKind.TIMEOUT, reason))
+            actions += self._job_ended(entry)
+        if actions:
+            actions += self._dispatch(now)
         for peer_id, silent_s in self.liveness.expired(now):
             actions += self._peer_dead(peer_id, silent_s)
         return actions
@@ -749,12 +888,13 @@ class PrefillProtocol(ProtocolCore):
                     if peer_id in state.requests and not state.status.finished]  # fmt: skip
         actions: list[Action] = []
         for state in affected:
-            chunk = self._chunks.get(state.room)
-            awaited = chunk.staging if chunk is not None else None
-            if chunk is not None and awaited is not None and awaited.job.peer_id == peer_id:
-                chunk.staging = None  # it will never answer
             failure = Failure(FailureKind.PEER_DEAD, f"room {state.room}: {reason}")
             actions += self._fail(state, failure)
+        awaiting = [entry for entry in self._jobs.values()
+                    if entry.staging is not None and entry.job.peer_id == peer_id]  # fmt: skip
+        for entry in awaiting:
+            entry.staging = None  # it will never answer
+            actions += self._job_ended(entry)
         if affected:
             log.warning("%s: %d room(s) failed", reason, len(affected))
         else:
@@ -763,14 +903,22 @@ class PrefillProtocol(ProtocolCore):
 
 
 def plan_write(local: KVArgs, write: Write, staging_ptr: int) -> TransferPlan:
-    """A job's blocks: its KV (one block from the staging buffer when staged, else planned
-    over the caches) plus, with the last chunk, the aux and state slots."""
-    job, peer_args = write.job, write.peer_args
-    if write.staged is not None:
+    """A job's blocks: its KV (from the staging buffer when gathered: one block into decode's
+    ring, or runs of decode's token rows; else planned over the caches) plus, with the last
+    chunk, the aux and state slots. `staging_ptr` is this rank's staging buffer."""
+    job, peer_args, staged = write.job, write.peer_args, write.staged
+    if staged is not None and isinstance(staged.destination, RingSpace):
         kv_plan = TransferPlan(
-            np.array([staging_ptr], dtype=np.uint64),
-            np.array([write.staged.dst_ptr], dtype=np.uint64),
-            np.array([write.staged.nbytes], dtype=np.uint64),
+            np.array([staging_ptr + staged.local_offset], dtype=np.uint64),
+            np.array([staged.destination.ptr], dtype=np.uint64),
+            np.array([staged.nbytes], dtype=np.uint64),
+        )
+    elif staged is not None:
+        assert write.pairing.source is not None
+        assert isinstance(staged.destination, PageRows)
+        gathered_at = staging_ptr + staged.local_offset
+        kv_plan = plan_gathered(
+            local, peer_args, write.pairing.source, gathered_at, staged.destination.rows
         )
     else:
         kv_plan = write.pairing.plan(local, peer_args, job.src_pages, job.page_offset,

@@ -116,11 +116,18 @@ class PrefillRoom:
     # belongs to nobody until then, and is dropped if nobody claims it in time.
     claimed: bool = False
     required_requests: int | None = None
+    # Arrival order among this rank's rooms: writes go out oldest room first.
+    sequence: int = 0
     pending: deque[Chunk] = field(default_factory=deque)
     pages_sent: int = 0
     chunks_sent: int = 0
     last_queued: bool = False
-    in_flight: bool = False
+    # Write jobs made from chunks and not ended yet, and how many of them were handed out
+    # (to the engine, or waiting for decode's ring space): bytes may still land while any is.
+    jobs_open: int = 0
+    jobs_out: int = 0
+    # The scheduler cleared it while a write was still out: it goes once that one ended.
+    cleared: bool = False
     # A failed room tells its destinations (and acknowledges aborts) only once no write of
     # it is in flight: decode may reuse the pages as soon as it hears.
     failure_reported: bool = False
@@ -169,15 +176,22 @@ class PrefillRoom:
         self.pending.append(chunk)
         self.last_queued = chunk.last
 
+    @property
+    def in_flight(self) -> bool:
+        """Whether a write job of the room is out: the engine may still read its pages or
+        land bytes in decode's."""
+        return self.jobs_out > 0
+
     def next_jobs(self) -> list[ChunkJob]:
-        """The next chunk as one write job per destination, once the requests are in and no
-        write of this room is in flight (chunks go in order); [] if nothing can start."""
-        while not (self.status.finished or self.in_flight or not self.pending or not self.ready):
-            jobs = self._jobs_for(self.pending.popleft())
-            if jobs:
-                return jobs
-            # Every destination is a dummy: nothing to write; on to the next chunk.
-        return []
+        """Write jobs (one per destination) for every chunk queued so far, once the requests
+        are in; [] if nothing can start. Chunks keep their order in `chunk_idx`; several
+        may be in flight at once, and the room succeeds when the last one's jobs all ended."""
+        jobs: list[ChunkJob] = []
+        while not self.status.finished and self.pending and self.ready:
+            jobs += self._jobs_for(self.pending.popleft())
+        self.jobs_open += len(jobs)
+        self._maybe_done()
+        return jobs
 
     def _jobs_for(self, chunk: Chunk) -> list[ChunkJob]:
         jobs = []
@@ -212,15 +226,23 @@ class PrefillRoom:
             )
         self.pages_sent += chunk.src_pages.size
         self.chunks_sent += 1
-        self.in_flight = True
         self.status.advance(KVPoll.Transferring)
-        if not jobs:
-            self.chunk_written(chunk.last)
         return jobs
 
-    def chunk_written(self, last: bool) -> None:
-        self.in_flight = False
-        if last:
+    def job_handed_out(self) -> None:
+        self.jobs_out += 1
+
+    def job_ended(self, handed_out: bool) -> None:
+        """One of the room's jobs ended (written, failed, or dropped before it was handed
+        out: `handed_out` False)."""
+        self.jobs_open -= 1
+        if handed_out:
+            self.jobs_out -= 1
+        self._maybe_done()
+
+    def _maybe_done(self) -> None:
+        """Success once the last chunk is queued and every job made from the chunks ended."""
+        if self.last_queued and not self.pending and self.ready and not self.jobs_open:
             self.status.advance(KVPoll.Success)
 
 

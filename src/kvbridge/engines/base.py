@@ -73,29 +73,35 @@ class TransferHandle(ABC):
     def release(self) -> None:  # noqa: B027 - engines without per-write resources
         """Give the engine's resources for this write back (idempotent)."""
 
+    def check(self, started: float, timeout_s: float, fenced: str | None = None) -> bool:
+        """One step of `wait` (never blocks): True once the write is done; `EngineError` if
+        it failed, `EngineTimeout` once `timeout_s` passed since `started` (monotonic).
+        `fenced`, why the writer may no longer write, stops the write before the poll (which
+        is what moves it on, for engines that progress only when polled), releases it, and
+        raises `WriteFenced`."""
+        if fenced is not None:
+            self.release()
+            raise WriteFenced(self.engine, "write", fenced)
+        state = self.poll()
+        if state is TransferState.DONE:
+            return True
+        if state is TransferState.FAILED:
+            raise EngineError(self.engine, "write", self.error or "unknown engine error")
+        if time.monotonic() - started >= timeout_s:
+            self.release()
+            raise EngineTimeout(self.engine, "write", f"not complete after {timeout_s:g} s")
+        return False
+
     def wait(
         self,
         timeout_s: float,
         poll_interval_s: float = 0.0,
         fence: Callable[[], str | None] | None = None,
     ) -> None:
-        """Block until the write is done; `EngineError` if it failed, `EngineTimeout` if the
-        deadline passed first. `fence()` is asked before every poll (which is what moves the
-        write on, for engines that progress only when polled): a reason stops the write there,
-        releases it, and raises `WriteFenced`."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            why = fence() if fence is not None else None
-            if why is not None:
-                self.release()
-                raise WriteFenced(self.engine, "write", why)
-            state = self.poll()
-            if state is TransferState.DONE:
-                return
-            if state is TransferState.FAILED:
-                raise EngineError(self.engine, "write", self.error or "unknown engine error")
-            if time.monotonic() >= deadline:
-                raise EngineTimeout(self.engine, "write", f"not complete after {timeout_s:g} s")
+        """Block until the write is done (`check` until it says so, raising what it raises);
+        `fence()` is asked before every poll."""
+        started = time.monotonic()
+        while not self.check(started, timeout_s, fence() if fence is not None else None):
             # Even 0 sleeps: a loop that never lets go of the GIL starves this process's other
             # threads (control channel, the serving engine) for Python's switch interval.
             time.sleep(poll_interval_s)

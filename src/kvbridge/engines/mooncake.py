@@ -1,9 +1,14 @@
 """Mooncake Transfer Engine in P2P-handshake mode (no metadata server).
 
-Mooncake accepts at most 1024 slices in flight per peer, so a plan is written as batches of
-at most `MAX_BLOCKS_IN_FLIGHT` blocks, one after the other. Its batch status call blocks until
-the batch ends, so the batches run on one worker thread per engine; a handle's `poll` only
-reads the state that thread leaves, and never blocks.
+Mooncake's TCP transport queues a bounded number of transfers (blocks) per peer, 1024 by
+default, and fails a batch beyond it ("TCP lane queue-full rejection"). kvbridge raises the
+limits as sglang deployments do (`RAISED_QUEUE_LIMIT`, unless the environment sets them) and
+sizes its batches to them: a write is split into batches of at most `batch_blocks` blocks
+(default: the limit shared by the submit threads), so what is in flight toward a peer never
+exceeds it. Its synchronous batch call blocks until the batch ends, so batches run on
+`submit_threads` worker threads per engine (several writes move at once, as sglang's transfer
+queues do); a handle's `poll` only reads the state they leave, and never blocks. A write ends
+only when all its batches ended: nothing of a failed write can land later.
 
 Mooncake always binds wildcard listeners (no setting restricts them). It needs the system
 library libibverbs even for TCP.
@@ -15,7 +20,7 @@ import os
 import queue
 import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvbridge.cache.plan import TransferPlan
@@ -30,7 +35,14 @@ from kvbridge.engines.base import (
 )
 
 NAME = "mooncake"
-MAX_BLOCKS_IN_FLIGHT = 1024
+# Mooncake's per-peer limits of its TCP transport (transfers queued, admissions pending), their
+# default, and what kvbridge sets them to unless the environment already does.
+QUEUE_LIMIT_VARIABLES = (
+    "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER",
+    "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER",
+)
+MOONCAKE_QUEUE_LIMIT = 1024
+RAISED_QUEUE_LIMIT = 65535
 INSTALL_HINT = (
     "Mooncake needs libibverbs even for TCP: apt-get install -y libibverbs1 libnl-3-200 "
     "libnl-route-3-200, then pip install mooncake-transfer-engine-non-cuda (CPU-only hosts) or "
@@ -42,6 +54,8 @@ def _import_mooncake() -> Any:
     # Mooncake logs through glog at INFO to stderr; keep warnings and errors only. Its glog
     # build ignores GLOG_minloglevel; MC_LOG_LEVEL (upper case) is what it reads, at load.
     os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
+    for variable in QUEUE_LIMIT_VARIABLES:
+        os.environ.setdefault(variable, str(RAISED_QUEUE_LIMIT))
     try:
         from mooncake import engine  # type: ignore[import-not-found,import-untyped,unused-ignore]
     except ImportError as exc:
@@ -54,25 +68,75 @@ def probe() -> None:
     _import_mooncake()
 
 
+def queue_limit() -> int:
+    """Blocks Mooncake's TCP transport takes in flight per peer in this process: the lower of
+    its two limits, as the environment sets them (Mooncake's default where unset)."""
+    limits = []
+    for variable in QUEUE_LIMIT_VARIABLES:
+        value = os.environ.get(variable, str(MOONCAKE_QUEUE_LIMIT))
+        if not value.strip().isdigit():
+            raise EngineError(NAME, "configure", f"{variable}={value!r} is not a number")
+        limits.append(int(value))
+    return min(limits)
+
+
 @dataclass(eq=False)
 class _MooncakeHandle(TransferHandle):
-    plan: TransferPlan
     session: str
+    batches_left: int
     engine: str = NAME
     state: TransferState = TransferState.PENDING
     error: str | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def poll(self) -> TransferState:
         return self.state
+
+    def batch_ended(self, error: str | None) -> None:
+        """One batch ended; the write ends with its last batch (failed if any failed)."""
+        with self._lock:
+            self.error = self.error or error
+            self.batches_left -= 1
+            if not self.batches_left:
+                self.state = TransferState.FAILED if self.error else TransferState.DONE
+
+
+@dataclass(frozen=True)
+class _Batch:
+    handle: _MooncakeHandle
+    plan: TransferPlan
 
 
 class MooncakeEngine(TransferEngine):
     progresses_on_its_own = True  # its worker threads move a posted batch
     name = NAME
 
-    def __init__(self, host: str = "127.0.0.1", protocol: str = "tcp", device: str = "") -> None:
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        protocol: str = "tcp",
+        device: str = "",
+        submit_threads: int = 2,
+        batch_blocks: int = 0,
+    ) -> None:
         super().__init__()
         module = _import_mooncake()
+        limit = queue_limit()
+        self.batch_blocks = batch_blocks or max(1, limit // submit_threads)
+        if protocol == "tcp" and self.batch_blocks * submit_threads > limit:
+            raise EngineError(
+                NAME, "configure",
+                f"{submit_threads} submit thread(s) × batches of {self.batch_blocks} blocks "
+                f"exceed Mooncake's TCP queue of {limit} blocks per peer "
+                f"({' and '.join(QUEUE_LIMIT_VARIABLES)}): raise them or lower batch_blocks",
+            )  # fmt: skip
+        self._limit_note = (
+            f"; Mooncake's TCP transport takes {limit} blocks per peer "
+            f"({QUEUE_LIMIT_VARIABLES[0]}), {submit_threads} batch(es) of at most "
+            f"{self.batch_blocks} are in flight"
+            if protocol == "tcp"
+            else ""
+        )
         self._engine = module.TransferEngine()
         rc = self._engine.initialize(host, "P2PHANDSHAKE", protocol, device)
         if rc != 0:
@@ -80,14 +144,22 @@ class MooncakeEngine(TransferEngine):
         self.session_id = f"{host}:{self._engine.get_rpc_port()}"
         # Asking for RDMA without an RDMA card returns 0 and silently uses TCP.
         self._transport = protocol if protocol == "tcp" or rdma_device_present() else "tcp"
-        self._work: queue.Queue[_MooncakeHandle | None] = queue.Queue()
-        self._worker = threading.Thread(target=self._run, name="kvbridge-mooncake", daemon=True)
-        self._worker.start()
+        self._work: queue.SimpleQueue[_Batch | None] = queue.SimpleQueue()
+        self._workers = [
+            threading.Thread(target=self._run, name=f"kvbridge-mooncake-{index}", daemon=True)
+            for index in range(submit_threads)
+        ]
+        for worker in self._workers:
+            worker.start()
         self._closed = False
 
     @classmethod
     def open(cls, endpoint_name: str, host: str, options: Mapping[str, str]) -> MooncakeEngine:
-        return cls(host, protocol=options["protocol"], device=options["device"])
+        return cls(
+            host, protocol=options["protocol"], device=options["device"],
+            submit_threads=int(options["submit_threads"]),
+            batch_blocks=int(options["batch_blocks"]),
+        )  # fmt: skip
 
     @property
     def transport(self) -> str:
@@ -115,41 +187,48 @@ class MooncakeEngine(TransferEngine):
     def _write(self, peer: str, plan: TransferPlan, notify: bytes) -> TransferHandle:
         if self._closed:
             raise EngineError(NAME, "write", "engine is closed")
-        handle = _MooncakeHandle(plan, peer)
-        self._work.put(handle)
+        batches = plan.split(self.batch_blocks)
+        handle = _MooncakeHandle(peer, len(batches))
+        if not batches:
+            handle.state = TransferState.DONE
+        for batch in batches:
+            self._work.put(_Batch(handle, batch))
         return handle
 
     def _run(self) -> None:
-        while True:
-            handle = self._work.get()
-            if handle is None:
-                return
+        while (batch := self._work.get()) is not None:
+            handle = batch.handle
+            if handle.error is not None:  # an earlier batch of this write failed
+                handle.batch_ended(None)
+                continue
             try:
-                for batch in handle.plan.split(MAX_BLOCKS_IN_FLIGHT):
-                    # The synchronous call opens the peer's segment and checks that it could;
-                    # the asynchronous submit followed by a status query crashed inside
-                    # Mooncake (SIGSEGV) when the peer had become unreachable.
-                    rc = self._engine.batch_transfer_sync_write(
-                        handle.session,
-                        batch.src.tolist(),
-                        batch.dst.tolist(),
-                        batch.length.tolist(),
-                    )
-                    if rc != 0:
-                        raise EngineError(NAME, "write", f"batch rc {rc}")
-                handle.state = TransferState.DONE
+                # The synchronous call opens the peer's segment and checks that it could;
+                # the asynchronous submit followed by a status query crashed inside
+                # Mooncake (SIGSEGV) when the peer had become unreachable.
+                rc = self._engine.batch_transfer_sync_write(
+                    handle.session,
+                    batch.plan.src.tolist(),
+                    batch.plan.dst.tolist(),
+                    batch.plan.length.tolist(),
+                )
+                error = None
+                if rc != 0:
+                    error = (f"a batch of {len(batch.plan)} block(s) to {handle.session} "
+                             f"failed (rc {rc}){self._limit_note}")  # fmt: skip
             except Exception as exc:  # anything Mooncake raises ends this write, not the worker
-                handle.error = exc.detail if isinstance(exc, EngineError) else str(exc)
-                handle.state = TransferState.FAILED
+                error = exc.detail if isinstance(exc, EngineError) else str(exc)
+            handle.batch_ended(error)
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        self._work.put(None)
-        self._worker.join(timeout=5.0)
+        for _ in self._workers:
+            self._work.put(None)
+        for worker in self._workers:
+            worker.join(timeout=5.0)
         for region in self.local_memory.regions:
             self._engine.unregister_memory(region.ptr)
-        if not self._worker.is_alive():
+        if not any(worker.is_alive() for worker in self._workers):
             # Destroying the engine closes its listeners; a worker stuck in a batch keeps it.
             self._engine = ClosedEngine(NAME)

@@ -183,11 +183,15 @@ class NixlEngine(TransferEngine):
 
     def _connect(self, peer_endpoint: bytes) -> str:
         try:
-            peer = self._agent.add_remote_agent(peer_endpoint)
+            added = self._agent.add_remote_agent(peer_endpoint)
+            # NIXL returns the peer's name as bytes; notifications are keyed by str.
+            peer = added.decode() if isinstance(added, bytes) else str(added)
+            # Connect now rather than inside the first write (measured here: the first write
+            # to a peer took 12-22 ms without it, 8-14 ms with it, 2 ms afterwards).
+            self._agent.make_connection(peer)
         except Exception as exc:
             raise EngineError(NAME, "add remote agent", str(exc)) from None
-        # NIXL returns the peer's name as bytes; notifications are keyed by str.
-        return peer.decode() if isinstance(peer, bytes) else str(peer)
+        return peer
 
     def _remove_remote(self, peer: str) -> None:
         try:

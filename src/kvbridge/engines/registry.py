@@ -21,12 +21,24 @@ DEFAULT_ENGINE = "nixl"
 
 @dataclass(frozen=True)
 class EngineOption:
-    """One option an engine takes (a string; `choices` empty: any value)."""
+    """One option an engine takes (a string; `choices` empty: any value; `minimum` set: an
+    integer of at least that)."""
 
     name: str
     default: str
     help: str
     choices: tuple[str, ...] = ()
+    minimum: int | None = None
+
+    def problem(self, value: str) -> str | None:
+        """Why `value` is not accepted, or None."""
+        if self.choices and value not in self.choices:
+            return f"choose one of {', '.join(self.choices)}"
+        if self.minimum is not None and not (
+            value.isdigit() and value.isascii() and int(value) >= self.minimum
+        ):
+            return f"an integer of at least {self.minimum}"
+        return None
 
 
 class _EngineModule(Protocol):
@@ -58,9 +70,9 @@ class EngineSpec:
                 accepted = ", ".join(known) or "none"
                 raise EngineError(self.name, "configure",
                                   f"no option {name!r} (its options: {accepted})")  # fmt: skip
-            if option.choices and value not in option.choices:
-                raise EngineError(self.name, "configure", f"option {name}={value!r}: choose one "
-                                  f"of {', '.join(option.choices)}")  # fmt: skip
+            problem = option.problem(value)
+            if problem is not None:
+                raise EngineError(self.name, "configure", f"option {name}={value!r}: {problem}")
         return {name: (given or {}).get(name, option.default) for name, option in known.items()}
 
     def engine_class(self) -> type[TransferEngine]:
@@ -85,6 +97,18 @@ _MOONCAKE_OPTIONS = (
     EngineOption("protocol", "tcp", "Mooncake's transport", ("tcp", "rdma")),
     EngineOption(
         "device", "", "RDMA device name(s) for protocol rdma, e.g. mlx5_0 (empty: Mooncake picks)"
+    ),
+    EngineOption(
+        "submit_threads",
+        "2",
+        "threads that hand batches to Mooncake at once (its calls block until a batch ends)",
+        minimum=1,
+    ),
+    EngineOption(
+        "batch_blocks",
+        "0",
+        "blocks per Mooncake batch (0: its per-peer queue limit shared by the submit threads)",
+        minimum=0,
     ),
 )
 

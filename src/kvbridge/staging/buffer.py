@@ -41,9 +41,9 @@ class StagingBuffer(ABC):
         return MemoryRegion(self.ptr, self.length, self.memory_kind, self.device_id)
 
     @abstractmethod
-    def gather(self, rows: npt.NDArray[np.int64], column: int, width: int) -> int:
-        """Bytes ``[column, column + width)`` of the token rows of every KV buffer into the
-        start of this buffer, buffer-major; the bytes staged."""
+    def gather(self, rows: npt.NDArray[np.int64], column: int, width: int, offset: int = 0) -> int:
+        """Bytes ``[column, column + width)`` of the token rows of every KV buffer into this
+        buffer from `offset` on, buffer-major; the bytes staged."""
 
     @abstractmethod
     def scatter(
@@ -62,8 +62,8 @@ class HostStaging(StagingBuffer):
         self.memory_kind, self.device_id = MemoryKind.DRAM, 0
         self._rows = [kernels.buffer_rows(b, kv_args.token_bytes) for b in kv_args.kv_buffers]
 
-    def gather(self, rows: npt.NDArray[np.int64], column: int, width: int) -> int:
-        return kernels.gather(self._rows, rows, column, width, self._bytes)
+    def gather(self, rows: npt.NDArray[np.int64], column: int, width: int, offset: int = 0) -> int:
+        return kernels.gather(self._rows, rows, column, width, self._bytes[offset:])
 
     def scatter(
         self, offset: int, end: int, rows: npt.NDArray[np.int64], column: int, width: int
@@ -92,9 +92,9 @@ class TorchStaging(StagingBuffer):
     def _on_device(self, rows: npt.NDArray[np.int64]) -> Any:
         return self._torch.from_numpy(np.ascontiguousarray(rows)).to(self._device)
 
-    def gather(self, rows: npt.NDArray[np.int64], column: int, width: int) -> int:
+    def gather(self, rows: npt.NDArray[np.int64], column: int, width: int, offset: int = 0) -> int:
         size: int = self._kernels.gather(
-            self._rows, self._on_device(rows), column, width, self._bytes, self._stream
+            self._rows, self._on_device(rows), column, width, self._bytes[offset:], self._stream
         )
         return size
 
