@@ -93,6 +93,7 @@ bench: $(STAMP)
 	scripts/install-mooncake.sh $(BIN)/python --optional
 	$(BIN)/python benchmarks/plan_128k.py
 	$(BIN)/python benchmarks/wire_codec.py
+	$(BIN)/python benchmarks/registration.py
 	$(BIN)/python benchmarks/e2e.py
 	$(BIN)/python benchmarks/hetero.py
 	$(BIN)/kvbridge bench --preset quick

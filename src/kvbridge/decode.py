@@ -71,7 +71,7 @@ class DecodeManager(RankManager):
                 kv_args, staging_buffer=BufferSpec(ring.ptr, ring.length, 1)
             )
         self.kv_args = kv_args
-        self.engine.register(memory_regions(kv_args))
+        self.runtime.register(memory_regions(kv_args))
         self.peer_id = f"decode-{self.rank}@{self.channel.endpoint}"
         self.protocol = DecodeProtocol(
             DecodeSettings(
@@ -91,6 +91,7 @@ class DecodeManager(RankManager):
         self.stats: DecodeStats = self.protocol.stats
         self._lock = self.runtime.lock
         self._groups: dict[str, list[PrefillRank]] = {}  # bootstrap URL → its prefill ranks
+        self._poll_often = False
         self._scatters: queue.SimpleQueue[ScatterChunk | None] = queue.SimpleQueue()
         self._scatter_thread = threading.Thread(
             target=self._run_scatters, name="kvbridge-decode-scatter", daemon=True
@@ -188,9 +189,21 @@ class DecodeManager(RankManager):
     def _on_message(self, message: Message) -> None:
         self._handle(message)
 
+    def poll_engine_often(self, on: bool) -> None:
+        """Poll the engine at the busy pace even with no room in flight: for something else
+        that writes into this rank's memory through the engine (a benchmark's raw replay),
+        with an engine that moves data only when the target polls (NIXL over TCP)."""
+        self._poll_often = on
+
     def _on_tick(self) -> bool:
         notifications = self.engine.notifications()
         self._handle(Tick(tuple(message for _, message in notifications)))
+        if not self.engine.delivers_notifications:
+            # Nothing to poll (statuses arrive as messages, which wake the channel): its
+            # threads leave the CPU to the engine's own.
+            return False
+        if self._poll_often:
+            return True
         with self._lock:
             return self.protocol.busy
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from threading import Thread
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -79,6 +79,15 @@ class ManagerMetrics:
             "kvbridge_written_bytes", "bytes written through the engine", list(labels),
             registry=self.registry,
         ).labels(**labels)  # fmt: skip
+        self.registration_seconds = Gauge(
+            "kvbridge_registration_seconds",
+            "seconds spent registering this rank's memory with the engine (at start)",
+            list(labels), registry=self.registry,
+        ).labels(**labels)  # fmt: skip
+        self.registered_bytes = Gauge(
+            "kvbridge_registered_bytes", "bytes of memory registered with the engine",
+            list(labels), registry=self.registry,
+        ).labels(**labels)  # fmt: skip
         self.registry.register(_SnapshotCollector(role, rank, snapshot))
         self._server: Any = None
         self._thread: Thread | None = None
@@ -88,6 +97,10 @@ class ManagerMetrics:
         self.write_seconds.observe(seconds)
         self.write_blocks.observe(blocks)
         self.bytes_written.inc(nbytes)
+
+    def observe_registration(self, seconds: float, nbytes: int) -> None:
+        self.registration_seconds.set(seconds)
+        self.registered_bytes.set(nbytes)
 
     def serve(self, host: str, port: int) -> int:
         """Serve /metrics on (host, port), 0 for any free port; the bound port."""

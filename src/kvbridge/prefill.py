@@ -31,6 +31,7 @@ import numpy.typing as npt
 
 from kvbridge.cache import KVArgs, PlanError, TransferPlan
 from kvbridge.cache.peer import memory_regions
+from kvbridge.cache.plan import PlanArena
 from kvbridge.config import ManagerConfig
 from kvbridge.control.bootstrap import (
     BootstrapServer,
@@ -56,7 +57,7 @@ from kvbridge.core.prefill_protocol import (
 )
 from kvbridge.core.protocol import Tick
 from kvbridge.core.room import Chunk, Failure, RoomStatus
-from kvbridge.engines import EngineError, TransferHandle, WriteFenced
+from kvbridge.engines import EngineError, EngineTimeout, TransferHandle, WriteFenced
 from kvbridge.runtime import RankManager, RankRuntime
 from kvbridge.wire import FailureKind, KVPoll, Message
 
@@ -85,9 +86,11 @@ class _Prepared:
 
 @dataclass
 class _Posted:
-    """Prepared writes to one peer that the engine is moving as one transfer."""
+    """Prepared writes to one peer that the engine is moving as one transfer (`plan`: theirs
+    together)."""
 
     writes: list[_Prepared]
+    plan: TransferPlan
     engine_peer: str
     handle: TransferHandle
     started: float  # monotonic, when it was posted
@@ -136,9 +139,8 @@ class PrefillManager(RankManager):
         self.activity, self.metrics = self.runtime.activity, self.runtime.metrics
         # The local staging buffer: the worker gathers one chunk at a time into it.
         self._staging = self.runtime.staging
-        self.engine.register(memory_regions(kv_args))
-        if self._staging is not None:
-            self.engine.register([self._staging.region])
+        staging = [self._staging.region] if self._staging is not None else []
+        self.runtime.register([*memory_regions(kv_args), *staging])
         self.protocol = PrefillProtocol(
             PrefillSettings(
                 kv_args=kv_args,
@@ -159,6 +161,8 @@ class PrefillManager(RankManager):
         self._connect_errors: dict[str, str] = {}
         # (room, engine peer, plan) of every write, kept with `keep_plans` (benchmarks).
         self.written_plans: list[tuple[int, str, TransferPlan]] = []
+        # Address arrays of large plans, reused once their write ended (not with keep_plans).
+        self._plan_memory = PlanArena()
         self._to_prepare: queue.SimpleQueue[Write | None] = queue.SimpleQueue()
         self._to_engine: queue.SimpleQueue[Connect | _Prepared | None] = queue.SimpleQueue()
         self._threads = [
@@ -304,7 +308,7 @@ class PrefillManager(RankManager):
             self.stats.gather_s += time.perf_counter() - started
             staging_ptr = self._staging.ptr
         started = time.perf_counter()
-        plan = plan_write(self.kv_args, write, staging_ptr)
+        plan = plan_write(self.kv_args, write, staging_ptr, self._plan_memory)
         self.stats.plan_s += time.perf_counter() - started
         return _Prepared(write, plan)
 
@@ -358,7 +362,7 @@ class PrefillManager(RankManager):
         writes = [prepared.write for prepared in group]
         peer_id = writes[0].job.peer_id
         notify = next((write.notify for write in writes if write.notify), b"")
-        plan = TransferPlan.concat(*(prepared.plan for prepared in group))
+        plan = TransferPlan.concat(*(prepared.plan for prepared in group), memory=self._plan_memory)
         try:
             engine_peer = self._engine_peers.get(peer_id)
             if engine_peer is None:
@@ -370,16 +374,29 @@ class PrefillManager(RankManager):
             if len(plan):
                 started = time.monotonic()
                 handle = self.engine.write(engine_peer, plan, notify)
-                return _Posted(group, engine_peer, handle, started)
+                return _Posted(group, plan, engine_peer, handle, started)
             if notify and self.engine.delivers_notifications:
                 self.engine.notify(engine_peer, notify)
         except (EngineError, ValueError) as exc:
+            self._release(group, plan)
             for write in writes:
                 self._ended(write, exc)
             return None
+        self._release(group, plan)
         for write in writes:
             self._ended(write)
         return None
+
+    def _release(self, group: list[_Prepared], plan: TransferPlan, reuse: bool = True) -> None:
+        """These plans are done with: their memory may serve the next ones (unless a
+        benchmark keeps them). A write that timed out may still be read by an engine that
+        moves writes on its own: its memory is only forgotten, never reused."""
+        plans = [prepared.plan for prepared in group] + ([plan] if len(group) > 1 else [])
+        for done in plans:
+            if reuse and not self.config.keep_plans:
+                self._plan_memory.give_back(done)
+            else:
+                self._plan_memory.forget(done)
 
     def _progress(self, posted: list[_Posted]) -> list[_Posted]:
         """Poll every transfer in flight once; report the writes of those that ended; the
@@ -398,6 +415,7 @@ class PrefillManager(RankManager):
                     item.started, self.config.write_timeout_s, leases.get(peer_id)
                 )
             except EngineError as exc:
+                self._release(item.writes, item.plan, reuse=not isinstance(exc, EngineTimeout))
                 for prepared in item.writes:
                     self._ended(prepared.write, exc)
                 continue
@@ -413,6 +431,7 @@ class PrefillManager(RankManager):
             log.debug("room(s) %s: %d block(s), %d bytes to %s in %.2f ms",
                       ", ".join(str(p.write.room) for p in item.writes), blocks, nbytes,
                       peer_id, elapsed * 1e3)  # fmt: skip
+            self._release(item.writes, item.plan)
             for prepared in item.writes:
                 if self.config.keep_plans:
                     self.written_plans.append(

@@ -18,6 +18,7 @@ from dataclasses import asdict
 from typing import Any
 
 from kvbridge.cache import KVArgs
+from kvbridge.cache.regions import MemoryRegion
 from kvbridge.config import ManagerConfig
 from kvbridge.control.channel import ControlChannel
 from kvbridge.core.protocol import ProtocolCore, RoomsChanged, Send
@@ -66,6 +67,7 @@ class RankRuntime:
         self._execute_own: Callable[[Any], None] = lambda action: None
         self._side_counters: Callable[[], dict[str, float]] = dict
         self.metrics = ManagerMetrics(role, self.rank, self._snapshot)
+        self.registration_s = 0.0  # seconds spent registering memory with the engine
 
     def start(
         self,
@@ -118,6 +120,19 @@ class RankRuntime:
                 **self._side_counters(),
             }
             return Snapshot(counters, dict(protocol.rooms_by_state()), dict(stats.rooms_finished))
+
+    def register(self, regions: Sequence[MemoryRegion]) -> None:
+        """Register the rank's memory with the engine, once, when the manager starts (never on
+        a request's path): timed, logged and reported (`registration_seconds`), since engines
+        that pin pages take long at scale."""
+        started = time.perf_counter()
+        self.engine.register(regions)
+        seconds = time.perf_counter() - started
+        self.registration_s += seconds
+        total = sum(region.length for region in regions)
+        self.metrics.observe_registration(self.registration_s, total)
+        log.info("%s rank %d: registered %d region(s), %.2f GiB, with %s in %.3f s", self.role,
+                 self.rank, len(regions), total / 2**30, self.engine.name, seconds)  # fmt: skip
 
     def watch(self, thread: threading.Thread) -> None:
         """A thread of the manager that must stay alive for the rank to be healthy."""

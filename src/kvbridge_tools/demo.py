@@ -114,15 +114,22 @@ class DemoConfig:
     # connections are made and its first transfer's set-up paid before the timed batch, as a
     # serving deployment that has run for a while has them (what benchmarks measure).
     warmup: bool = False
+    # The addresses the groups bind and advertise (the bootstrap service runs on prefill's),
+    # and a network namespace the decode ranks move into: prefill and decode as two hosts
+    # (`kvbridge_tools.netns`; the caller runs the demo inside prefill's namespace).
+    prefill_host: str = "127.0.0.1"
+    decode_host: str = "127.0.0.1"
+    decode_netns: str | None = None
 
     @property
     def shape(self) -> ModelShape:
         return MODELS[self.model]
 
-    def manager_config(self, bootstrap_url: str) -> ManagerConfig:
+    def manager_config(self, bootstrap_url: str, host: str) -> ManagerConfig:
         """Either side's manager settings (only prefill keeps its plans: the raw replay). Torch
         memory gets torch staging kernels: forced on CPU tensors, chosen by `auto` on a GPU."""
         return ManagerConfig(
+            host=host,
             engine=self.engine,
             engine_options=dict(self.engine_options),
             bootstrap_url=bootstrap_url,
@@ -371,7 +378,7 @@ def run_prefill(
         memory = allocate_rank(config, rank, tp, config.rooms * pages_per_request)
         kv, aux, state, args = memory.kv, memory.aux, memory.state, memory.args
         heads = rank_head_range(config, rank, tp)
-        manager = PrefillManager(args, config.manager_config(bootstrap_url))
+        manager = PrefillManager(args, config.manager_config(bootstrap_url, config.prefill_host))
         report.transport = manager.engine.transport
         rooms = []
         for room in range(config.rooms):
@@ -497,7 +504,7 @@ def run_decode(
         kv, aux, state, args = memory.kv, memory.aux, memory.state, memory.args
         args = dataclasses.replace(args, dcp_rank=dcp_rank, dcp_size=config.dcp)
         heads = rank_head_range(config, tp_rank, tp)
-        manager = DecodeManager(args, config.manager_config(bootstrap_url))
+        manager = DecodeManager(args, config.manager_config(bootstrap_url, config.decode_host))
         report.transport = manager.engine.transport
         scattered = np.random.default_rng(rank).permutation(pool)
         if not wait_all(events.filled, config.timeout_s):
@@ -572,7 +579,9 @@ def run_decode(
         events.verified[rank].set()
         results.put(asdict(report))
         if manager is not None:
-            # Stay reachable while prefill replays the blocks (the target drives NIXL too).
+            # Stay reachable while prefill replays the blocks, polling the engine as during
+            # the transfers (the target drives NIXL too: over TCP it moves the data).
+            manager.poll_engine_often(config.measure_raw)
             wait_all(events.prefill_done, config.timeout_s)
             manager.close()
         events.decode_done[rank].set()
@@ -664,6 +673,10 @@ def _rank_process(
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent_pid:  # the parent died before the line above took effect
         os._exit(1)
+    if target is run_decode and config.decode_netns is not None:
+        from kvbridge_tools import netns
+
+        netns.enter(config.decode_netns)  # before any thread or socket of this process
     target(config, *args)
 
 
@@ -698,7 +711,7 @@ def run_demo(config: DemoConfig, on_progress: Any = None) -> DemoResult:
         decode_done=[context.Event() for _ in range(config.decode_ranks)],
         raw_start=context.Barrier(config.prefill_tp),
     )
-    bootstrap = BootstrapServer().start()
+    bootstrap = BootstrapServer(config.prefill_host).start()
     processes = [
         context.Process(
             target=_rank_process,

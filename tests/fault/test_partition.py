@@ -5,11 +5,8 @@ and once the link is back, new rooms succeed without restarting anything."""
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import subprocess
 import sys
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,9 +14,10 @@ from typing import Any
 import pytest
 
 from kvbridge.engines import unavailable_reason
+from kvbridge_tools import netns
+from kvbridge_tools.netns import TwoHosts
 
 PEER = Path(__file__).with_name("partition_peer.py")
-PREFILL_IP, DECODE_IP = "192.168.231.1", "192.168.231.2"
 
 
 def ip(*args: str) -> None:
@@ -27,29 +25,13 @@ def ip(*args: str) -> None:
 
 
 @pytest.fixture
-def two_hosts() -> Iterator[tuple[str, str, str]]:
-    """Namespaces A (prefill) and B (decode) joined by veth; yields (A, B, A's interface)."""
-    if os.geteuid() != 0 or shutil.which("ip") is None:
-        pytest.skip("network namespaces and veth pairs need root and iproute2's `ip`")
-    tag = uuid.uuid4().hex[:6]
-    a, b, link_a, link_b = f"kvb-a-{tag}", f"kvb-b-{tag}", f"kva{tag}", f"kvb{tag}"
+def two_hosts() -> Iterator[TwoHosts]:
+    """Namespaces for prefill and decode joined by a veth pair (kvbridge_tools.netns)."""
     try:
-        ip("netns", "add", a)
-        ip("netns", "add", b)
-        ip("link", "add", link_a, "type", "veth", "peer", "name", link_b)
-        ip("link", "set", link_a, "netns", a)
-        ip("link", "set", link_b, "netns", b)
-        for ns, link, address in ((a, link_a, PREFILL_IP), (b, link_b, DECODE_IP)):
-            ip("-n", ns, "addr", "add", f"{address}/30", "dev", link)
-            ip("-n", ns, "link", "set", link, "up")
-            ip("-n", ns, "link", "set", "lo", "up")
-    except subprocess.CalledProcessError as exc:
-        pytest.skip(f"cannot create network namespaces here: {exc.stderr.decode().strip()}")
-    try:
-        yield a, b, link_a
-    finally:
-        subprocess.run(["ip", "netns", "delete", a], check=False)
-        subprocess.run(["ip", "netns", "delete", b], check=False)
+        with netns.two_hosts() as hosts:
+            yield hosts
+    except netns.NetnsUnavailable as exc:
+        pytest.skip(str(exc))
 
 
 class Peer:
@@ -92,16 +74,16 @@ class Peer:
         self.process.wait()
 
 
-def test_partition_fails_rooms_on_both_sides_and_heals(two_hosts: tuple[str, str, str]) -> None:
+def test_partition_fails_rooms_on_both_sides_and_heals(two_hosts: TwoHosts) -> None:
     reason = unavailable_reason("mooncake")
     if reason is not None:
         pytest.skip(f"mooncake cannot be used here: {reason}")
-    a, b, link_a = two_hosts
-    prefill = Peer(a, "prefill", PREFILL_IP)
+    a, b, link_a = two_hosts.prefill_ns, two_hosts.decode_ns, two_hosts.prefill_link
+    prefill = Peer(a, "prefill", two_hosts.prefill_ip)
     decode = None
     try:
         url = prefill.greeting()["bootstrap"]
-        decode = Peer(b, "decode", DECODE_IP, url)
+        decode = Peer(b, "decode", two_hosts.decode_ip, url)
         assert decode.greeting() == {"ready": True}
         decode.ask(start=[1, 2])
         prefill.ask(start=[1, 2], last=False)  # in flight: the last chunk never comes

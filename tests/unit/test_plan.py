@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from kv_cache import RankCache, rank_cache
 
 from kvbridge.cache import PlanError, TransferPlan, page_runs, plan_kv, plan_slots
-from kvbridge.cache.plan import pair
+from kvbridge.cache.plan import PlanArena, pair
 from kvbridge.engines.base import EngineError
 from kvbridge.engines.loopback import LoopbackEngine
 from kvbridge.wire import KVLayout
@@ -198,3 +198,29 @@ def test_head_major_pages_move_whole_or_by_head_slices() -> None:
     assert not sliced.stageable  # no staging ring: one block a page and layer
     with pytest.raises(PlanError, match="KV layouts differ"):
         pair(src.args, rank_cache(seed=None, total_kv_heads=4).args)
+
+
+def test_plans_in_an_arena_equal_fresh_ones_and_its_memory_is_reused_only_when_given_back() -> None:
+    src, dst = rank_cache(num_pages=64, seed=3), rank_cache(num_pages=96, seed=None)
+    rng = np.random.default_rng(4)
+    src_pages, dst_pages = rng.permutation(64)[:48], rng.permutation(96)[:48]
+    arena = PlanArena(keep=2, min_blocks=16)
+    fresh = plan_kv(src.args, dst.args, src_pages, dst_pages)
+    first = plan_kv(src.args, dst.args, src_pages, dst_pages, arena)
+    for field in ("src", "dst", "length"):
+        assert np.array_equal(getattr(first, field), getattr(fresh, field))
+    assert arena.lent == 1
+    second = plan_kv(src.args, dst.args, src_pages[:40], dst_pages[:40], arena)
+    assert not np.shares_memory(first.src, second.src)  # the first is still in use
+    arena.give_back(first)
+    third = plan_kv(src.args, dst.args, src_pages[:40], dst_pages[:40], arena)
+    assert np.shares_memory(first.src, third.src)  # reused: big enough and given back
+    assert np.array_equal(third.dst, second.dst)
+    arena.forget(second)  # something may still read it: never handed out again
+    arena.give_back(second)
+    assert arena.lent == 1
+    small = plan_kv(src.args, dst.args, src_pages[:2], dst_pages[:2], arena)
+    assert arena.lent == 1  # under min_blocks: fresh arrays, not tracked
+    merged = TransferPlan.concat(third, small, memory=arena)
+    assert np.array_equal(merged.src, np.concatenate([third.src, small.src]))
+    assert TransferPlan.concat(third) is third

@@ -67,11 +67,16 @@ def protocol(
     )  # fmt: skip
 
 
+# The decode rank's memory, alive for the whole module: registrations built from it are equal
+# (a fresh cache each time could land at other addresses, and then registers as another rank).
+DECODE_CACHE = rank_cache(seed=None, **GEOMETRY)
+
+
 def registration(
     args: KVArgs | None = None, peer_id: str = PEER, engine: str = "nixl"
 ) -> Registration:
     return registration_for(
-        args or rank_cache(seed=None, **GEOMETRY).args, peer_id=peer_id, host="10.0.0.2",
+        args or DECODE_CACHE.args, peer_id=peer_id, host="10.0.0.2",
         control_port=7100, engine=engine, engine_descriptor=peer_id.encode(),
         session_token=TOKEN,
     )  # fmt: skip

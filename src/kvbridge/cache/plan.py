@@ -8,6 +8,7 @@ merged into one block per buffer.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -49,14 +50,17 @@ class TransferPlan:
         return TransferPlan(np.empty(0, U64), np.empty(0, U64), np.empty(0, U64))
 
     @staticmethod
-    def concat(*plans: TransferPlan) -> TransferPlan:
+    def concat(*plans: TransferPlan, memory: PlanMemory | None = None) -> TransferPlan:
+        """The plans' blocks in order (one plan: itself, not a copy)."""
         if not plans:
             return TransferPlan.empty()
-        return TransferPlan(
-            np.concatenate([plan.src for plan in plans]),
-            np.concatenate([plan.dst for plan in plans]),
-            np.concatenate([plan.length for plan in plans]),
-        )
+        if len(plans) == 1:
+            return plans[0]
+        src, dst, length = (memory or FRESH).take(sum(len(plan) for plan in plans))
+        np.concatenate([plan.src for plan in plans], out=src)
+        np.concatenate([plan.dst for plan in plans], out=dst)
+        np.concatenate([plan.length for plan in plans], out=length)
+        return TransferPlan(src, dst, length)
 
     def split(self, max_blocks: int) -> list[TransferPlan]:
         """Batches of at most `max_blocks` blocks (engines limit blocks in flight)."""
@@ -68,6 +72,72 @@ class TransferPlan:
             )
             for start in range(0, len(self), max_blocks)
         ]
+
+
+Arrays = tuple[Addresses, Addresses, Addresses]
+
+
+class PlanMemory:
+    """Where a planner puts a plan's arrays: fresh arrays (this class), or an arena's
+    (`PlanArena`)."""
+
+    def take(self, blocks: int) -> Arrays:
+        """Arrays for `blocks` source addresses, destination addresses and lengths (contents
+        undefined)."""
+        return np.empty(blocks, U64), np.empty(blocks, U64), np.empty(blocks, U64)
+
+
+FRESH = PlanMemory()
+
+
+class PlanArena(PlanMemory):
+    """Address arrays that plans of many blocks borrow and give back once nothing reads them
+    any more (`give_back`). Fresh arrays of tens of MB cost the kernel's page faults and
+    zeroing, as much as filling them (measured here: a 128k-token plan at page size 1 took
+    about twice as long in fresh memory). Plans under `min_blocks` take fresh arrays; at most
+    `keep` pairs wait for reuse. Thread-safe: one thread may plan while another gives back."""
+
+    def __init__(self, keep: int = 4, min_blocks: int = 1 << 16) -> None:
+        self.keep = keep
+        self.min_blocks = min_blocks
+        self._free: list[Arrays] = []
+        self._lent: dict[int, Arrays] = {}  # id(the source array's base) → its arrays
+        self._lock = threading.Lock()
+
+    def take(self, blocks: int) -> Arrays:
+        if blocks < self.min_blocks:
+            return FRESH.take(blocks)
+        with self._lock:
+            fitting = [arrays for arrays in self._free if arrays[0].size >= blocks]
+            if fitting:
+                arrays = min(fitting, key=lambda arrays: arrays[0].size)
+                self._free.remove(arrays)
+            else:
+                arrays = FRESH.take(blocks)
+            self._lent[id(arrays[0])] = arrays
+        src, dst, length = arrays
+        return src[:blocks], dst[:blocks], length[:blocks]
+
+    def give_back(self, plan: TransferPlan) -> None:
+        """The plan's arrays may be reused (a plan not from this arena: nothing happens)."""
+        arrays = self.forget(plan)
+        if arrays is None:
+            return
+        with self._lock:
+            self._free.append(arrays)
+            if len(self._free) > self.keep:
+                self._free.remove(min(self._free, key=lambda kept: kept[0].size))
+
+    def forget(self, plan: TransferPlan) -> Arrays | None:
+        """Stop tracking the plan's arrays without reusing them (something may still read
+        them); the arrays, if they came from here."""
+        base = plan.src.base if plan.src.base is not None else plan.src
+        with self._lock:
+            return self._lent.pop(id(base), None)
+
+    @property
+    def lent(self) -> int:
+        return len(self._lent)
 
 
 def as_pages(pages: npt.ArrayLike, num_pages: int, side: str) -> npt.NDArray[np.int64]:
@@ -143,7 +213,11 @@ def check_compatible(src: KVArgs, dst: KVArgs) -> None:
 
 
 def plan_kv(
-    src: KVArgs, dst: KVArgs, src_pages: npt.ArrayLike, dst_pages: npt.ArrayLike
+    src: KVArgs,
+    dst: KVArgs,
+    src_pages: npt.ArrayLike,
+    dst_pages: npt.ArrayLike,
+    memory: PlanMemory = FRESH,
 ) -> TransferPlan:
     """Blocks that copy ``src_pages`` of every local KV buffer to ``dst_pages`` of the peer's
     buffer of the same layer (same page geometry on both sides)."""
@@ -152,7 +226,7 @@ def plan_kv(
     src_starts, dst_starts, run_pages = page_runs(src_array, dst_array)
     return _on_every_buffer(
         src, dst, src_starts * src.page_bytes, dst_starts * dst.page_bytes,
-        run_pages * src.page_bytes,
+        run_pages * src.page_bytes, memory,
     )  # fmt: skip
 
 
@@ -187,10 +261,11 @@ def _on_every_buffer(
     src_offsets: npt.NDArray[np.int64],
     dst_offsets: npt.NDArray[np.int64],
     lengths: npt.NDArray[np.int64],
+    memory: PlanMemory = FRESH,
 ) -> TransferPlan:
     """The same blocks (byte offsets within a buffer) in every KV buffer, paired by layer."""
     src_ptrs, dst_ptrs = _buffer_pairs(src, dst)
-    return _grid(src_ptrs, dst_ptrs, src_offsets, dst_offsets, lengths)
+    return _grid(src_ptrs, dst_ptrs, src_offsets, dst_offsets, lengths, memory)
 
 
 def _grid(
@@ -199,17 +274,25 @@ def _grid(
     src_offsets: npt.NDArray[np.int64],
     dst_offsets: npt.NDArray[np.int64],
     lengths: npt.NDArray[np.int64],
+    memory: PlanMemory = FRESH,
 ) -> TransferPlan:
     """Blocks at the same offsets from each pair of base addresses: (bases, blocks) grids
     flattened base-major, so each buffer's blocks keep their order."""
-    src_addr = src_bases[:, None] + src_offsets.astype(U64)[None, :]
-    dst_addr = dst_bases[:, None] + dst_offsets.astype(U64)[None, :]
-    length = np.broadcast_to(lengths.astype(U64), src_addr.shape).ravel()
-    return TransferPlan(src_addr.ravel(), dst_addr.ravel(), length)
+    shape = (src_bases.size, src_offsets.size)
+    src_addr, dst_addr, length = memory.take(shape[0] * shape[1])
+    np.add(src_bases[:, None], src_offsets.astype(U64)[None, :], out=src_addr.reshape(shape))
+    np.add(dst_bases[:, None], dst_offsets.astype(U64)[None, :], out=dst_addr.reshape(shape))
+    np.copyto(length.reshape(shape), lengths.astype(U64)[None, :])
+    return TransferPlan(src_addr, dst_addr, length)
 
 
 def plan_head_pages(
-    src: KVArgs, dst: KVArgs, source: Source, src_pages: npt.ArrayLike, dst_pages: npt.ArrayLike
+    src: KVArgs,
+    dst: KVArgs,
+    source: Source,
+    src_pages: npt.ArrayLike,
+    dst_pages: npt.ArrayLike,
+    memory: PlanMemory = FRESH,
 ) -> TransferPlan:
     """Blocks for a head slice of MHA_HEAD_MAJOR pages (vLLM's CPU cache,
     ``[pages, heads, page_size, 2 * head_dim]``): within a page each head's tokens are
@@ -233,7 +316,7 @@ def plan_head_pages(
     src_starts, dst_starts, lengths = merge_runs(
         src_offsets, dst_offsets, source.heads.count * head_page_bytes
     )
-    return _on_every_buffer(src, dst, src_starts, dst_starts, lengths)
+    return _on_every_buffer(src, dst, src_starts, dst_starts, lengths, memory)
 
 
 def merge_runs(
@@ -322,6 +405,7 @@ def plan_tokens(
     *,
     dcp_size: int = 1,
     dcp_rank: int = 0,
+    memory: PlanMemory = FRESH,
 ) -> TransferPlan:
     """Blocks for a chunk at token granularity: any head slice, page sizes and DCP layout.
 
@@ -350,11 +434,16 @@ def plan_tokens(
     src_offsets = src_rows * src.token_bytes + src_column
     dst_offsets = dst_rows * dst.token_bytes + dst_column
     src_starts, dst_starts, lengths = merge_runs(src_offsets, dst_offsets, width)
-    return _on_every_buffer(src, dst, src_starts, dst_starts, lengths)
+    return _on_every_buffer(src, dst, src_starts, dst_starts, lengths, memory)
 
 
 def plan_gathered(
-    src: KVArgs, dst: KVArgs, source: Source, staged_ptr: int, dst_rows: npt.NDArray[np.int64]
+    src: KVArgs,
+    dst: KVArgs,
+    source: Source,
+    staged_ptr: int,
+    dst_rows: npt.NDArray[np.int64],
+    memory: PlanMemory = FRESH,
 ) -> TransferPlan:
     """Blocks that put a chunk gathered at `staged_ptr` (``[buffers, tokens, width]`` bytes,
     buffer-major, as `staging.kernels.gather` lays it out) into decode's pages at their token
@@ -372,7 +461,7 @@ def plan_gathered(
     buffers = len(src.kv_buffers)
     src_bases = U64(staged_ptr) + np.arange(buffers, dtype=U64) * U64(tokens * width)
     dst_bases = np.array([buffer.ptr for buffer in dst.kv_buffers], dtype=U64)
-    return _grid(src_bases, dst_bases, src_starts, dst_starts, lengths)
+    return _grid(src_bases, dst_bases, src_starts, dst_starts, lengths, memory)
 
 
 def plan_slots(
@@ -476,6 +565,7 @@ class Pairing:
         src_pages: npt.NDArray[np.int64],
         page_offset: int,
         dst_pages: npt.ArrayLike,
+        memory: PlanMemory = FRESH,
     ) -> TransferPlan:
         """The KV blocks of a chunk that starts `page_offset` pages into the room."""
         if self.source is None:
@@ -490,11 +580,11 @@ class Pairing:
                     f"{all_pages.size}"
                 )
             if self.whole_pages:
-                return plan_kv(src, dst, src_pages, chunk)
-            return plan_head_pages(src, dst, self.source, src_pages, chunk)
+                return plan_kv(src, dst, src_pages, chunk, memory)
+            return plan_head_pages(src, dst, self.source, src_pages, chunk, memory)
         return plan_tokens(
             src, dst, self.source, src_pages, page_offset * src.page_size, dst_pages,
-            dcp_size=dst.dcp_size, dcp_rank=dst.dcp_rank,
+            dcp_size=dst.dcp_size, dcp_rank=dst.dcp_rank, memory=memory,
         )  # fmt: skip
 
 

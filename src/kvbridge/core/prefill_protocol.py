@@ -32,7 +32,16 @@ import numpy.typing as npt
 
 from kvbridge.cache import GeometryError, KVArgs, PlanError, TransferPlan, plan_slots
 from kvbridge.cache.peer import kv_args_of
-from kvbridge.cache.plan import Pairing, pair, plan_gathered, plan_state_slices, token_rows
+from kvbridge.cache.plan import (
+    FRESH,
+    Pairing,
+    PlanArena,
+    PlanMemory,
+    pair,
+    plan_gathered,
+    plan_state_slices,
+    token_rows,
+)
 from kvbridge.core.liveness import Liveness
 from kvbridge.core.protocol import ProtocolCore, RankStats, RoomsChanged, Send, Tick
 from kvbridge.core.room import Chunk, ChunkJob, Failure, PrefillRoom, notification_for
@@ -902,7 +911,9 @@ class PrefillProtocol(ProtocolCore):
         return actions
 
 
-def plan_write(local: KVArgs, write: Write, staging_ptr: int) -> TransferPlan:
+def plan_write(
+    local: KVArgs, write: Write, staging_ptr: int, memory: PlanMemory = FRESH
+) -> TransferPlan:
     """A job's blocks: its KV (from the staging buffer when gathered: one block into decode's
     ring, or runs of decode's token rows; else planned over the caches) plus, with the last
     chunk, the aux and state slots. `staging_ptr` is this rank's staging buffer."""
@@ -918,11 +929,11 @@ def plan_write(local: KVArgs, write: Write, staging_ptr: int) -> TransferPlan:
         assert isinstance(staged.destination, PageRows)
         gathered_at = staging_ptr + staged.local_offset
         kv_plan = plan_gathered(
-            local, peer_args, write.pairing.source, gathered_at, staged.destination.rows
+            local, peer_args, write.pairing.source, gathered_at, staged.destination.rows, memory
         )
     else:
         kv_plan = write.pairing.plan(local, peer_args, job.src_pages, job.page_offset,
-                                     job.dst_pages)  # fmt: skip
+                                     job.dst_pages, memory)  # fmt: skip
     plans = [kv_plan]
     if job.last and job.src_aux_index is not None and job.dst_aux_index is not None:
         plans.append(plan_slots(local.aux_buffers, peer_args.aux_buffers, job.src_aux_index,
@@ -940,4 +951,9 @@ def plan_write(local: KVArgs, write: Write, staging_ptr: int) -> TransferPlan:
                                         dst_slot, "state"))  # fmt: skip
             else:  # this rank's shard of each slot
                 plans.append(plan_state_slices(local, peer_args, src_slot, dst_slot))
-    return TransferPlan.concat(*plans)
+    if len(plans) == 1:
+        return kv_plan
+    plan = TransferPlan.concat(*plans, memory=memory)
+    if isinstance(memory, PlanArena):
+        memory.give_back(kv_plan)  # copied into `plan`
+    return plan

@@ -80,6 +80,13 @@ def queue_limit() -> int:
     return min(limits)
 
 
+def default_submit_threads() -> int:
+    """One submit thread per 8 CPUs, at least one, at most four. Each batch in flight keeps
+    Mooncake's own lane threads busy: on a 2-CPU host, one submit thread moved the demo's
+    blocks at 0.64 GB/s and two at 0.42-0.62 (measured 2026-12-02)."""
+    return max(1, min(4, (os.cpu_count() or 1) // 8))
+
+
 @dataclass(eq=False)
 class _MooncakeHandle(TransferHandle):
     session: str
@@ -116,7 +123,7 @@ class MooncakeEngine(TransferEngine):
         host: str = "127.0.0.1",
         protocol: str = "tcp",
         device: str = "",
-        submit_threads: int = 2,
+        submit_threads: int = 1,
         batch_blocks: int = 0,
     ) -> None:
         super().__init__()
@@ -155,10 +162,10 @@ class MooncakeEngine(TransferEngine):
 
     @classmethod
     def open(cls, endpoint_name: str, host: str, options: Mapping[str, str]) -> MooncakeEngine:
+        threads = int(options["submit_threads"]) or default_submit_threads()
         return cls(
             host, protocol=options["protocol"], device=options["device"],
-            submit_threads=int(options["submit_threads"]),
-            batch_blocks=int(options["batch_blocks"]),
+            submit_threads=threads, batch_blocks=int(options["batch_blocks"]),
         )  # fmt: skip
 
     @property

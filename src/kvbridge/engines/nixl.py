@@ -144,6 +144,10 @@ class NixlEngine(TransferEngine):
             raise EngineError(NAME, "create agent", str(exc)) from None
         self._registrations: dict[MemoryRegion, Any] = {}
         self._closed = False
+        # Descriptor tables (N × 3: address, length, device) built for each write: NIXL copies
+        # them into its own lists, so the same two arrays serve every write (fresh ones of
+        # millions of rows would cost page faults on every write).
+        self._tables = [np.empty((0, 3), dtype=np.uint64), np.empty((0, 3), dtype=np.uint64)]
 
     @classmethod
     def open(cls, endpoint_name: str, host: str, options: Mapping[str, str]) -> NixlEngine:
@@ -200,11 +204,13 @@ class NixlEngine(TransferEngine):
             raise EngineError(NAME, "remove remote agent", str(exc)) from None
 
     def _descriptors(
-        self, addresses: npt.NDArray[Any], lengths: npt.NDArray[Any], memory: RegionMap
+        self, addresses: npt.NDArray[Any], lengths: npt.NDArray[Any], memory: RegionMap, side: int
     ) -> Any:
         regions = memory.regions
         kind = regions[0].memory_kind if regions else MemoryKind.DRAM
-        table = np.empty((addresses.size, 3), dtype=np.uint64)
+        if self._tables[side].shape[0] < addresses.size:
+            self._tables[side] = np.empty((addresses.size, 3), dtype=np.uint64)
+        table = self._tables[side][: addresses.size]
         table[:, 0] = addresses
         table[:, 1] = lengths
         table[:, 2] = memory.device_ids(addresses)  # each block's GPU, from its region
@@ -212,8 +218,8 @@ class NixlEngine(TransferEngine):
 
     def _write(self, peer: str, plan: TransferPlan, notify: bytes) -> TransferHandle:
         try:
-            local = self._descriptors(plan.src, plan.length, self.local_memory)
-            remote = self._descriptors(plan.dst, plan.length, self.peer_memory[peer])
+            local = self._descriptors(plan.src, plan.length, self.local_memory, 0)
+            remote = self._descriptors(plan.dst, plan.length, self.peer_memory[peer], 1)
             handle = self._agent.initialize_xfer("WRITE", local, remote, peer, notify)
             state = self._agent.transfer(handle)
         except Exception as exc:

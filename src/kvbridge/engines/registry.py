@@ -100,9 +100,11 @@ _MOONCAKE_OPTIONS = (
     ),
     EngineOption(
         "submit_threads",
-        "2",
-        "threads that hand batches to Mooncake at once (its calls block until a batch ends)",
-        minimum=1,
+        "0",
+        "threads that hand batches to Mooncake at once (its calls block until a batch ends); "
+        "0: one per 8 CPUs, at least 1 (more compete with Mooncake's own threads on a small "
+        "host)",
+        minimum=0,
     ),
     EngineOption(
         "batch_blocks",
