@@ -139,6 +139,30 @@ def measure(workload: Workload, repeats: int) -> dict[str, Any] | str:
         return row
 
 
+SGLANG_PYTHON = Path(".venv-sglang") / "bin" / "python"
+SGLANG_TARGET = 1.0  # kvbridge on Mooncake ÷ sglang's own layer on Mooncake, at least
+
+
+def sglang_row(rows: list[dict[str, Any]], only: str | None) -> dict[str, Any] | None:
+    """sglang's own transfer layer on Mooncake, on the Mooncake row's workload, in a network
+    namespace of its own (benchmarks/sglang_mooncake.py, in sglang's environment)."""
+    mooncake = [row for row in rows if row["workload"]["engine"] == "mooncake"
+                and not row["workload"]["two_hosts"]]  # fmt: skip
+    if not mooncake or (only and "sglang" not in only and "mooncake" not in only):
+        return None
+    if not SGLANG_PYTHON.exists():
+        print(f"sglang's layer: skipped ({SGLANG_PYTHON} is missing: make sglang-env)")
+        return None
+    workload = mooncake[0]["workload"]
+    print(f"sglang 0.5.23's layer, mooncake: {workload['requests']} × {workload['tokens']} "
+          "tokens ...", flush=True)  # fmt: skip
+    script = Path(__file__).with_name("sglang_mooncake.py")
+    arguments = [str(script), "--requests", str(workload["requests"]),
+                 "--tokens", str(workload["tokens"])]  # fmt: skip
+    row: dict[str, Any] = json_in_private_netns(arguments, python=str(SGLANG_PYTHON))
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=1, help="runs per row; the best counts")
@@ -163,6 +187,7 @@ def main() -> None:
             continue
         rows.append(row)
 
+    sglang = sglang_row(rows, options.only)
     print()
     header = ("engine", "workload", "transport", "GB", "kvbridge GB/s", "raw GB/s (best way)",
               "ratio", "target", "p50 / p99 ms")  # fmt: skip
@@ -185,8 +210,17 @@ def main() -> None:
             print(f"{workload.key}, 32 requests at once: median latency {row['p50_ms']:.0f} ms "
                   f"= {row['p50_of_wall']} × the batch's {row['wall_ms']:.0f} ms "
                   f"(target ≤ {LATENCY_TARGET}: {met})")  # fmt: skip
+    if sglang is not None:
+        mooncake = next(row for row in rows if row["workload"]["engine"] == "mooncake"
+                        and not row["workload"]["two_hosts"])  # fmt: skip
+        ratio = round(mooncake["kvbridge_gbps"] / sglang["gbps"], 3)
+        met = "met" if ratio >= SGLANG_TARGET else "NOT met"
+        print(f"sglang 0.5.23's own layer on Mooncake, same workload: {sglang['gbps']} GB/s "
+              f"({sglang['verified']}/{sglang['requests']} verified); kvbridge {ratio}× it "
+              f"(target ≥ {SGLANG_TARGET}: {met})")  # fmt: skip
     RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps(rows, indent=2) + "\n")
+    document = {"rows": rows, "sglang_mooncake": sglang}
+    RESULTS.write_text(json.dumps(document, indent=2) + "\n")
     print(f"wrote {RESULTS}")
 
 

@@ -220,7 +220,7 @@ def run_cell(
     return summarize(cell, run_demo(config))
 
 
-def json_in_private_netns(arguments: list[str]) -> Any:
+def json_in_private_netns(arguments: list[str], python: str = sys.executable) -> Any:
     """Run `python ARGUMENTS` in a network namespace of its own (loopback up; root only) and
     return the JSON on its last line of output: how Mooncake, which binds wildcard
     listeners, is measured without touching the host's network."""
@@ -229,7 +229,7 @@ def json_in_private_netns(arguments: list[str]) -> Any:
     try:
         subprocess.run(["ip", "-n", name, "link", "set", "lo", "up"], check=True)
         output = subprocess.run(
-            ["ip", "netns", "exec", name, sys.executable, *arguments],
+            ["ip", "netns", "exec", name, python, *arguments],
             check=True, capture_output=True, text=True,
         ).stdout  # fmt: skip
     finally:
