@@ -485,6 +485,8 @@ def test_a_failure_is_never_reported_while_a_write_can_land(
         awaited = {(e.job.room, e.job.chunk_idx) for e in prefill._jobs.values() if e.staging}
         asked = {room: [a for a in asks if (room, a.chunk_idx) in awaited]
                  for room, asks in asked.items()}  # fmt: skip
+        indexed = {key for keys in prefill._jobs_of_room.values() for key in keys}
+        assert indexed == set(prefill._jobs), "the per-room index of jobs drifted"
         # The window: never more writes and ring requests out toward the peer than allowed.
         assert sum(map(len, out.values())) + sum(map(len, asked.values())) <= window
         for room_id in prefill.rooms:

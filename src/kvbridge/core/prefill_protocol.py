@@ -273,6 +273,7 @@ class PrefillProtocol(ProtocolCore):
         self.peers: dict[str, DecodePeer] = {}
         self._peer_by_endpoint: dict[str, str] = {}
         self._jobs: dict[JobKey, _Job] = {}
+        self._jobs_of_room: dict[int, set[JobKey]] = {}
         # Per decode peer, the queued jobs by (room arrival, chunk, room): a heap, oldest first.
         self._queued: dict[str, list[tuple[int, int, int]]] = {}
         self._out: Counter[str] = Counter()  # jobs handed out, per decode peer
@@ -478,6 +479,7 @@ class PrefillProtocol(ProtocolCore):
         for job in jobs:
             entry = _Job(job)
             self._jobs[entry.key] = entry
+            self._jobs_of_room.setdefault(job.room, set()).add(entry.key)
             heapq.heappush(self._queued.setdefault(job.peer_id, []),
                            (state.sequence, job.chunk_idx, job.room))  # fmt: skip
         actions: list[Action] = [RoomsChanged()] if state.status.poll != was else []
@@ -513,8 +515,18 @@ class PrefillProtocol(ProtocolCore):
     def _drop_queued(self, room: int) -> None:
         """Forget a room's jobs that were never handed out (their heap entries are skipped
         when their turn comes)."""
-        for entry in [e for e in self._jobs.values() if e.job.room == room and not e.handed_out]:
-            del self._jobs[entry.key]
+        for key in list(self._jobs_of_room.get(room, ())):
+            if not self._jobs[key].handed_out:
+                self._forget_job(key)
+
+    def _forget_job(self, key: JobKey) -> _Job | None:
+        entry = self._jobs.pop(key, None)
+        keys = self._jobs_of_room.get(key[0])
+        if keys is not None:
+            keys.discard(key)
+            if not keys:
+                del self._jobs_of_room[key[0]]
+        return entry
 
     def _hand_out(self, state: PrefillRoom, entry: _Job) -> None:
         entry.handed_out = True
@@ -525,7 +537,7 @@ class PrefillProtocol(ProtocolCore):
         """A job ended (written, failed, its staging answered for a room that failed, or
         dropped before it was handed out): its resources go back; a room with nothing out
         any more settles, and a room whose last job ended reports success."""
-        if self._jobs.pop(entry.key, None) is None:
+        if self._forget_job(entry.key) is None:
             return []  # dropped with its failed room already
         if entry.local is not None:
             assert self._local is not None
