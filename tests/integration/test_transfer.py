@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from kvbridge.cache.plan import DIRECT_MIN_BLOCK_BYTES
 from kvbridge.engines import unavailable_reason
 from kvbridge_tools.demo import DemoConfig, run_demo
 
@@ -27,23 +28,24 @@ def require(engine: str) -> None:
 
 
 @pytest.mark.parametrize(
-    ("prefill_tp", "decode_tp", "chunks", "staging"),
+    ("prefill_tp", "decode_tp", "chunks", "staging", "page_size"),
     [
-        (1, 1, 1, True),
-        (1, 1, 4, True),
-        (2, 2, 3, True),
-        (2, 4, 2, True),
-        (4, 2, 1, True),
-        (2, 4, 2, False),
+        (1, 1, 1, True, 16),
+        (1, 1, 4, True, 16),
+        (2, 2, 3, True, 16),
+        (2, 4, 2, True, 16),  # one source per decode rank, 8 KiB pages: through the ring
+        (2, 4, 2, True, 64),  # 32 KiB pages: gathered rows straight into decode's pages
+        (4, 2, 1, True, 16),
+        (2, 4, 2, False, 16),
     ],
 )
 def test_nixl_requests_arrive_byte_exact(
-    prefill_tp: int, decode_tp: int, chunks: int, staging: bool
+    prefill_tp: int, decode_tp: int, chunks: int, staging: bool, page_size: int
 ) -> None:
     require("nixl")
     config = DemoConfig(
-        requests=6, tokens=300, page_size=16, prefill_tp=prefill_tp, decode_tp=decode_tp,
-        engine="nixl", chunks=chunks, staging=staging,
+        requests=6, tokens=300, page_size=page_size, prefill_tp=prefill_tp,
+        decode_tp=decode_tp, engine="nixl", chunks=chunks, staging=staging,
     )  # fmt: skip
     result = run_demo(config)
     assert result.ok, [report for report in result.reports if not report.ok]
@@ -52,6 +54,11 @@ def test_nixl_requests_arrive_byte_exact(
         assert staged > 0
     else:
         assert staged == 0
+    # Decode scatters what went through its ring, nothing that went straight into its pages.
+    scattered = sum(report.timings["scatter_s"] for report in result.decode_reports)
+    row_bytes = config.shape.bytes_per_token(decode_tp) // (2 * config.shape.layers)
+    direct = prefill_tp < decode_tp and page_size * row_bytes >= DIRECT_MIN_BLOCK_BYTES
+    assert (scattered > 0) == (staged > 0 and not direct)
     assert sum(report.rooms for report in result.decode_reports) == 6 * decode_tp
     expected = decode_tp * 6 * (300 * config.shape.bytes_per_token(decode_tp) + 64)
     assert result.total_bytes == expected

@@ -7,15 +7,15 @@ connect the engine to a decode peer, write one job, wake whoever waits on rooms.
 
 The rules that live here: which decode peers are admitted (caps, duplicates, pairing), which
 rooms a request may create, which writes go out when (several per decode peer, up to
-`writes_in_flight`; the oldest room first, so that rooms toward one peer complete in the
-order they arrived instead of all together at the end), the staging flow (gather a chunk's
-head slices into this rank's staging buffer, then write them straight into decode's pages when
-this rank alone holds the decode rank's heads, else into ring space decode grants; per-token
-blocks when it never fits), the write lease (a decode peer's echo of a heartbeat lets this
-rank write to it for one peer timeout from when that heartbeat was sent), the deadlines, and
-the safe-abort rule: a failed room is reported to its destinations, and aborts are
-acknowledged, only once no write of it is in flight, because decode may reuse the pages as
-soon as it hears.
+`writes_in_flight`; the oldest room first, so that rooms toward one peer complete in the order
+they arrived instead of all together at the end), the staging flow (gather a chunk's head
+slices into this rank's staging buffer, then write them straight into decode's pages when this
+rank alone holds the decode rank's heads and those pages are big enough blocks
+(`Pairing.direct`), else into ring space decode grants; per-token blocks when it never fits),
+the write lease (a decode peer's echo of a heartbeat lets this rank write to it for one peer
+timeout from when that heartbeat was sent), the deadlines, and the safe-abort rule: a failed
+room is reported to its destinations, and aborts are acknowledged, only once no write of it is
+in flight, because decode may reuse the pages as soon as it hears.
 """
 
 from __future__ import annotations
