@@ -171,17 +171,22 @@ SGLANG_PYTHON = Path(".venv-sglang") / "bin" / "python"
 SGLANG_TARGET = 1.0  # kvbridge on Mooncake ÷ sglang's own layer on Mooncake, at least
 
 
+def one_host_mooncake(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The Mooncake row on one host, which sglang's own layer is held against."""
+    return next((row for row in rows if row["workload"]["engine"] == "mooncake"
+                 and not row["workload"]["two_hosts"]), None)  # fmt: skip
+
+
 def sglang_row(rows: list[dict[str, Any]], only: str | None) -> dict[str, Any] | None:
     """sglang's own transfer layer on Mooncake, on the Mooncake row's workload, in a network
     namespace of its own (benchmarks/sglang_mooncake.py, in sglang's environment)."""
-    mooncake = [row for row in rows if row["workload"]["engine"] == "mooncake"
-                and not row["workload"]["two_hosts"]]  # fmt: skip
-    if not mooncake or (only and "sglang" not in only and "mooncake" not in only):
+    mooncake = one_host_mooncake(rows)
+    if mooncake is None or (only and "sglang" not in only and "mooncake" not in only):
         return None
     if not SGLANG_PYTHON.exists():
         print(f"sglang's layer: skipped ({SGLANG_PYTHON} is missing: make sglang-env)")
         return None
-    workload = mooncake[0]["workload"]
+    workload = mooncake["workload"]
     print(f"sglang 0.5.23's layer, mooncake: {workload['requests']} × {workload['tokens']} "
           "tokens ...", flush=True)  # fmt: skip
     script = Path(__file__).with_name("sglang_mooncake.py")
@@ -241,9 +246,8 @@ def main() -> None:
             print(f"{workload.key}, 32 requests at once: median latency {row['p50_ms']:.0f} ms "
                   f"= {row['p50_of_wall']} × the batch's {row['wall_ms']:.0f} ms "
                   f"(target ≤ {LATENCY_TARGET}: {met})")  # fmt: skip
-    if sglang is not None:
-        mooncake = next(row for row in rows if row["workload"]["engine"] == "mooncake"
-                        and not row["workload"]["two_hosts"])  # fmt: skip
+    mooncake = one_host_mooncake(rows)
+    if sglang is not None and mooncake is not None:
         ratio = round(mooncake["kvbridge_gbps"] / sglang["gbps"], 3)
         met = "met" if ratio >= SGLANG_TARGET else "NOT met"
         print(f"sglang 0.5.23's own layer on Mooncake, same workload: {sglang['gbps']} GB/s "

@@ -72,10 +72,10 @@ def main() -> None:
                 round(min(s["gbps"] / e["gbps"] for s, _, e in rounds), 3),
                 round(max(s["gbps"] / e["gbps"] for s, _, e in rounds), 3),
             ],
-            "blocks_per_request": {
-                "staging": staged["blocks_per_request"],
-                "per_token": per_token["blocks_per_request"],
-                "equal_tp": equal["blocks_per_request"],
+            "blocks_per_request": {  # the same in every round
+                "staging": rounds[-1][0]["blocks_per_request"],
+                "per_token": rounds[-1][1]["blocks_per_request"],
+                "equal_tp": rounds[-1][2]["blocks_per_request"],
             },
         })  # fmt: skip
     print(
