@@ -2,22 +2,24 @@
 
     .venv-vllm/bin/python benchmarks/vllm_pd.py [--quick] [--layers N] [--rounds N]
 
-Same deployment (a prefill and a decode instance of vLLM 0.32's CPU build, separate
-processes), same random model with Llama-3-8B's per-layer KV geometry (8 KV heads × 128) and a
-few layers, same prompts. Per connector, after one warm-up
-request (the instances' first contact is not steady state), and per workload (prompt length ×
-concurrent requests): one untimed round, then `--rounds` timed ones; in each the prefill batch
-runs first (max_tokens 1), then the decode batch, all requests at once. Every round sends the
-same prompts: prefill computes them once (round 0) and serves the later rounds from its prefix
-cache — its compute is not what is measured, and this CPU host needs minutes for a batch of 8k
-prompts — while decode drops its prefix cache before each round, so it loads every block
-anew. Over the timed rounds'
-requests: decode time to first token p50/p99 (from the request's arrival at decode to its
-first token: the KV transfer plus vLLM's first compute step), KV in place p50/p99 (from the
+Same deployment (a prefill and a decode instance of vLLM 0.32's CPU build, separate processes),
+same random model with Llama-3-8B's per-layer KV geometry (8 KV heads × 128) and a few layers,
+same prompts. Each connector's deployment runs alone, one after another (with `--interleave`:
+all at once, per workload their rounds interleaved, the order alternating from round to round,
+the others' instances stopped with SIGSTOP meanwhile — NixlConnector's keep a thread each busy
+between requests — and resumed a second before their round). A deployment is warmed up by one
+small request (the instances' first contact is not steady state); per workload (prompt length ×
+concurrent requests) one untimed round, then at least `--rounds` timed ones and at least 64
+timed requests; in each the prefill batch runs first (max_tokens 1), then the decode batch, all
+requests at once. Every round sends the same prompts: prefill computes them once (round 0) and
+serves the later rounds from its prefix cache — its compute is not what is measured — while
+decode drops its prefix cache before each round, so it loads every block anew. Over the timed
+rounds' requests: decode time to first token p50/p99 (from the request's arrival at decode to
+its first token: the KV transfer plus vLLM's first compute step), KV in place p50/p99 (from the
 arrival to the step in which vLLM's scheduler hears the KV is loaded: the transfer plane's
 part, seen the same way for every connector), KV GB/s (the batch's KV bytes over the median
-decode-batch wall), the wall itself; greedy tokens checked equal between the connectors.
-Writes bench-results/vllm.json and bench-results/vllm.png.
+decode-batch wall), the wall itself; greedy tokens checked equal between the connectors. Writes
+bench-results/vllm.json and bench-results/vllm.png.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import argparse
 import importlib.util
 import json
 import math
+import signal
 import statistics
 import sys
 import tempfile
@@ -64,94 +67,180 @@ def percentile(values: list[float], q: float) -> float:
 
 
 class RunFailed(Exception):
-    """A connector's run could not finish; the rows before it stand."""
+    """A connector's run could not finish; the other connectors go on."""
+
+
+# Timed requests per connector and workload, at least (more rounds where fewer run at once):
+# a p50 over 24 requests moved by a tenth from one run to the next here.
+MIN_TIMED_REQUESTS = 64
+# After a deployment is let go on (SIGCONT): two of kvbridge's heartbeat intervals.
+RESUME_SETTLE_S = 1.0
+
+
+def kv_bytes(length: int, concurrent: int, layers: int) -> int:
+    return concurrent * length * layers * 2 * KV_HEADS * HEAD_DIM * DTYPE_BYTES
+
+
+class Deployment:
+    """One connector's prefill and decode instance, warmed up, and what its rounds measured."""
+
+    def __init__(
+        self, connector: str, model: Path, logs: Path, workloads: list[tuple[int, int]],
+        layers: int,
+    ) -> None:  # fmt: skip
+        self.connector = connector
+        self.logs = logs
+        largest = max(length * concurrent for length, concurrent in workloads)
+        longest = max(length for length, _ in workloads)
+        env = {"KVBRIDGE_TEST_KV_BYTES": str(int(1.5 * kv_bytes(largest, 1, layers))),
+               "KVBRIDGE_TEST_MAX_MODEL_LEN": str(longest + 64)}  # fmt: skip
+        self.prefill = Instance(model, transfer_config(connector, "kv_producer"),
+                                logs / f"{connector}-prefill.log", env=env)  # fmt: skip
+        try:
+            self.decode = Instance(model, transfer_config(connector, "kv_consumer"),
+                                   logs / f"{connector}-decode.log", env=env)  # fmt: skip
+        except BaseException:
+            self.prefill.close()
+            raise
+        self.samples: dict[str, list[Any]] = {}
+        self.prefill_first_s = 0.0
+        try:
+            # One small request first: the first contact between the instances (handshakes,
+            # registration, engine connections) is not what a request in steady state pays.
+            warm = [prompt(40, 7)]
+            warmed = self.prefill.generate(warm, 1, [{"do_remote_decode": True}])["outputs"]
+            self.decode.generate(warm, 2, [warmed[0]["kv_transfer_params"]])
+        except BaseException:
+            self.close()
+            raise
+
+    def pause(self, paused: bool) -> None:
+        """Stop both instances (SIGSTOP) while another connector runs, or let them go on: an
+        idle instance is not always idle (NixlConnector's keep a thread each busy between
+        requests, about 0.9 of a core here), and the others' rounds must not pay for it."""
+        for instance in (self.prefill, self.decode):
+            instance.signal(signal.SIGSTOP if paused else signal.SIGCONT)
+        if not paused:
+            # A serving deployment is never frozen: its liveness messages flow while it idles.
+            # Let them flow again before a round (a round right after SIGCONT would also pay
+            # for catching up: kvbridge renews the write lease that ran out while stopped).
+            time.sleep(RESUME_SETTLE_S)
+
+    def start_workload(self) -> None:
+        self.samples = {"ttft": [], "kv_ready": [], "walls": [], "tokens_out": []}
+        self.prefill_first_s = 0.0  # round 0: prefill computes the batch (later: cached)
+
+    def round(self, length: int, concurrent: int, timed: bool) -> None:
+        """One round: the prefill batch, then the decode batch with every request at once."""
+        prompts = [prompt(length, 1000 * length + i) for i in range(concurrent)]
+        params = [{"do_remote_decode": True}] * concurrent
+        prefilled = self.prefill.generate(prompts, 1, params, GENERATE_TIMEOUT_S)
+        if not timed:
+            self.prefill_first_s = prefilled["wall_s"]
+        # Nothing may come from decode's own prefix cache: every block is loaded.
+        if not self.decode.call("reset_prefix_cache")["reset"]:
+            raise RunFailed("decode could not drop its prefix cache")
+        began = time.perf_counter()
+        decoded = self.decode.generate(
+            prompts, 4, [output["kv_transfer_params"] for output in prefilled["outputs"]],
+            GENERATE_TIMEOUT_S,
+        )["outputs"]  # fmt: skip
+        wall = time.perf_counter() - began
+        unanswered = failed(decoded)
+        if unanswered:
+            raise RunFailed(f"{unanswered} of {concurrent} decode requests of {length} tokens "
+                            f"ended without a token; logs in {self.logs}")  # fmt: skip
+        # Prefill frees the blocks once decode has them (NixlConnector: once notified).
+        self.prefill.wait_for(lambda s: s["running"] == 0, timeout_s=30)
+        if not timed:
+            return
+        missing = sum(1 for output in decoded if output["kv_ready_s"] is None)
+        if missing:
+            raise RunFailed(f"vLLM never heard that {missing} loads ended")
+        self.samples["ttft"] += [output["ttft_s"] for output in decoded]
+        self.samples["kv_ready"] += [output["kv_ready_s"] for output in decoded]
+        self.samples["walls"].append(wall)
+        self.samples["tokens_out"] += [output["tokens"] for output in decoded]
+
+    def row(self, length: int, concurrent: int, layers: int, rounds: int) -> dict[str, Any]:
+        ttft, kv_ready = self.samples["ttft"], self.samples["kv_ready"]
+        wall = statistics.median(self.samples["walls"])
+        return {
+            "connector": self.connector, "tokens": length, "concurrent": concurrent,
+            "rounds": rounds,
+            "ttft_p50_ms": round(1000 * percentile(ttft, 0.5), 1),
+            "ttft_p99_ms": round(1000 * percentile(ttft, 0.99), 1),
+            "kv_ready_p50_ms": round(1000 * percentile(kv_ready, 0.5), 1),
+            "kv_ready_p99_ms": round(1000 * percentile(kv_ready, 0.99), 1),
+            "decode_wall_s": round(wall, 3),
+            "kv_gbps": round(kv_bytes(length, concurrent, layers) / wall / 1e9, 3),
+            "prefill_first_s": round(self.prefill_first_s, 1),
+            "tokens_out": self.samples["tokens_out"],
+        }  # fmt: skip
+
+    def close(self) -> None:
+        self.decode.close()
+        self.prefill.close()
 
 
 def measure(
-    connector: str, model: Path, logs: Path, workloads: list[tuple[int, int]], layers: int,
-    rounds: int, rows: list[dict[str, Any]],
+    connectors: list[str], model: Path, logs: Path, workloads: list[tuple[int, int]],
+    layers: int, rounds: int, rows: list[dict[str, Any]], failures: list[str],
 ) -> None:  # fmt: skip
-    """Append one row per workload to `rows` (as each finishes, so that a later failure keeps
-    them)."""
-    largest = max(length * concurrent for length, concurrent in workloads)
-    kv_bytes = int(1.5 * largest * layers * 2 * KV_HEADS * HEAD_DIM * DTYPE_BYTES)
-    longest = max(length for length, _ in workloads)
-    env = {"KVBRIDGE_TEST_KV_BYTES": str(kv_bytes),
-           "KVBRIDGE_TEST_MAX_MODEL_LEN": str(longest + 64)}  # fmt: skip
-    prefill = Instance(model, transfer_config(connector, "kv_producer"),
-                       logs / f"{connector}-prefill.log", env=env)  # fmt: skip
-    decode = Instance(model, transfer_config(connector, "kv_consumer"),
-                      logs / f"{connector}-decode.log", env=env)  # fmt: skip
+    """The connectors' deployments at once, and per workload their rounds interleaved (the
+    order alternating from round to round; the others stopped meanwhile), so that a machine
+    whose speed drifts from minute to minute moves every connector alike; one connector: its
+    rounds alone. Appends a row per connector and workload to `rows` (as each workload ends,
+    so that a later failure keeps them); a connector that fails is reported in `failures` and
+    the others go on."""
+    interleaved = len(connectors) > 1
+
+    def fail(deployment: Deployment, error: Exception) -> None:
+        failures.append(f"{deployment.connector}: {error}".splitlines()[0])
+        print(f"{failures[-1]} (logs in {logs})", flush=True)
+        deployments.remove(deployment)
+        deployment.close()
+
+    deployments: list[Deployment] = []
     try:
-        # One small request first: the first contact between the instances (handshakes,
-        # registration, engine connections) is not what a request in steady state pays.
-        warm = [prompt(40, 7)]
-        warmed = prefill.generate(warm, 1, [{"do_remote_decode": True}])["outputs"]
-        decode.generate(warm, 2, [warmed[0]["kv_transfer_params"]])
+        for connector in connectors:
+            try:
+                deployments.append(Deployment(connector, model, logs, workloads, layers))
+                if interleaved:
+                    deployments[-1].pause(True)
+            except (RunFailed, InstanceError) as error:
+                failures.append(f"{connector}: {error}".splitlines()[0])
+                print(f"{failures[-1]} (logs in {logs})", flush=True)
         for length, concurrent in workloads:
-            ttft: list[float] = []
-            kv_ready: list[float] = []
-            walls: list[float] = []
-            prefill_first_s = 0.0  # round 0: prefill computes the batch (later: cached)
-            tokens_out: list[list[int]] = []
+            timed_rounds = max(rounds, math.ceil(MIN_TIMED_REQUESTS / concurrent))
+            for deployment in deployments:
+                deployment.start_workload()
             # Round 0 is not counted: it is the first use of that many blocks on both sides
             # (first-touch costs, vLLM's shapes); each later round is the same work again.
-            for round_index in range(rounds + 1):
-                prompts = [prompt(length, 1000 * length + i) for i in range(concurrent)]
-                params = [{"do_remote_decode": True}] * concurrent
-                prefilled = prefill.generate(prompts, 1, params, GENERATE_TIMEOUT_S)
-                if round_index == 0:
-                    prefill_first_s = prefilled["wall_s"]
-                # Nothing may come from decode's own prefix cache: every block is loaded.
-                if not decode.call("reset_prefix_cache")["reset"]:
-                    raise RunFailed("decode could not drop its prefix cache")
-                began = time.perf_counter()
-                decoded = decode.generate(
-                    prompts,
-                    4,
-                    [output["kv_transfer_params"] for output in prefilled["outputs"]],
-                    GENERATE_TIMEOUT_S,
-                )["outputs"]
-                wall = time.perf_counter() - began
-                unanswered = failed(decoded)
-                if unanswered:
-                    raise RunFailed(
-                        f"{unanswered} of {concurrent} decode requests of {length} "
-                        f"tokens ended without a token; logs in {logs}"
-                    )
-                # Prefill frees the blocks once decode has them (NixlConnector: once notified).
-                prefill.wait_for(lambda s: s["running"] == 0, timeout_s=30)
-                if round_index == 0:
-                    continue
-                ttft += [output["ttft_s"] for output in decoded]
-                missing = sum(1 for output in decoded if output["kv_ready_s"] is None)
-                if missing:
-                    raise RunFailed(f"vLLM never heard that {missing} loads ended")
-                kv_ready += [output["kv_ready_s"] for output in decoded]
-                walls.append(wall)
-                tokens_out += [output["tokens"] for output in decoded]
-            kv = concurrent * length * layers * 2 * KV_HEADS * HEAD_DIM * DTYPE_BYTES
-            wall = statistics.median(walls)
-            rows.append({
-                "connector": connector, "tokens": length, "concurrent": concurrent,
-                "rounds": rounds,
-                "ttft_p50_ms": round(1000 * percentile(ttft, 0.5), 1),
-                "ttft_p99_ms": round(1000 * percentile(ttft, 0.99), 1),
-                "kv_ready_p50_ms": round(1000 * percentile(kv_ready, 0.5), 1),
-                "kv_ready_p99_ms": round(1000 * percentile(kv_ready, 0.99), 1),
-                "decode_wall_s": round(wall, 3), "kv_gbps": round(kv / wall / 1e9, 3),
-                "prefill_first_s": round(prefill_first_s, 1),
-                "tokens_out": tokens_out,
-            })  # fmt: skip
-            row = rows[-1]
-            print(f"{connector:18} {length:5} tokens × {concurrent:2}: TTFT p50 "
-                  f"{row['ttft_p50_ms']:7.1f} ms, p99 {row['ttft_p99_ms']:7.1f} ms; KV in "
-                  f"place p50 {row['kv_ready_p50_ms']:6.1f} ms, p99 {row['kv_ready_p99_ms']:6.1f}"
-                  f" ms; {row['kv_gbps']:.2f} GB/s (prefill computed the batch in "
-                  f"{row['prefill_first_s']:.0f} s)", flush=True)  # fmt: skip
+            for round_index in range(timed_rounds + 1):
+                order = deployments if round_index % 2 == 0 else deployments[::-1]
+                for deployment in list(order):
+                    if interleaved:
+                        deployment.pause(False)
+                    try:
+                        deployment.round(length, concurrent, timed=round_index > 0)
+                    except (RunFailed, InstanceError) as error:
+                        fail(deployment, error)
+                    else:
+                        if interleaved:
+                            deployment.pause(True)
+            for deployment in deployments:
+                rows.append(deployment.row(length, concurrent, layers, timed_rounds))
+                row = rows[-1]
+                print(f"{deployment.connector:18} {length:5} tokens × {concurrent:2}: TTFT p50 "
+                      f"{row['ttft_p50_ms']:7.1f} ms, p99 {row['ttft_p99_ms']:7.1f} ms; KV in "
+                      f"place p50 {row['kv_ready_p50_ms']:6.1f} ms, p99 "
+                      f"{row['kv_ready_p99_ms']:6.1f} ms; {row['kv_gbps']:.2f} GB/s (prefill "
+                      f"computed the batch in {row['prefill_first_s']:.0f} s)",
+                      flush=True)  # fmt: skip
     finally:
-        decode.close()
-        prefill.close()
+        for deployment in deployments:
+            deployment.close()
 
 
 METRICS = (
@@ -191,7 +280,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="1k and 2k tokens × 8 only")
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--rounds", type=int, default=3, help="timed rounds per workload")
+    parser.add_argument(
+        "--rounds", type=int, default=3,
+        help=f"timed rounds per workload, at least (and at least {MIN_TIMED_REQUESTS} requests)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--interleave", action="store_true",
+        help="all deployments at once, rounds interleaved (default: one connector after another)",
+    )  # fmt: skip
     parser.add_argument(
         "--connectors", nargs="+", choices=CONNECTORS, default=list(CONNECTORS),
         help="which connectors to run (default: all; the ratios need vllm-nixl)",
@@ -206,17 +302,16 @@ def main() -> None:
     failures: list[str] = []
     logs = RESULTS / "vllm-logs"  # kept: a failed run says why in them
     logs.mkdir(exist_ok=True)
+    connectors = list(options.connectors)
+    if "kvbridge-mooncake" in connectors and importlib.util.find_spec("mooncake") is None:
+        print("kvbridge-mooncake: Mooncake is not installed, skipped")
+        connectors.remove("kvbridge-mooncake")
     with tempfile.TemporaryDirectory() as folder:
         model = make_model(Path(folder) / "model", layers=layers)
-        for connector in options.connectors:
-            if connector == "kvbridge-mooncake" and importlib.util.find_spec("mooncake") is None:
-                print("kvbridge-mooncake: Mooncake is not installed, skipped")
-                continue
-            try:
-                measure(connector, model, logs, workloads, layers, options.rounds, rows)
-            except (RunFailed, InstanceError) as error:
-                failures.append(f"{connector}: {error}".splitlines()[0])
-                print(f"{failures[-1]} (logs in {logs})", flush=True)
+        # Interleaved, or each connector's deployment alone, one after the other.
+        groups = [connectors] if options.interleave else [[c] for c in connectors]
+        for group in groups:
+            measure(group, model, logs, workloads, layers, options.rounds, rows, failures)
     baseline = {(r["tokens"], r["concurrent"]): r for r in rows if r["connector"] == "vllm-nixl"}
     summary = []
     for row in rows:

@@ -125,6 +125,30 @@ def test_a_registration_is_admitted_once_and_a_lease_follows_the_echo() -> None:
     assert prefill.stats.ignored == 2
 
 
+def test_a_request_while_the_lease_ran_out_renews_it_at_once() -> None:
+    prefill = protocol()
+    leased(prefill)
+    # Within the lease: no heartbeat beyond the schedule.
+    assert messages(prefill.handle(request(1, [0]), 1.0), Heartbeat) == []
+    # Both sides stalled past the lease (a stopped process, a paused VM): the first request
+    # after it sends a heartbeat now rather than at the next tick's schedule...
+    later = 1.0 + 2 * TIMEOUT_S
+    assert prefill.lease_problem(PEER, later) is not None
+    (beat,) = messages(prefill.handle(request(2, [1]), later), Heartbeat)
+    assert isinstance(beat, Heartbeat)
+    # ...one per heartbeat interval, however many requests come...
+    assert messages(prefill.handle(request(3, [2]), later + 0.1), Heartbeat) == []
+    # ...and decode's echo of it renews the lease, counted from when it was sent.
+    prefill.handle(Heartbeat(DECODE_ENDPOINT, 2, int(TIMEOUT_S * 1000), beat.sequence), later)
+    assert prefill.lease_problem(PEER, later + 0.1) is None
+    assert len(messages(prefill.handle(request(4, [3]), later + 0.2), Heartbeat)) == 0
+    # Not before an interval has passed since the last renewal, if the echo never came.
+    stalled = later + 3 * TIMEOUT_S
+    assert messages(prefill.handle(request(5, [4]), stalled), Heartbeat)
+    assert messages(prefill.handle(request(6, [5]), stalled + 0.4), Heartbeat) == []
+    assert messages(prefill.handle(request(7, [6]), stalled + 0.5), Heartbeat)
+
+
 def test_a_heartbeat_names_its_sender_by_endpoint_and_a_1_1_peer_by_its_id() -> None:
     for sender in (DECODE_ENDPOINT, PEER):
         prefill = protocol()
@@ -284,7 +308,10 @@ def test_deadlines_silence_and_the_cap_on_unclaimed_rooms() -> None:
     assert "was not given this room" in told.reason
     prefill.handle(SenderOpened(3), 31.0)
     prefill.handle(request(3, [0]), 31.0)
-    prefill.handle(Tick(), 31.0 + TIMEOUT_S + 0.1)  # its request was the last sign of life
+    for tick in range(1, 32):  # this rank runs all along (it only blames peers for that)
+        prefill.handle(Tick(), 31.0 + tick * 0.1)
+    assert prefill.rooms[3].status.failure_kind is None
+    prefill.handle(Tick(), 31.0 + TIMEOUT_S + 0.2)  # its request was the last sign of life
     assert prefill.rooms[3].status.failure_kind == FailureKind.PEER_DEAD
     capped = protocol()
     leased(capped)

@@ -2,7 +2,9 @@
 
 Each rank sends a heartbeat to every peer it works with every `interval_s`; a peer not heard
 from for `timeout_s` is declared dead once (its rooms fail with the reason), and comes back to
-life when it is heard from again (a healed partition needs no restart).
+life when it is heard from again (a healed partition needs no restart). Silence is counted
+only while the rank itself runs: a rank that was stopped or starved does not blame its peers
+for what it could not hear.
 """
 
 from __future__ import annotations
@@ -18,6 +20,10 @@ class Liveness:
     _dead: set[str] = field(default_factory=set)
     _heard: set[str] = field(default_factory=set)  # seen at least once (not only watched)
     _last_beat: float = float("-inf")
+    # When `expired` last looked: a rank that did not run for longer than an interval (stopped,
+    # descheduled, a paused VM) has not heard its peers over that time through no fault of
+    # theirs.
+    _last_check: float | None = None
     # Heartbeat intervals that passed without a sign of life from a peer that did come back
     # (one interval of jitter tolerated): the early warning before a peer is declared dead.
     missed_heartbeats: int = 0
@@ -46,7 +52,17 @@ class Liveness:
         return False
 
     def expired(self, now: float) -> list[tuple[str, float]]:
-        """Peers silent for longer than the timeout, each reported once: (peer, silent for)."""
+        """Peers silent for longer than the timeout, each reported once: (peer, silent for).
+        Silence counts only while this rank ran: time beyond an interval since the last call
+        (this rank stopped or starved) is credited to every peer, which then has the rest of
+        its timeout to be heard from (a stalled rank would otherwise declare every peer dead
+        the moment it runs again, before their queued or next heartbeats are read)."""
+        if self._last_check is not None:
+            stalled = now - self._last_check - self.interval_s
+            if stalled > 0:
+                for peer in self._last_seen:
+                    self._last_seen[peer] = min(now, self._last_seen[peer] + stalled)
+        self._last_check = now
         newly_dead = []
         for peer, last in self._last_seen.items():
             if peer not in self._dead and now - last > self.timeout_s:

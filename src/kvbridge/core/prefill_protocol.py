@@ -210,6 +210,9 @@ class DecodePeer:
     # Until when (monotonic) this rank may write to the peer: set from decode's echo of one of
     # this rank's heartbeats, counted from when that heartbeat was sent; 0: never granted.
     lease_until: float = 0.0
+    # When this rank last sent the peer a heartbeat out of schedule to renew a lease that ran
+    # out (at most one per heartbeat interval).
+    renewal_sent_at: float = float("-inf")
 
     @property
     def token(self) -> bytes:
@@ -777,7 +780,19 @@ class PrefillProtocol(ProtocolCore):
         log.debug("room %d: %s from decode %s, %d page(s)", message.room,
                   "dummy request" if message.is_dummy else "request", message.peer_id,
                   len(message.dst_kv_indices))  # fmt: skip
-        return self._schedule(state, now)
+        return self._renew_lease(peer, now) + self._schedule(state, now)
+
+    def _renew_lease(self, peer: DecodePeer, now: float) -> list[Action]:
+        """A heartbeat now, out of schedule, to a peer that asks for a write while the lease
+        on it ran out (this rank or the peer stalled, or the link did): its echo renews the
+        lease within a round trip, where the next scheduled heartbeat could be an interval
+        away and the write waits for it. At most one per heartbeat interval."""
+        if not peer.lease_until or now < peer.lease_until:
+            return []  # never granted (registration's heartbeat is on its way), or valid
+        if now - peer.renewal_sent_at < self.settings.heartbeat_interval_s:
+            return []
+        peer.renewal_sent_at = now
+        return self._heartbeats_to([peer], now)
 
     def _on_abort(self, message: Abort, now: float) -> list[Action]:
         endpoint = tcp_endpoint(message.decode_ip, message.decode_port)
