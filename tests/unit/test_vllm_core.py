@@ -152,20 +152,14 @@ def test_step_times_average_compute_steps_and_bound_the_batch_window() -> None:
     assert times.batch_window(1.0, ended=1, in_flight=10**6) < times.typical_s
     assert times.batch_window(0.02, ended=1, in_flight=7) == pytest.approx(0.02)  # the cap
     assert times.batch_window(1.0, ended=8, in_flight=0) == 0.0  # nothing left to wait for
-    # Ends at a known pace (a step is 100 ms here). The rest due within a step, worth more to
-    # the late ones than it costs the early ones: the window covers them with a gap to spare
-    # — the last of 8 loads ending 12.5 ms apart (one gap alone, and any jitter would start
-    # the others without it), six more 10 ms apart.
+    # Ends at a known pace: the rest are due within a step, so the window covers them with a
+    # gap to spare — here the last of 8 loads ending 12.5 ms apart (the share rule alone
+    # would give it exactly one gap, and any jitter would start the others without it).
     assert times.batch_window(1.0, ended=7, in_flight=1, gap_s=0.0125) == pytest.approx(0.025)
-    assert times.batch_window(1.0, ended=2, in_flight=6, gap_s=0.01) == pytest.approx(0.07)
-    # Four more 20 ms apart: 80 ms for each of four early loads to save four late ones 20 ms
-    # each, nor is the next one alone worth it (80 ms saved, 4 × 20 ms paid): start now.
-    assert times.batch_window(1.0, ended=4, in_flight=4, gap_s=0.02) == 0.0
-    # Due later than a step: the next end alone, while it saves more than it costs.
-    assert times.batch_window(1.0, ended=2, in_flight=6, gap_s=0.03) == pytest.approx(0.045)
-    assert times.batch_window(1.0, ended=3, in_flight=5, gap_s=0.03) == 0.0
-    # A transfer that outlasts a step with every gap: each end starts what has ended.
-    assert times.batch_window(1.0, ended=1, in_flight=7, gap_s=0.06) == 0.0
+    assert times.batch_window(1.0, ended=2, in_flight=6, gap_s=0.01) == pytest.approx(0.075)
+    assert times.batch_window(1.0, ended=4, in_flight=4, gap_s=0.02) == pytest.approx(0.1)
+    # Due later than a step: the share rule (the late ones would miss the next step anyway).
+    assert times.batch_window(1.0, ended=2, in_flight=6, gap_s=0.03) == pytest.approx(0.075)
     assert times.batch_window(0.02, ended=7, in_flight=1, gap_s=0.0125) == pytest.approx(0.02)
     for _ in range(50):
         times.record(0.02)

@@ -141,41 +141,27 @@ class StepTimes:
 
     def batch_window(self, cap_s: float, ended: int, in_flight: int, gap_s: float = 0.0) -> float:
         """How long, from now, `ended` finished loads may wait for the `in_flight` ones, given
-        the mean time between the ends seen so far (`gap_s`; 0: not known yet). Decided anew
-        whenever loads end; what was waited is spent and does not count.
+        the mean time between the ends seen so far (`gap_s`; 0: not known yet).
 
-        Once the early loads start computing, the engine steps back to back: a load that ends
-        t into a step waits the rest of it, step - t, and starts in the next. Waiting t for
-        it instead costs each early load t. The window minimizes the sum of those waits (the
-        mean time to first token, and with it the median):
-        - pace not known (one end so far): waiting pays while ended × t < in_flight × (step
-          - t) if all the others came within t: a window of step × in_flight / (ended +
-          in_flight), most of a step while most loads are still coming. It is meant to see
-          the next end, after which the pace is known.
-        - at a known pace the rest are due in due = in_flight × gap. Waiting for all of them
-          saves each late one step - due and costs each early one due: when that pays (due
-          within a step, and in_flight × (step - due) ≥ ended × due), the window covers them
-          with a gap to spare (ends are not evenly spaced).
-        - else waiting for the next end alone saves it step - gap and costs ended × gap: when
-          that pays, a window of one gap and a half (the next end decides again); otherwise
-          none, and the ones that ended start now (the others join the next steps). Waiting
-          for every load whenever most of a step's worth were in flight (the rule before
-          this one) made the first ends of a burst whose transfer outlasts a step wait for
-          the last: at 8 × 1k tokens on the CPU build, median time to first token 68 ms
-          where starting at the pace's break-even gives about 60 (a simulation of the
-          engine's steps; 195 → 144 ms at 32 requests).
-        Never more than `cap_s`; nothing measured yet or nothing in flight: no wait."""
+        A late load that ends t after the early ones start computing waits the rest of that
+        step, step - t; waiting t for it costs each early load t. With nothing known about
+        when the others end, waiting pays while ended × t < in_flight × (step - t): a window
+        of step × in_flight / (ended + in_flight) — most of a step while most loads are still
+        coming, little once most are here. Once the ends come at a known pace, the rest are
+        due in in_flight × gap; if that is within a step, waiting for all of them beats
+        starting now at the median and at the tail alike (the late ones would finish a whole
+        step later), so the window covers it with one gap to spare (ends are not evenly
+        spaced). At most a step (a load later than that loses nothing: the step has ended when
+        it arrives), never more than `cap_s`. Nothing measured yet, or nothing in flight:
+        no wait."""
         if ended <= 0 or in_flight <= 0:
             return 0.0
         step = self.typical_s
-        if gap_s <= 0.0:
-            return min(cap_s, step * in_flight / (ended + in_flight))
+        window = step * in_flight / (ended + in_flight)
         due = in_flight * gap_s
-        if due <= step and in_flight * (step - due) >= ended * due:
-            return min(cap_s, due + gap_s)
-        if step - gap_s > ended * gap_s:
-            return min(cap_s, 1.5 * gap_s)
-        return 0.0
+        if 0 < due <= step:
+            window = max(window, min(step, due + gap_s))
+        return min(cap_s, window)
 
 
 def _option_value(name: str, annotation: object, value: object) -> object:
