@@ -18,6 +18,7 @@ import queue
 import signal
 import sys
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from multiprocessing.synchronize import Barrier, Event
@@ -404,12 +405,17 @@ def run_prefill(
                 slots = [room] if last and state is not None else []
                 sender.send(chunk, last=last, aux_index=room if last else None, state_indices=slots)
             active.append(sender)
+        # Wait for every room to end, on the manager's activity event (a loop that polled every
+        # room every few milliseconds would take CPU from the transfers). Only the oldest room
+        # not yet seen ending is looked at each time: every room must end, in any order.
         deadline = time.monotonic() + config.timeout_s
-        while time.monotonic() < deadline:
-            states = [sender.poll() for sender in active]
-            if all(state in (KVPoll.Success, KVPoll.Failed) for state in states):
-                break
-            time.sleep(0.005)
+        waiting = deque(active)
+        while waiting and time.monotonic() < deadline:
+            manager.activity.clear()  # before looking: an end after the look wakes the wait
+            while waiting and waiting[0].poll() in (KVPoll.Success, KVPoll.Failed):
+                waiting.popleft()
+            if waiting:
+                manager.activity.wait(0.05)
         for sender in active:
             if sender.poll() != KVPoll.Success:
                 report.failed_rooms[sender.room] = sender.failure_reason or str(sender.poll())

@@ -24,7 +24,7 @@ from kvbridge.core.decode_protocol import (
     RoomOpened,
     ScatterChunk,
 )
-from kvbridge.core.protocol import RoomsChanged, Send, Tick
+from kvbridge.core.protocol import DueQueue, RoomsChanged, Send, Tick
 from kvbridge.core.room import DecodeRoom, RoomStatus, notification_for
 from kvbridge.wire import (
     STAGING_NEVER_FITS,
@@ -206,6 +206,37 @@ def test_the_deadline_fails_the_room_and_asks_for_aborts() -> None:
     assert {send.endpoint for send in sends(actions) if isinstance(send.message, Abort)} == set(
         ENDPOINTS
     )
+
+
+def test_a_room_opened_again_under_its_number_keeps_its_own_deadline() -> None:
+    """Deadlines are kept by when they fall due; the entry of a room that was cleared must
+    not fail a later room under the same number before that room's own deadline."""
+    decode = protocol()
+    register_all(decode)
+    first, _ = open_room(decode, 1)  # deadline 100
+    first.status.fail(FailureKind.ABORTED, "the scheduler gave up")
+    decode.handle(RoomCleared(1, first.status), 1.0)
+    second, _ = open_room(decode, 1, now=50.0)  # deadline 150
+    for second_now in (99.0, 101.0, 149.0):  # both ranks alive all along
+        for endpoint in ENDPOINTS:
+            decode.handle(Heartbeat(endpoint, int(second_now), 3000, None, TOKEN), second_now)
+        decode.handle(Tick(), second_now + 0.5)
+    assert second.status.failure_kind is None
+    decode.handle(Tick(), 150.5)
+    assert second.status.failure_kind == FailureKind.TIMEOUT
+
+
+def test_the_due_queue_yields_what_fell_due_and_stays_as_large_as_its_table() -> None:
+    queue: DueQueue[int] = DueQueue()
+    for key, due in enumerate([5.0, 1.0, 3.0, 9.0]):
+        queue.push(due, key)
+    assert list(queue.pop_due(4.0)) == [(1.0, 1), (3.0, 2)]  # soonest first, taken out
+    assert list(queue.pop_due(4.0)) == []
+    for key in range(1000):  # entries of keys that ended meanwhile pile up...
+        queue.push(10.0 + key, key)
+        queue.compact(live=2, entries=lambda: [(5.0, 0), (9.0, 3)])
+    assert len(queue) <= 2 * 2 + 64 + 1  # ...until the live ones are all that is kept
+    assert next(queue.pop_due(100.0)) == (5.0, 0)
 
 
 def test_closing_fails_unsafe_rooms_and_aborts_them() -> None:

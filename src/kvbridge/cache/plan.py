@@ -167,22 +167,21 @@ def page_runs(
 
 
 def _buffer_pairs(src: KVArgs, dst: KVArgs) -> tuple[Addresses, Addresses]:
-    """Base addresses of the KV buffers to pair, src and dst, matched by layer id."""
-    dst_position = {layer: position for position, layer in enumerate(dst.layer_ids)}
+    """Base addresses of the KV buffers to pair, src and dst, matched by layer id (read-only
+    arrays: asked for on every write, so built from each side's cached addresses)."""
+    if src.layer_ids == dst.layer_ids:  # the same layers in the same order: buffer for buffer
+        return src.kv_ptrs, dst.kv_ptrs
+    dst_position = dst.layer_positions
     missing = [layer for layer in src.layer_ids if layer not in dst_position]
     if missing:
         raise PlanError(f"the destination has no KV buffers for layers {missing}")
-    src_layers = len(src.layer_ids)
     dst_layers = len(dst.layer_ids)
-    src_index = np.arange(src.buffers_per_layer * src_layers)
     dst_layer_index = np.array([dst_position[layer] for layer in src.layer_ids], dtype=np.int64)
     # MHA: K of every layer, then V of every layer (the same order on both sides).
     dst_index = np.concatenate(
         [dst_layer_index + part * dst_layers for part in range(src.buffers_per_layer)]
     )
-    src_ptrs = np.array([src.kv_buffers[i].ptr for i in src_index], dtype=U64)
-    dst_ptrs = np.array([dst.kv_buffers[int(i)].ptr for i in dst_index], dtype=U64)
-    return src_ptrs, dst_ptrs
+    return src.kv_ptrs, dst.kv_ptrs[dst_index]
 
 
 def check_same_model(src: KVArgs, dst: KVArgs) -> None:

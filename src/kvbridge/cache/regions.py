@@ -57,24 +57,23 @@ class RegionMap:
                 merged[-1][1] = max(merged[-1][1], end)
             else:
                 merged.append([start, end])
-        self._starts = np.array([span[0] for span in merged], dtype=np.uint64).reshape(-1)
-        self._ends = np.array([span[1] for span in merged], dtype=np.uint64).reshape(-1)
+        # A first, empty span at 0 (it holds no block): every address then falls after some
+        # span's start, and the check below needs no case for "before every region".
+        self._starts = np.array([0] + [span[0] for span in merged], dtype=np.uint64)
+        self._ends = np.array([0] + [span[1] for span in merged], dtype=np.uint64)
+        devices = {region.device_id for region in self._regions}
+        self.uniform_device: int | None = devices.pop() if len(devices) == 1 else None
 
     def outside(
         self, addresses: npt.NDArray[np.uint64], lengths: npt.NDArray[np.uint64]
     ) -> npt.NDArray[np.intp]:
         """Indices of blocks not wholly inside one registered range."""
-        if addresses.size == 0:
-            return np.empty(0, np.intp)
-        if self._starts.size == 0:
-            return np.arange(addresses.size)
-        slot = np.searchsorted(self._starts, addresses, side="right").astype(np.intp) - 1
-        inside = slot >= 0
-        ends = self._ends[np.maximum(slot, 0)]
-        # ends - addresses only where it cannot wrap; no addition that could overflow 2**64.
-        inside &= addresses < ends
-        inside &= lengths <= np.where(inside, ends - addresses, 0)
-        return np.flatnonzero(~inside)
+        # Checked for every write: few numpy calls on the whole plan. The end of the span
+        # that starts at or before each block; `ends - addresses` may wrap where the block
+        # starts past that end, which the first test already refuses (no addition that could
+        # overflow 2**64).
+        ends = self._ends[np.searchsorted(self._starts, addresses, side="right") - 1]
+        return np.flatnonzero((addresses >= ends) | (lengths > ends - addresses))
 
     def device_ids(self, addresses: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
         """The device id of the registered region that holds each address (the GPU of a VRAM

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -141,10 +142,23 @@ class KVArgs:
     def buffers_per_layer(self) -> int:
         return self.kv_layout.buffers_per_layer
 
-    @property
+    # Cached (the fields are frozen): planning asks for these on every write.
+    @cached_property
     def num_pages(self) -> int:
         """Pages every KV buffer can hold."""
         return min(buffer.num_items for buffer in self.kv_buffers)
+
+    @cached_property
+    def kv_ptrs(self) -> npt.NDArray[np.uint64]:
+        """Every KV buffer's address, in `kv_buffers` order (read-only)."""
+        ptrs = np.array([buffer.ptr for buffer in self.kv_buffers], dtype=np.uint64)
+        ptrs.flags.writeable = False
+        return ptrs
+
+    @cached_property
+    def layer_positions(self) -> dict[int, int]:
+        """Each layer id's position in `layer_ids`."""
+        return {layer: position for position, layer in enumerate(self.layer_ids)}
 
     def validate(self) -> None:
         if self.dtype not in DTYPE_SIZES:

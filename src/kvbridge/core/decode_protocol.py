@@ -20,7 +20,7 @@ import numpy.typing as npt
 
 from kvbridge.cache.topology import Source
 from kvbridge.core.liveness import Liveness
-from kvbridge.core.protocol import ProtocolCore, RankStats, RoomsChanged, Send, Tick
+from kvbridge.core.protocol import DueQueue, ProtocolCore, RankStats, RoomsChanged, Send, Tick
 from kvbridge.core.room import DecodeRoom, RoomStatus, parse_notification
 from kvbridge.staging.ring import Allocation, StagingRing
 from kvbridge.wire import (
@@ -178,6 +178,7 @@ class DecodeProtocol(ProtocolCore):
         # deadlines and liveness, which look at every room and peer, only every sweep.
         self._next_sweep = 0.0
         self._transferring = False
+        self._deadlines: DueQueue[int] = DueQueue()  # rooms by deadline
         super().__init__(
             {
                 Heartbeat: self._on_heartbeat,
@@ -371,6 +372,10 @@ class DecodeProtocol(ProtocolCore):
         state.status.advance(KVPoll.Transferring)
         self._transferring = True
         self.rooms[state.room] = state
+        self._deadlines.push(state.deadline, state.room)
+        self._deadlines.compact(
+            len(self.rooms), lambda: ((room.deadline, room.room) for room in self.rooms.values())
+        )
         self.stats.rooms_started += 1
         return [Send(endpoint, request) for endpoint, request in event.requests]
 
@@ -418,12 +423,18 @@ class DecodeProtocol(ProtocolCore):
             return [RoomsChanged()] if changed else []
         self._next_sweep = now + SWEEP_INTERVAL_S
         actions = self._check_liveness(now)
-        for state in list(self.rooms.values()):
-            if state.check_deadline(now):  # stop the ranks that may still write, and hear them
+        for _, room in self._deadlines.pop_due(now):
+            # The room now under that number (if any) checks its own deadline: one opened
+            # again after a clear has its own entry, and a finished room does nothing.
+            state = self.rooms.get(room)
+            if state is not None and state.check_deadline(now):
+                # Stop the ranks that may still write, and hear them.
                 actions += self._abort_unsettled(state, state.status.failure_reason or "deadline")
                 changed = True
+        # Newest first: rooms end roughly in the order they opened, so a room still
+        # transferring is usually found among the last opened, not after every ended one.
         self._transferring = any(
-            state.status.poll == KVPoll.Transferring for state in self.rooms.values()
+            state.status.poll == KVPoll.Transferring for state in reversed(self.rooms.values())
         )
         return [*actions, RoomsChanged()] if changed else actions
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import heapq
 import logging
 from collections import Counter, OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,7 +43,7 @@ from kvbridge.cache.plan import (
     token_rows,
 )
 from kvbridge.core.liveness import Liveness
-from kvbridge.core.protocol import ProtocolCore, RankStats, RoomsChanged, Send, Tick
+from kvbridge.core.protocol import DueQueue, ProtocolCore, RankStats, RoomsChanged, Send, Tick
 from kvbridge.core.room import Chunk, ChunkJob, Failure, PrefillRoom, notification_for
 from kvbridge.staging.kernels import staged_size
 from kvbridge.staging.ring import Allocation, StagingRing
@@ -271,6 +271,10 @@ class PrefillProtocol(ProtocolCore):
         self.rooms: dict[int, PrefillRoom] = {}
         # Rooms created by a request with no sender yet, oldest first (a dict keeps the order).
         self._unclaimed: dict[int, None] = {}
+        # Rooms by when their request timeout runs out ((room, sequence): the same number may
+        # name a later room), and staging asks by when theirs does (by when asked).
+        self._request_due: DueQueue[tuple[int, int]] = DueQueue()
+        self._staging_due: DueQueue[tuple[float, JobKey]] = DueQueue()
         self._finished: deque[int] = deque(maxlen=FINISHED_ROOMS_KEPT)
         self._finished_set: set[int] = set()
         self.peers: dict[str, DecodePeer] = {}
@@ -360,6 +364,8 @@ class PrefillProtocol(ProtocolCore):
             )  # fmt: skip
             self.stats.rooms_started += 1
             self._unclaimed[room] = None
+            self._request_due.push(now + self.settings.request_timeout_s, (room, self._sequence))
+            self._request_due.compact(len(self.rooms), self._request_entries)
         return state
 
     def _room_for_peer(
@@ -594,6 +600,8 @@ class PrefillProtocol(ProtocolCore):
             session_id=self.settings.endpoint, prefill_rank=self.rank, nbytes=nbytes,
         )  # fmt: skip
         entry.staging = _AwaitedStaging(request, now, src_rows, column, width)
+        self._staging_due.push(now + self.settings.staging_timeout_s, (now, entry.key))
+        self._staging_due.compact(len(self._jobs), self._staging_entries)
         return [Send(peer.endpoint, request)]
 
     def _write(self, entry: _Job, peer: DecodePeer, staged: StagedChunk | None) -> Write:
@@ -883,12 +891,20 @@ class PrefillProtocol(ProtocolCore):
         if self.liveness.heartbeat_due(now):
             actions += self._heartbeats_to(list(self.peers.values()), now)
         timeout_s = settings.request_timeout_s
-        for state in list(self.rooms.values()):
+        still_open: list[tuple[float, tuple[int, int]]] = []
+        for due, (room, sequence) in self._request_due.pop_due(now):
+            state = self.rooms.get(room)
+            if state is None or state.sequence != sequence or state.status.finished:
+                continue  # gone, or ended: nothing to wait for
             if state.request_overdue(now, timeout_s):
                 got, wanted = len(state.requests), state.required_requests or "any"
                 reason = (f"room {state.room}: {got} of {wanted} transfer request(s) from "
                           f"decode in {timeout_s:g} s")  # fmt: skip
                 actions += self._fail(state, Failure(FailureKind.TIMEOUT, reason))
+            else:  # it has its requests; a later one may still ask for more: looked at again
+                still_open.append((due, (room, sequence)))
+        for due, key in still_open:
+            self._request_due.push(due, key)
         # Rooms that decode asked for and the scheduler never started: nobody will clear them,
         # so they fail (decode hears why) and leave the table.
         while self._unclaimed:
@@ -899,10 +915,10 @@ class PrefillProtocol(ProtocolCore):
                       f"within {timeout_s:g} s of decode's request")  # fmt: skip
             actions += self._fail(self.rooms[room], Failure(FailureKind.TIMEOUT, reason))
             actions += self._clear(room)
-        for entry in [entry for entry in self._jobs.values() if entry.staging is not None]:
-            assert entry.staging is not None
-            if now - entry.staging.asked_at <= settings.staging_timeout_s:
-                continue
+        for _, (asked_at, key) in self._staging_due.pop_due(now):
+            entry = self._jobs.get(key)
+            if entry is None or entry.staging is None or entry.staging.asked_at != asked_at:
+                continue  # answered, ended, or asked again since
             entry.staging = None
             job = entry.job
             reason = (f"room {job.room}: decode {job.peer_id} gave no staging space for chunk "
@@ -916,6 +932,18 @@ class PrefillProtocol(ProtocolCore):
         for peer_id, silent_s in self.liveness.expired(now):
             actions += self._peer_dead(peer_id, silent_s)
         return actions
+
+    def _request_entries(self) -> Iterator[tuple[float, tuple[int, int]]]:
+        timeout_s = self.settings.request_timeout_s
+        for state in self.rooms.values():
+            if not state.status.finished:
+                yield state.created_at + timeout_s, (state.room, state.sequence)
+
+    def _staging_entries(self) -> Iterator[tuple[float, tuple[float, JobKey]]]:
+        timeout_s = self.settings.staging_timeout_s
+        for key, entry in self._jobs.items():
+            if entry.staging is not None:
+                yield entry.staging.asked_at + timeout_s, (entry.staging.asked_at, key)
 
     def _peer_dead(self, peer_id: str, silent_s: float) -> list[Action]:
         self.stats.peers_declared_dead += 1

@@ -3,11 +3,12 @@ the tick, the counters every rank keeps, and dispatch through one handler table.
 
 from __future__ import annotations
 
+import heapq
 import logging
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from kvbridge.core.liveness import Liveness
 from kvbridge.core.room import RoomStatus
@@ -33,6 +34,37 @@ class Tick:
     polls them; a prefill rank's ticks carry none)."""
 
     notifications: tuple[bytes, ...] = ()
+
+
+Key = TypeVar("Key")
+
+
+class DueQueue(Generic[Key]):
+    """Keys by the time they fall due, soonest first (a heap), so that a tick looks only at
+    what fell due and not at every room or job in a table. An entry is never taken out early:
+    whoever pops a key checks whether it still applies (the room may have ended). Entries of
+    keys that ended are dropped by `compact` once they outnumber the live ones."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, Key]] = []
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def push(self, due: float, key: Key) -> None:
+        heapq.heappush(self._heap, (due, key))
+
+    def pop_due(self, now: float) -> Iterator[tuple[float, Key]]:
+        """(due, key) of every entry due before `now`, soonest first, each taken out."""
+        while self._heap and self._heap[0][0] < now:
+            yield heapq.heappop(self._heap)
+
+    def compact(self, live: int, entries: Callable[[], Iterable[tuple[float, Key]]]) -> None:
+        """Rebuild from `entries()` (what still applies) when the queue holds more than twice
+        `live` entries (plus some slack): amortized, the queue stays as large as the table."""
+        if len(self._heap) > 2 * live + 64:
+            self._heap = list(entries())
+            heapq.heapify(self._heap)
 
 
 @dataclass

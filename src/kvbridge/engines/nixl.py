@@ -213,7 +213,9 @@ class NixlEngine(TransferEngine):
         table = self._tables[side][: addresses.size]
         table[:, 0] = addresses
         table[:, 1] = lengths
-        table[:, 2] = memory.device_ids(addresses)  # each block's GPU, from its region
+        # Each block's GPU, from its region (one search less where every region is on one).
+        uniform = memory.uniform_device
+        table[:, 2] = uniform if uniform is not None else memory.device_ids(addresses)
         return self._agent.get_xfer_descs(table, _mem_type(kind))
 
     def _write(self, peer: str, plan: TransferPlan, notify: bytes) -> TransferHandle:

@@ -11,6 +11,7 @@ import dataclasses
 import enum
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Generic, TypeVar
 
 import numpy as np
@@ -93,11 +94,12 @@ class Field:
     # The default is sent by leaving the frame out; only for trailing fields (older peers).
     omit_default: bool = False
 
-    @property
+    # Cached (the field is frozen): every frame of every message asks.
+    @cached_property
     def required(self) -> bool:
         return self.default is REQUIRED and self.default_factory is None and not self.default_from
 
-    @property
+    @cached_property
     def is_constant(self) -> bool:
         return isinstance(self.codec, Constant)
 
