@@ -111,9 +111,12 @@ class DemoConfig:
     # Where the KV cache lives: "host" (numpy arrays), "torch-cpu" (torch tensors sharing
     # that memory: from_torch and torch staging kernels), "cuda" (torch tensors on the GPU).
     memory: str = "host"
-    # One more request goes first, alone and untimed (it is verified too): the engine's
-    # connections are made and its first transfer's set-up paid before the timed batch, as a
-    # serving deployment that has run for a while has them (what benchmarks measure).
+    # A warm-up batch goes first, untimed: every request once more, under other room ids, into
+    # the same pages of both sides (verified, then decode's are zeroed again). The engine's
+    # connections are made, its first transfer's set-up paid and every destination page
+    # written through it once before the timed batch, as in a serving deployment that has
+    # run for a while (what benchmarks measure). With `measure_raw`, the raw replays run on
+    # the warm-up's blocks, identical to the timed batch's, before it as well as after it.
     warmup: bool = False
     # The addresses the groups bind and advertise (the bootstrap service runs on prefill's),
     # and a network namespace the decode ranks move into: prefill and decode as two hosts
@@ -163,12 +166,17 @@ class DemoConfig:
 
     @property
     def rooms(self) -> int:
-        """Rooms in all: the requests, and the warm-up room (the last id) if any."""
-        return self.requests + int(self.warmup)
+        """Rooms in all: the timed requests (ids from 0), then the warm-up batch's if any."""
+        return self.requests * (2 if self.warmup else 1)
+
+    def slot(self, room: int) -> int:
+        """The request whose pages, aux slot, state slot and content a room uses: a warm-up
+        room uses those of the timed request it repeats."""
+        return room % self.requests
 
     def kv_bytes_per_rank(self, tp: int) -> int:
-        """KV bytes the rooms occupy on one rank of a group of attention-TP `tp`."""
-        return self.rooms * self.tokens * self.shape.bytes_per_token(tp)
+        """KV bytes the requests occupy on one rank of a group of attention-TP `tp`."""
+        return self.requests * self.tokens * self.shape.bytes_per_token(tp)
 
     def memory_needed(self) -> int:
         """Bytes of host memory the run takes, about: both groups' KV (decode's pool with its
@@ -211,10 +219,14 @@ class DemoConfig:
 @dataclass
 class DemoEvents:
     """Cross-process milestones, one event per rank: prefill filled its pages; decode
-    verified what arrived; each rank finished (the other side waits for all of them before
-    closing its sockets). The prefill ranks start each raw replay together (`raw_start`)."""
+    verified the warm-up batch and zeroed its pages again (`warmed`); prefill replayed the
+    warm-up's blocks through the raw engine (`replayed`); decode verified the timed batch;
+    each rank finished (the other side waits for all of them before closing its sockets).
+    The prefill ranks start each raw replay together (`raw_start`)."""
 
     filled: list[Event]
+    warmed: list[Event]
+    replayed: list[Event]
     verified: list[Event]
     prefill_done: list[Event]
     decode_done: list[Event]
@@ -238,8 +250,10 @@ class RankReport:
     seconds: float = 0.0
     raw_bytes: int = 0
     raw_blocks: int = 0
-    # Seconds of each way of replaying the blocks through the raw engine (`RAW_STRATEGIES`).
+    # Seconds of each way of replaying the blocks through the raw engine (`RAW_STRATEGIES`),
+    # after the timed batch, and (with a warm-up batch) before it.
     raw_seconds: dict[str, float] = field(default_factory=dict)
+    raw_seconds_before: dict[str, float] = field(default_factory=dict)
     staged_chunks: int = 0
     staging_fallbacks: int = 0
     blocks_written: int = 0
@@ -286,7 +300,7 @@ class RankMemory:
     device_tensors: list[Any] = field(default_factory=list)
 
     @property
-    def _host_arrays(self) -> list[npt.NDArray[Any]]:
+    def host_arrays(self) -> list[npt.NDArray[Any]]:
         return [*self.kv, self.aux, *([self.state] if self.state is not None else [])]
 
     def to_device(self) -> None:
@@ -294,7 +308,7 @@ class RankMemory:
             return
         import torch  # type: ignore[import-not-found,unused-ignore]
 
-        for host, device in zip(self._host_arrays, self.device_tensors, strict=True):
+        for host, device in zip(self.host_arrays, self.device_tensors, strict=True):
             device.view(torch.uint8).copy_(torch.from_numpy(host.view(np.uint8)))
         torch.cuda.synchronize()
 
@@ -303,7 +317,7 @@ class RankMemory:
             return
         import torch  # type: ignore[import-not-found,unused-ignore]
 
-        for host, device in zip(self._host_arrays, self.device_tensors, strict=True):
+        for host, device in zip(self.host_arrays, self.device_tensors, strict=True):
             host.view(np.uint8)[...] = device.view(torch.uint8).cpu().numpy()
 
 
@@ -320,10 +334,10 @@ def allocate_rank(config: DemoConfig, rank: int, tp: int, pool_pages: int) -> Ra
         # Touch every page now, as a serving engine's preallocated pool is: otherwise the
         # first transfer into it pays the kernel's page faults and the demo measures those.
         array.fill(0)
-    aux = np.zeros((config.rooms, AUX_BYTES), dtype=np.uint8)
+    aux = np.zeros((config.requests, AUX_BYTES), dtype=np.uint8)
     state = None
     if config.with_state:
-        state = np.zeros((config.rooms, STATE_ROWS // tp, STATE_ROW_BYTES), dtype=np.uint8)
+        state = np.zeros((config.requests, STATE_ROWS // tp, STATE_ROW_BYTES), dtype=np.uint8)
     geometry: dict[str, Any] = dict(
         kv_layout=shape.kv_layout, total_kv_heads=shape.kv_heads, attn_tp_rank=rank,
         attn_tp_size=tp, state_dims=[STATE_ROWS // tp] if state is not None else [],
@@ -376,13 +390,12 @@ def run_prefill(
     try:
         pages_per_request = config.pages_per_request
         tp, shape = config.prefill_tp, config.shape
-        memory = allocate_rank(config, rank, tp, config.rooms * pages_per_request)
+        memory = allocate_rank(config, rank, tp, config.requests * pages_per_request)
         kv, aux, state, args = memory.kv, memory.aux, memory.state, memory.args
         heads = rank_head_range(config, rank, tp)
         manager = PrefillManager(args, config.manager_config(bootstrap_url, config.prefill_host))
         report.transport = manager.engine.transport
-        rooms = []
-        for room in range(config.rooms):
+        for room in range(config.requests):
             pages = np.arange(room * pages_per_request, (room + 1) * pages_per_request)
             for buffer, array in enumerate(kv):
                 words = shape.head_dim // 4
@@ -394,28 +407,30 @@ def run_prefill(
             if state is not None:
                 rows = STATE_ROWS // tp
                 state[room] = state_content(room, range(rank * rows, (rank + 1) * rows))
-            rooms.append((room, pages))
         memory.to_device()
         events.filled[rank].set()
         active = []
-        for room, pages in rooms:
+        for room in range(config.rooms):
+            slot = config.slot(room)
+            pages = np.arange(slot * pages_per_request, (slot + 1) * pages_per_request)
             sender = manager.sender(room)
             for chunk_index, chunk in enumerate(np.array_split(pages, config.chunks)):
                 last = chunk_index == config.chunks - 1
-                slots = [room] if last and state is not None else []
-                sender.send(chunk, last=last, aux_index=room if last else None, state_indices=slots)
+                slots = [slot] if last and state is not None else []
+                sender.send(chunk, last=last, aux_index=slot if last else None, state_indices=slots)
             active.append(sender)
-        # Wait for every room to end, on the manager's activity event (a loop that polled every
-        # room every few milliseconds would take CPU from the transfers). Only the oldest room
-        # not yet seen ending is looked at each time: every room must end, in any order.
         deadline = time.monotonic() + config.timeout_s
-        waiting = deque(active)
-        while waiting and time.monotonic() < deadline:
-            manager.activity.clear()  # before looking: an end after the look wakes the wait
-            while waiting and waiting[0].poll() in (KVPoll.Success, KVPoll.Failed):
-                waiting.popleft()
-            if waiting:
-                manager.activity.wait(0.05)
+        timed, warmup = active[: config.requests], active[config.requests :]
+        warmup_bytes = 0
+        if warmup:
+            _wait_for_rooms(manager, warmup, deadline)
+            if config.measure_raw and wait_all(events.warmed, config.timeout_s):
+                rooms = range(config.requests, config.rooms)
+                report.raw_seconds_before, warmup_bytes, _ = _replay_raw(
+                    manager, config, events, rooms
+                )
+            events.replayed[rank].set()
+        _wait_for_rooms(manager, timed, deadline)
         for sender in active:
             if sender.poll() != KVPoll.Success:
                 report.failed_rooms[sender.room] = sender.failure_reason or str(sender.poll())
@@ -428,12 +443,18 @@ def run_prefill(
                           "plan_s": stats.plan_s, "write_s": stats.write_s,
                           "control_cpu_s": manager.channel.stats.cpu_seconds}  # fmt: skip
         report.ok = not report.failed_rooms
-        if config.measure_raw and report.ok:
-            _replay_raw(manager, config, events, report)
+        if config.measure_raw and report.ok and wait_all(events.verified, config.timeout_s):
+            report.raw_seconds, report.raw_bytes, report.raw_blocks = _replay_raw(
+                manager, config, events, range(config.requests)
+            )
+            if report.raw_seconds_before and warmup_bytes != report.raw_bytes:
+                raise RuntimeError(f"the warm-up batch wrote {warmup_bytes} bytes, the timed "
+                                   f"batch {report.raw_bytes}: not the same blocks")  # fmt: skip
     except Exception as exc:
         report.error = f"{type(exc).__name__}: {exc}"
     finally:
         events.filled[rank].set()  # (also after an error: decode's rooms then fail fast)
+        events.replayed[rank].set()
         # A rank that replays no more (done, or failed before) frees the others from waiting.
         events.raw_start.abort()
         events.prefill_done[rank].set()
@@ -456,23 +477,38 @@ RAW_STRATEGIES: dict[str, int | None] = {
 }
 
 
-def _replay_raw(manager: Any, config: DemoConfig, events: DemoEvents, report: RankReport) -> None:
-    """The identical blocks kvbridge wrote, through the engine alone, in every way of
-    `RAW_STRATEGIES`, once decode has verified what kvbridge delivered (the replays rewrite
-    the same bytes). The prefill ranks start each way together."""
-    wait_all(events.verified, config.timeout_s)
-    written = [(peer, plan) for room, peer, plan in manager.written_plans
-               if room < config.requests]  # the warm-up room's are not replayed  # fmt: skip
+def _wait_for_rooms(manager: Any, senders: list[Any], deadline: float) -> None:
+    """Wait until every sender's room ended, on the manager's activity event (a loop that
+    polled every room every few milliseconds would take CPU from the transfers). Only the
+    oldest room not yet seen ending is looked at each time: every room must end anyway."""
+    waiting = deque(senders)
+    while waiting and time.monotonic() < deadline:
+        manager.activity.clear()  # before looking: an end after the look wakes the wait
+        while waiting and waiting[0].poll() in (KVPoll.Success, KVPoll.Failed):
+            waiting.popleft()
+        if waiting:
+            manager.activity.wait(0.05)
+
+
+def _replay_raw(
+    manager: Any, config: DemoConfig, events: DemoEvents, rooms: range
+) -> tuple[dict[str, float], int, int]:
+    """The blocks kvbridge wrote for `rooms`, through the engine alone, in every way of
+    `RAW_STRATEGIES`: (seconds of each way, bytes, blocks). Called once decode has verified
+    what kvbridge delivered (the replays rewrite the same bytes); the prefill ranks start
+    each way together."""
+    written = [(peer, plan) for room, peer, plan in manager.written_plans if room in rooms]
     by_peer: dict[str, list[TransferPlan]] = {}
     for peer, plan in written:
         by_peer.setdefault(peer, []).append(plan)
     whole = [(peer, TransferPlan.concat(*plans)) for peer, plans in by_peer.items()]
+    seconds = {}
     for name, window in RAW_STRATEGIES.items():
         events.raw_start.wait(config.timeout_s)
         writes = whole if window is None else written
-        report.raw_seconds[name] = _timed_writes(manager.engine, writes, window, config.timeout_s)
-    report.raw_bytes = sum(plan.total_bytes for _, plan in written)
-    report.raw_blocks = sum(len(plan) for _, plan in written)
+        seconds[name] = _timed_writes(manager.engine, writes, window, config.timeout_s)
+    total_bytes = sum(plan.total_bytes for _, plan in written)
+    return seconds, total_bytes, sum(len(plan) for _, plan in written)
 
 
 def _timed_writes(
@@ -505,7 +541,7 @@ def run_decode(
         tokens = config.local_tokens(dcp_rank)
         pages_per_request = math.ceil(tokens / config.page_size)
         tp, shape = config.decode_tp, config.shape
-        pool = math.ceil(config.rooms * pages_per_request * config.decode_pool_factor)
+        pool = math.ceil(config.requests * pages_per_request * config.decode_pool_factor)
         memory = allocate_rank(config, tp_rank, tp, pool)
         kv, aux, state, args = memory.kv, memory.aux, memory.state, memory.args
         args = dataclasses.replace(args, dcp_rank=dcp_rank, dcp_size=config.dcp)
@@ -516,64 +552,87 @@ def run_decode(
         if not wait_all(events.filled, config.timeout_s):
             raise TimeoutError("the prefill group never filled its pages")
         receivers = [manager.receiver(room) for room in range(config.rooms)]
-
-        def init(room: int) -> None:
-            pages = scattered[room * pages_per_request : (room + 1) * pages_per_request]
-            slots = [room] if state is not None else []
-            receivers[room].init(pages, aux_index=room, state_indices=slots)
-
         deadline = time.monotonic() + config.timeout_s
         ended = (KVPoll.Success, KVPoll.Failed)
-        # The scheduler waits for rooms to end on the manager's activity event (set whenever
-        # one may have), as a serving engine's idle step does, rather than spinning.
-        if config.warmup:  # the last room, alone, before the clock starts
-            init(config.requests)
-            while receivers[-1].poll() not in ended and time.monotonic() < deadline:
-                manager.activity.wait(0.05)
-                manager.activity.clear()
-        timed = receivers[: config.requests]
-        started = time.perf_counter()
-        sent_at = {}
-        for room in range(config.requests):
-            sent_at[room] = time.perf_counter()
-            init(room)
-        done: dict[int, float] = {}
-        waiting = set(range(len(timed)))
-        while waiting and time.monotonic() < deadline:
-            manager.activity.clear()  # before looking: an end after the look wakes the wait
-            now = time.perf_counter()
-            for room in [room for room in waiting if timed[room].poll() in ended]:
-                waiting.discard(room)
-                done[room] = now
-                results.put({"progress": room})
-            if waiting:
-                manager.activity.wait(0.05)
-        report.seconds = max(done.values(), default=started) - started
-        memory.to_host()
-        for room, receiver in enumerate(receivers):
+
+        def pages_of(room: int) -> npt.NDArray[Any]:
+            slot = config.slot(room)
+            return scattered[slot * pages_per_request : (slot + 1) * pages_per_request]
+
+        def run_batch(rooms: range, timed: bool) -> tuple[dict[int, float], dict[int, float]]:
+            """Ask for the rooms' transfers at once; when each was asked for and seen ending.
+            The scheduler waits for rooms to end on the manager's activity event (set whenever
+            one may have), as a serving engine's idle step does, rather than spinning."""
+            sent_at: dict[int, float] = {}
+            for room in rooms:
+                sent_at[room] = time.perf_counter()
+                slot = config.slot(room)
+                slots = [slot] if state is not None else []
+                receivers[room].init(pages_of(room), aux_index=slot, state_indices=slots)
+            done: dict[int, float] = {}
+            waiting = set(rooms)
+            while waiting and time.monotonic() < deadline:
+                manager.activity.clear()  # before looking: an end after the look wakes the wait
+                now = time.perf_counter()
+                for room in [room for room in waiting if receivers[room].poll() in ended]:
+                    waiting.discard(room)
+                    done[room] = now
+                    if timed:
+                        results.put({"progress": room})
+                if waiting:
+                    manager.activity.wait(0.05)
+            return sent_at, done
+
+        def delivered(room: int) -> bool:
+            """Whether the room succeeded with every byte in place (its slot's content); the
+            report says why not."""
+            receiver = receivers[room]
             if receiver.poll() != KVPoll.Success:
                 report.failed_rooms[room] = receiver.failure_reason or f"state {receiver.poll()}"
-                continue
-            if room in done:  # not the warm-up room, which is verified but not timed
-                report.latencies_ms.append((done[room] - sent_at[room]) * 1e3)
-            pages = scattered[room * pages_per_request : (room + 1) * pages_per_request]
+                return False
+            slot, pages = config.slot(room), pages_of(room)
             same = all(
                 np.array_equal(
                     token_words(array, pages, tokens),
                     kv_content(
-                        room, buffer, config.tokens, heads, shape.kv_heads, shape.head_dim // 4
+                        slot, buffer, config.tokens, heads, shape.kv_heads, shape.head_dim // 4
                     )[dcp_rank :: config.dcp],
                 )
                 for buffer, array in enumerate(kv)
             )
-            same &= bool((aux[room].view(np.uint64) == room).all())
+            same &= bool((aux[slot].view(np.uint64) == slot).all())
             if state is not None:
                 rows = STATE_ROWS // tp
-                expected = state_content(room, range(tp_rank * rows, (tp_rank + 1) * rows))
-                same &= bool(np.array_equal(state[room], expected))
+                expected = state_content(slot, range(tp_rank * rows, (tp_rank + 1) * rows))
+                same &= bool(np.array_equal(state[slot], expected))
             if not same:
                 report.mismatched_rooms.append(room)
-            if room in done:
+            return same
+
+        if config.warmup:
+            warmup = range(config.requests, config.rooms)
+            run_batch(warmup, timed=False)
+            memory.to_host()
+            for room in warmup:
+                delivered(room)
+            # Zeroed again: what the timed batch is checked for must be its own writing.
+            for array in memory.host_arrays:
+                array.fill(0)
+            memory.to_device()
+            events.warmed[rank].set()
+            if config.measure_raw:  # prefill replays the warm-up's blocks: stay reachable
+                manager.poll_engine_often(True)
+                wait_all(events.replayed, config.timeout_s)
+                manager.poll_engine_often(False)
+        timed = range(config.requests)
+        started = time.perf_counter()
+        sent_at, done = run_batch(timed, timed=True)
+        report.seconds = max(done.values(), default=started) - started
+        memory.to_host()
+        for room in timed:
+            delivered(room)
+            if room in done and receivers[room].poll() == KVPoll.Success:
+                report.latencies_ms.append((done[room] - sent_at[room]) * 1e3)
                 report.bytes += tokens * args.token_bytes * len(kv) + AUX_BYTES
         report.rooms = len(timed)
         report.timings = {"scatter_s": manager.stats.scatter_s,
@@ -582,6 +641,7 @@ def run_decode(
     except Exception as exc:
         report.error = f"{type(exc).__name__}: {exc}"
     finally:
+        events.warmed[rank].set()  # (also after an error: prefill stops waiting for it)
         events.verified[rank].set()
         results.put(asdict(report))
         if manager is not None:
@@ -643,17 +703,31 @@ class DemoResult:
         seconds = max((r.seconds for r in self.decode_reports), default=0.0)
         return self.total_bytes / seconds / 1e9 if seconds else 0.0
 
-    def raw_strategy_gbps(self) -> dict[str, float]:
+    def raw_strategy_gbps(self, when: str = "around") -> dict[str, float]:
         """GB/s of each way of replaying the blocks through the raw engine (every prefill
-        rank replaying its own at once)."""
+        rank replaying its own at once): measured "before" the timed batch (with a warm-up
+        batch), "after" it, or — "around", the baseline — the mean of the two where both
+        were measured (it brackets the timed batch in time, so that a machine whose speed
+        drifts moves both sides of the ratio alike), else the one that was."""
         prefill = [r for r in self.reports if r.role == "prefill"]
         total = sum(r.raw_bytes for r in prefill)
-        rates = {}
-        for name in RAW_STRATEGIES:
-            seconds = max((r.raw_seconds.get(name, 0.0) for r in prefill), default=0.0)
-            if seconds:
-                rates[name] = total / seconds / 1e9
-        return rates
+
+        def rates(seconds_of: Callable[[RankReport], dict[str, float]]) -> dict[str, float]:
+            measured = {}
+            for name in RAW_STRATEGIES:
+                seconds = max((seconds_of(r).get(name, 0.0) for r in prefill), default=0.0)
+                if seconds:
+                    measured[name] = total / seconds / 1e9
+            return measured
+
+        before = rates(lambda report: report.raw_seconds_before)
+        after = rates(lambda report: report.raw_seconds)
+        if when == "before":
+            return before
+        if when == "after":
+            return after
+        return {name: (before[name] + gbps) / 2 if name in before else gbps
+                for name, gbps in after.items()}  # fmt: skip
 
     @property
     def raw_gbps(self) -> float:
@@ -712,6 +786,8 @@ def run_demo(config: DemoConfig, on_progress: Any = None) -> DemoResult:
     results = context.Queue()
     events = DemoEvents(
         filled=[context.Event() for _ in range(config.prefill_tp)],
+        warmed=[context.Event() for _ in range(config.decode_ranks)],
+        replayed=[context.Event() for _ in range(config.prefill_tp)],
         verified=[context.Event() for _ in range(config.decode_ranks)],
         prefill_done=[context.Event() for _ in range(config.prefill_tp)],
         decode_done=[context.Event() for _ in range(config.decode_ranks)],

@@ -10,7 +10,7 @@ import pytest
 
 from kvbridge.cache.plan import DIRECT_MIN_BLOCK_BYTES
 from kvbridge.engines import unavailable_reason
-from kvbridge_tools.demo import DemoConfig, run_demo
+from kvbridge_tools.demo import RAW_STRATEGIES, DemoConfig, run_demo
 
 
 def _cuda_available() -> bool:
@@ -62,6 +62,29 @@ def test_nixl_requests_arrive_byte_exact(
     assert sum(report.rooms for report in result.decode_reports) == 6 * decode_tp
     expected = decode_tp * 6 * (300 * config.shape.bytes_per_token(decode_tp) + 64)
     assert result.total_bytes == expected
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp", "dcp"), [(1, 1, 1), (2, 4, 1), (2, 1, 2)])
+def test_a_warm_up_batch_and_raw_replays_around_the_timed_one(
+    prefill_tp: int, decode_tp: int, dcp: int
+) -> None:
+    """What benchmarks run: a warm-up batch of every request into the same pages (verified,
+    then decode's pages zeroed), the raw engine replaying its blocks before the timed batch and
+    the timed batch's after it; the baseline is the mean of the two."""
+    require("nixl")
+    config = DemoConfig(
+        requests=4, tokens=200, prefill_tp=prefill_tp, decode_tp=decode_tp, dcp=dcp,
+        engine="nixl", warmup=True, measure_raw=True,
+    )  # fmt: skip
+    result = run_demo(config)
+    assert result.ok, [report for report in result.reports if not report.ok]
+    assert result.requests_verified == 4
+    assert all(len(report.latencies_ms) == 4 for report in result.decode_reports)  # timed only
+    before, after = result.raw_strategy_gbps("before"), result.raw_strategy_gbps("after")
+    assert set(before) == set(after) == set(RAW_STRATEGIES)
+    for name, gbps in result.raw_strategy_gbps().items():
+        assert gbps == pytest.approx((before[name] + after[name]) / 2)
+    assert result.raw_gbps == max(result.raw_strategy_gbps().values())
 
 
 @pytest.mark.parametrize("memory", ["torch-cpu", pytest.param("cuda", marks=pytest.mark.skipif(
