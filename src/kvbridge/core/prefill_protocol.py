@@ -903,8 +903,8 @@ class PrefillProtocol(ProtocolCore):
                 actions += self._fail(state, Failure(FailureKind.TIMEOUT, reason))
             else:  # it has its requests; a later one may still ask for more: looked at again
                 still_open.append((due, (room, sequence)))
-        for due, key in still_open:
-            self._request_due.push(due, key)
+        for due, room_key in still_open:
+            self._request_due.push(due, room_key)
         # Rooms that decode asked for and the scheduler never started: nobody will clear them,
         # so they fail (decode hears why) and leave the table.
         while self._unclaimed:
