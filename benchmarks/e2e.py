@@ -18,11 +18,10 @@ sides of a ratio together, and the best of several noisy raw figures is not held
 kvbridge figure); the range of the ratios is printed too. Rows: NIXL on one host at three
 request lengths, Mooncake on one host, and both engines between two hosts (two network
 namespaces joined by a veth pair that this script makes: TCP through the kernel's stack; NIXL
-with UCX_TLS=tcp). For 32 requests
-issued at once it also reports the median request's latency against the whole batch's wall
-time. Prints the ratios with their targets (issue 16) and writes bench-results/e2e.json.
-Mooncake binds wildcard listeners, so its runs happen in network namespaces of their own
-(root only; otherwise they are skipped, as are the two-host rows).
+with UCX_TLS=tcp). For 32 requests issued at once it also reports the median request's latency
+against the whole batch's wall time. Prints the ratios with their targets (issue 16) and
+writes bench-results/e2e.json. Mooncake binds wildcard listeners, so its runs happen in network
+namespaces of their own (root only; otherwise they are skipped, as are the two-host rows).
 """
 
 from __future__ import annotations
@@ -153,8 +152,8 @@ def summarize(workload: Workload, runs: list[dict[str, Any]]) -> dict[str, Any]:
         "per_run": [
             {
                 "kvbridge_gbps": round(run["kvbridge_gbps"], 3),
-                "raw_before_gbps": round(run.get("raw_gbps_before", {}).get(best, 0.0), 3),
-                "raw_after_gbps": round(run.get("raw_gbps_after", {}).get(best, 0.0), 3),
+                "raw_before_gbps": round(run["raw_gbps_before"].get(best, 0.0), 3),
+                "raw_after_gbps": round(run["raw_gbps_after"].get(best, 0.0), 3),
             }
             for run in runs
         ],

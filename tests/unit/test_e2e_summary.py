@@ -33,6 +33,8 @@ def run(kvbridge: float, one: float, chunked: float) -> dict[str, Any]:
     return {
         "transport": "ucx", "bytes": 10**9, "kvbridge_gbps": kvbridge,
         "raw_gbps": {"one write": one, "per-chunk": chunked},
+        "raw_gbps_before": {"one write": one, "per-chunk": chunked},
+        "raw_gbps_after": {"one write": one, "per-chunk": chunked},
         "p50_ms": 50.0, "p99_ms": 90.0, "wall_ms": 100.0, "blocks": 64,
     }  # fmt: skip
 
