@@ -69,6 +69,32 @@ class InstanceError(RuntimeError):
     pass
 
 
+def stats_lines_at_every_level(folder: Path) -> dict[str, str]:
+    """Environment for an instance whose stat logger prints every interval's lines. vLLM
+    prints them at debug level, i.e. not at all, when the engine produced no tokens in that
+    interval and the one before (decode's loads can end in such an interval while it waits
+    for a step on a busy machine): its "KV Transfer metrics" line is then lost."""
+    stream = "ext://sys.stderr"
+    config = {
+        "version": 1,
+        "disable_existing_loggers": False,
+        "formatters": {"vllm": {
+            "()": "vllm.logging_utils.NewLineFormatter", "datefmt": "%m-%d %H:%M:%S",
+            "format": "(%(vllm_process_name)s pid=%(process)d) %(levelname)s %(asctime)s "
+                      "[%(fileinfo)s:%(lineno)d] %(message)s",
+        }},
+        "handlers": {"vllm": {"class": "logging.StreamHandler", "formatter": "vllm",
+                              "level": "DEBUG", "stream": stream}},
+        "loggers": {
+            "vllm": {"handlers": ["vllm"], "level": "INFO", "propagate": False},
+            "vllm.v1.metrics.loggers": {"level": "DEBUG"},  # through vllm's handler
+        },
+    }  # fmt: skip
+    path = folder / "vllm-logging.json"
+    path.write_text(json.dumps(config))
+    return {"VLLM_LOGGING_CONFIG_PATH": str(path)}
+
+
 def instance_environment(extra: dict[str, str] | None = None) -> dict[str, str]:
     """What vLLM's CPU build needs here, and a NIXL side channel of its own per instance."""
     return {
@@ -90,7 +116,7 @@ class Server:
 
     def __init__(
         self, model: Path, transfer: dict[str, Any] | None, log_path: Path,
-        startup_timeout_s: float = 300.0,
+        startup_timeout_s: float = 300.0, environment: dict[str, str] | None = None,
     ) -> None:  # fmt: skip
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -111,7 +137,8 @@ class Server:
             ]
         self.process = subprocess.Popen(
             command, stdout=self._log, stderr=subprocess.STDOUT,
-            env=instance_environment({"VLLM_LOG_STATS_INTERVAL": "1"}), start_new_session=True,
+            env=instance_environment({"VLLM_LOG_STATS_INTERVAL": "1", **(environment or {})}),
+            start_new_session=True,
         )  # fmt: skip
         deadline = time.monotonic() + startup_timeout_s
         while not self._healthy():
