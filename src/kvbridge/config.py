@@ -29,9 +29,10 @@ class ManagerConfig:
     request_timeout_s: how long a prefill room waits for decode's transfer request(s).
     write_timeout_s: how long prefill waits for one engine write.
     writes_in_flight: write jobs a prefill rank hands out per decode peer at once (to the
-        engine, or waiting for ring space): the next is planned and gathered while earlier
-        ones move. Rooms toward a peer are written oldest first, so they complete in the order
-        they arrived.
+        engine, or waiting for ring space): the next are planned and gathered while earlier
+        ones move; enough for a room's chunks (which may go as one transfer) and one more.
+        Rooms toward a peer are written oldest first, so they complete in the order they
+        arrived.
     keep_plans: prefill keeps every (room, peer, plan) it wrote, for benchmarks that replay
         the identical blocks through the raw engine.
     staging: use the staging path when the TP sizes differ (decode registers a ring, prefill
@@ -59,7 +60,7 @@ class ManagerConfig:
     transfer_timeout_s: float = 300.0
     request_timeout_s: float = 300.0
     write_timeout_s: float = 60.0
-    writes_in_flight: int = 2
+    writes_in_flight: int = 4
     keep_plans: bool = False
     staging: bool = True
     staging_bytes: int = 64 << 20

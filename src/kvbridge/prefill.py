@@ -57,7 +57,7 @@ from kvbridge.core.prefill_protocol import (
 )
 from kvbridge.core.protocol import Tick
 from kvbridge.core.room import Chunk, Failure, RoomStatus
-from kvbridge.engines import EngineError, EngineTimeout, TransferHandle, WriteFenced
+from kvbridge.engines import EngineError, EngineTimeout, PendingWrite, TransferHandle, WriteFenced
 from kvbridge.runtime import RankManager, RankRuntime
 from kvbridge.wire import FailureKind, KVPoll, Message
 
@@ -82,6 +82,20 @@ class _Prepared:
 
     write: Write
     plan: TransferPlan
+
+
+@dataclass
+class _Starting:
+    """Prepared writes to one peer as one engine transfer, set up and about to be posted."""
+
+    writes: list[_Prepared]
+    plan: TransferPlan
+    engine_peer: str
+    pending: PendingWrite
+
+
+# Writes that ended, each with what failed it (None: written), for the reporting thread.
+_Ended = list[tuple[Write, Exception | None]]
 
 
 @dataclass
@@ -165,10 +179,13 @@ class PrefillManager(RankManager):
         self._plan_memory = PlanArena()
         self._to_prepare: queue.SimpleQueue[Write | None] = queue.SimpleQueue()
         self._to_engine: queue.SimpleQueue[Connect | _Prepared | None] = queue.SimpleQueue()
+        self._to_report: queue.SimpleQueue[_Ended | None] = queue.SimpleQueue()
         self._threads = [
             threading.Thread(target=self._run_preparer, name="kvbridge-prefill-prepare",
                              daemon=True),
             threading.Thread(target=self._run_engine, name="kvbridge-prefill-engine",
+                             daemon=True),
+            threading.Thread(target=self._run_reporter, name="kvbridge-prefill-report",
                              daemon=True),
         ]  # fmt: skip
         self.bootstrap: BootstrapServer | None = None
@@ -331,20 +348,32 @@ class PrefillManager(RankManager):
                 if item is None:
                     for left in posted:  # closing: nothing more moves
                         left.handle.release()
+                    self._to_report.put(None)
                     return
                 if isinstance(item, Connect):
                     self._connect(item)
                 else:
                     ready.append(item)
-            if ready:
-                started = self._post(_merged(ready))
-                if started is not None:
-                    posted.append(started)
-            # Writes that ended (an engine may move a whole write inside its post call) are
-            # reported before the next post.
-            posted = self._progress(posted)
-            if posted and not ready:
+            posted, ended = self._progress(posted)
+            # The next transfer is set up before the ended writes are handed to the reporting
+            # thread and posted right after: that thread (and the preparing one it hands new
+            # writes to) then runs while the engine moves data, not between two transfers.
+            # NIXL over CMA copies inside the post call; between its transfers, each handoff
+            # to another thread cost this one ~0.5 ms waiting for the GIL.
+            starting = self._set_up(_merged(ready), ended) if ready else None
+            if ended:
+                self._to_report.put(ended)
+            if starting is not None:
+                posted += self._start(starting)
+            if posted and not ready and not ended:
                 time.sleep(WRITE_POLL_S)
+
+    # --- reporting thread: ended writes into the protocol ----------------------------------
+
+    def _run_reporter(self) -> None:
+        while (ended := self._to_report.get()) is not None:
+            for write, exc in ended:
+                self._ended(write, exc)
 
     def _connect(self, connect: Connect) -> None:
         try:
@@ -356,36 +385,49 @@ class PrefillManager(RankManager):
         self._engine_peers[connect.peer_id] = engine_peer
         self._handle(Connected(connect.peer_id))
 
-    def _post(self, group: list[_Prepared]) -> _Posted | None:
-        """Hand prepared writes to one peer to the engine as one transfer (under a valid
-        lease); None if they ended already (failed, or nothing to move)."""
+    def _set_up(self, group: list[_Prepared], ended: _Ended) -> _Starting | None:
+        """Prepared writes to one peer as one engine transfer, set up to be posted; None if
+        they ended already (failed, or nothing to move), added to `ended`."""
         writes = [prepared.write for prepared in group]
         peer_id = writes[0].job.peer_id
         notify = next((write.notify for write in writes if write.notify), b"")
         plan = TransferPlan.concat(*(prepared.plan for prepared in group), memory=self._plan_memory)
+        failure: Exception | None = None
         try:
             engine_peer = self._engine_peers.get(peer_id)
             if engine_peer is None:
                 missing = self._connect_errors.get(peer_id, "not connected")
                 raise EngineError(self.engine.name, "write", missing)
+            if len(plan):
+                pending = self.engine.prepare_write(engine_peer, plan, notify)
+                return _Starting(group, plan, engine_peer, pending)
             why = self._lease_problem(peer_id)
             if why is not None:
                 raise WriteFenced(self.engine.name, "write", why)
-            if len(plan):
-                started = time.monotonic()
-                handle = self.engine.write(engine_peer, plan, notify)
-                return _Posted(group, plan, engine_peer, handle, started)
             if notify and self.engine.delivers_notifications:
                 self.engine.notify(engine_peer, notify)
         except (EngineError, ValueError) as exc:
-            self._release(group, plan)
-            for write in writes:
-                self._ended(write, exc)
-            return None
+            failure = exc
         self._release(group, plan)
-        for write in writes:
-            self._ended(write)
+        ended += [(write, failure) for write in writes]
         return None
+
+    def _start(self, starting: _Starting) -> list[_Posted]:
+        """Post a set-up transfer under a valid write lease (asked at the last moment): the
+        posted transfer, or none (its writes are then reported as failed)."""
+        peer_id = starting.writes[0].write.job.peer_id
+        try:
+            why = self._lease_problem(peer_id)
+            if why is not None:
+                starting.pending.release()
+                raise WriteFenced(self.engine.name, "write", why)
+            started = time.monotonic()
+            handle = starting.pending.start()
+        except EngineError as exc:
+            self._release(starting.writes, starting.plan)
+            self._to_report.put([(prepared.write, exc) for prepared in starting.writes])
+            return []
+        return [_Posted(starting.writes, starting.plan, starting.engine_peer, handle, started)]
 
     def _release(self, group: list[_Prepared], plan: TransferPlan, reuse: bool = True) -> None:
         """These plans are done with: their memory may serve the next ones (unless a
@@ -398,9 +440,9 @@ class PrefillManager(RankManager):
             else:
                 self._plan_memory.forget(done)
 
-    def _progress(self, posted: list[_Posted]) -> list[_Posted]:
-        """Poll every transfer in flight once; report the writes of those that ended; the
-        rest."""
+    def _progress(self, posted: list[_Posted]) -> tuple[list[_Posted], _Ended]:
+        """Poll every transfer in flight once: those still moving, and the writes of those
+        that ended (to be reported)."""
         # Engines that move a write on only when polled stop at the fence (the lease, asked
         # once per peer per round); others finish or time out what they were given (decode
         # waits that out).
@@ -408,6 +450,7 @@ class PrefillManager(RankManager):
         peers = {item.writes[0].write.job.peer_id for item in posted}
         leases = {peer: self._lease_problem(peer) for peer in peers} if fenced else {}
         still: list[_Posted] = []
+        ended: _Ended = []
         for item in posted:
             peer_id = item.writes[0].write.job.peer_id
             try:
@@ -416,8 +459,7 @@ class PrefillManager(RankManager):
                 )
             except EngineError as exc:
                 self._release(item.writes, item.plan, reuse=not isinstance(exc, EngineTimeout))
-                for prepared in item.writes:
-                    self._ended(prepared.write, exc)
+                ended += [(prepared.write, exc) for prepared in item.writes]
                 continue
             if not done:
                 still.append(item)
@@ -437,15 +479,16 @@ class PrefillManager(RankManager):
                     self.written_plans.append(
                         (prepared.write.room, item.engine_peer, prepared.plan)
                     )
-                self._ended(prepared.write)
-        return still
+                ended.append((prepared.write, None))
+        return still, ended
 
     # --- lifecycle -------------------------------------------------------------------------
 
     def close(self) -> None:
         if self._lease is not None:  # withdrawn first: a restarted rank can register at once
             self._lease.close()
-        self._to_prepare.put(None)  # the preparing thread then stops the engine thread
+        # The preparing thread then stops the engine thread, and that the reporting one.
+        self._to_prepare.put(None)
         for thread in self._threads:
             thread.join(timeout=10.0)
         self.runtime.close()

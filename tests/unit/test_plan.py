@@ -189,6 +189,38 @@ def test_writes_outside_registered_memory_are_refused() -> None:
         execute(overrun, src, dst)
 
 
+def test_a_write_in_two_steps_moves_only_once_started() -> None:
+    """`prepare_write` checks and sets up; nothing moves before `start()`, a dropped write
+    never moves, and neither step can be taken twice."""
+    src, dst = rank_cache(), rank_cache(seed=None)
+    before = [array.copy() for array in dst.kv]
+    sender, receiver = LoopbackEngine(), LoopbackEngine()
+    try:
+        sender.register(src.regions())
+        peer = sender.connect(receiver.endpoint(), dst.regions())
+        plan = plan_kv(src.args, dst.args, [0, 1], [3, 2])
+        dropped = sender.prepare_write(peer, plan)
+        dropped.release()
+        dropped.release()  # idempotent
+        with pytest.raises(RuntimeError, match="started or released already"):
+            dropped.start()
+        assert all(np.array_equal(a, b) for a, b in zip(dst.kv, before, strict=True))
+        expected = expected_after(src, dst, np.array([0, 1]), np.array([3, 2]))
+        pending = sender.prepare_write(peer, plan)
+        assert all(np.array_equal(a, b) for a, b in zip(dst.kv, before, strict=True))
+        pending.start().wait(1.0)
+        assert all(np.array_equal(a, b) for a, b in zip(dst.kv, expected, strict=True))
+        with pytest.raises(RuntimeError, match="started or released already"):
+            pending.start()
+        pending.release()  # nothing once started
+        stray = TransferPlan(plan.src, plan.dst, plan.length * np.uint64(10**6))
+        with pytest.raises(EngineError, match="outside local source registered memory"):
+            sender.prepare_write(peer, stray)  # refused before anything is set up
+    finally:
+        sender.close()
+        receiver.close()
+
+
 def test_head_major_pages_move_whole_or_by_head_slices() -> None:
     head_major = {"kv_layout": KVLayout.MHA_HEAD_MAJOR, "total_kv_heads": 4}
     src = rank_cache(**head_major)

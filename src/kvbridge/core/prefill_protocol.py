@@ -192,7 +192,7 @@ class PrefillSettings:
     staging_bytes: int | None = None  # the local staging buffer's size; None: none
     # Write jobs handed out per decode peer at once (to the engine, or waiting for ring
     # space): the next ones are planned and gathered while earlier ones move.
-    writes_in_flight: int = 2
+    writes_in_flight: int = 4
 
     @property
     def rank(self) -> int:

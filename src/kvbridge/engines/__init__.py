@@ -9,6 +9,7 @@ from kvbridge.cache.regions import MemoryRegion, RegionMap
 from kvbridge.engines.base import (
     EngineError,
     EngineTimeout,
+    PendingWrite,
     TransferEngine,
     TransferHandle,
     TransferState,
@@ -36,6 +37,7 @@ __all__ = [
     "EngineSpec",
     "EngineTimeout",
     "MemoryRegion",
+    "PendingWrite",
     "RegionMap",
     "TransferEngine",
     "TransferHandle",

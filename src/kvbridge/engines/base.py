@@ -107,6 +107,33 @@ class TransferHandle(ABC):
             time.sleep(poll_interval_s)
 
 
+class PendingWrite:
+    """A write checked and set up for the engine but not started: `start()` posts it, or
+    `release()` drops it. Splitting the two lets a writer do its bookkeeping between them:
+    some engines move the whole write inside the post call (NIXL over CMA copies there), so
+    whatever runs after `start()` waits for the copy."""
+
+    def __init__(
+        self, start: Callable[[], TransferHandle], release: Callable[[], None] | None = None
+    ) -> None:
+        self._start: Callable[[], TransferHandle] | None = start
+        self._release = release
+
+    def start(self) -> TransferHandle:
+        """Post the write (once)."""
+        if self._start is None:
+            raise RuntimeError("this write was started or released already")
+        start, self._start = self._start, None
+        return start()
+
+    def release(self) -> None:
+        """Drop the write without starting it (idempotent; nothing once started)."""
+        if self._start is not None:
+            self._start = None
+            if self._release is not None:
+                self._release()
+
+
 class TransferEngine(ABC):
     """One endpoint of a transfer engine in this process."""
 
@@ -149,10 +176,18 @@ class TransferEngine(ABC):
     def write(self, peer: str, plan: TransferPlan, notify: bytes = b"") -> TransferHandle:
         """Start writing the plan's blocks to the peer. Every block must lie inside registered
         memory on both sides: anything else is refused before the engine sees it."""
+        return self.prepare_write(peer, plan, notify).start()
+
+    def prepare_write(self, peer: str, plan: TransferPlan, notify: bytes = b"") -> PendingWrite:
+        """`write` up to the point of posting (checked, and set up where the engine can do
+        that ahead); `start()` on the result posts it."""
         if peer not in self.peer_memory:
             raise EngineError(self.name, "write", f"not connected to peer {peer!r}")
         self.check_bounds(peer, plan)
-        return self._write(peer, plan, notify)
+        return self._prepare_write(peer, plan, notify)
+
+    def _prepare_write(self, peer: str, plan: TransferPlan, notify: bytes) -> PendingWrite:
+        return PendingWrite(lambda: self._write(peer, plan, notify))
 
     def check_bounds(self, peer: str, plan: TransferPlan) -> None:
         for side, regions, addresses in (

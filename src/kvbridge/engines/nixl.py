@@ -26,6 +26,7 @@ from kvbridge.cache.regions import MemoryRegion, RegionMap
 from kvbridge.engines.base import (
     ClosedEngine,
     EngineError,
+    PendingWrite,
     TransferEngine,
     TransferHandle,
     TransferState,
@@ -219,17 +220,32 @@ class NixlEngine(TransferEngine):
         return self._agent.get_xfer_descs(table, _mem_type(kind))
 
     def _write(self, peer: str, plan: TransferPlan, notify: bytes) -> TransferHandle:
+        return self._prepare_write(peer, plan, notify).start()
+
+    def _prepare_write(self, peer: str, plan: TransferPlan, notify: bytes) -> PendingWrite:
+        """The transfer request built (descriptors, `initialize_xfer`); posting it is what
+        copies over CMA, inside the call."""
+        agent = self._agent
         try:
             local = self._descriptors(plan.src, plan.length, self.local_memory, 0)
             remote = self._descriptors(plan.dst, plan.length, self.peer_memory[peer], 1)
-            handle = self._agent.initialize_xfer("WRITE", local, remote, peer, notify)
-            state = self._agent.transfer(handle)
+            handle = agent.initialize_xfer("WRITE", local, remote, peer, notify)
         except Exception as exc:
             raise EngineError(NAME, "write", str(exc)) from None
-        if state == "ERR":
-            self._agent.release_xfer_handle(handle)
-            raise EngineError(NAME, "write", "NIXL refused to post the transfer (state ERR)")
-        return _NixlHandle(self._agent, handle)
+
+        def start() -> TransferHandle:
+            try:
+                state = agent.transfer(handle)
+            except Exception as exc:
+                with contextlib.suppress(Exception):  # the post's own error is the one to tell
+                    agent.release_xfer_handle(handle)
+                raise EngineError(NAME, "write", str(exc)) from None
+            if state == "ERR":
+                agent.release_xfer_handle(handle)
+                raise EngineError(NAME, "write", "NIXL refused to post the transfer (state ERR)")
+            return _NixlHandle(agent, handle)
+
+        return PendingWrite(start, lambda: agent.release_xfer_handle(handle))
 
     delivers_notifications = True
 
