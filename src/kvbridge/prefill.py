@@ -111,21 +111,20 @@ class _Posted:
 
 
 def _merged(ready: deque[_Prepared]) -> list[_Prepared]:
-    """The writes at the head of `ready` that go as one transfer: in order, to one peer, at
-    most one of them with a notification, within `MAX_MERGED_WRITES` and
-    `MAX_MERGED_BLOCKS`."""
+    """The writes at the head of `ready` that go as one transfer: in order, to one peer,
+    within `MAX_MERGED_WRITES` and `MAX_MERGED_BLOCKS`, and ending with the first one that
+    carries a notification (the room it completes does not wait for the next room's
+    chunks)."""
     group = [ready.popleft()]
     peer_id = group[0].write.job.peer_id
-    notifying = bool(group[0].write.notify)
     blocks = len(group[0].plan)
-    while ready and len(group) < MAX_MERGED_WRITES:
+    while ready and len(group) < MAX_MERGED_WRITES and not group[-1].write.notify:
         following = ready[0]
-        if following.write.job.peer_id != peer_id or (notifying and following.write.notify):
+        if following.write.job.peer_id != peer_id:
             break
         if blocks + len(following.plan) > MAX_MERGED_BLOCKS:
             break
         group.append(ready.popleft())
-        notifying = notifying or bool(following.write.notify)
         blocks += len(following.plan)
     return group
 
