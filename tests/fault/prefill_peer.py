@@ -30,7 +30,7 @@ from kv_cache import rank_cache
 import kvbridge.runtime
 from kvbridge.cache import TransferPlan
 from kvbridge.config import ManagerConfig
-from kvbridge.engines import TransferHandle, TransferState
+from kvbridge.engines import PendingWrite, TransferHandle, TransferState
 from kvbridge.engines.nixl import NixlEngine
 from kvbridge.prefill import KVSender, PrefillManager
 from kvbridge.wire import KVPoll
@@ -50,7 +50,10 @@ class GatedNixl(NixlEngine):
 
     gate = threading.Event()
 
-    def _write(self, peer: str, plan: TransferPlan, notify: bytes) -> TransferHandle:
+    def _prepare_write(self, peer: str, plan: TransferPlan, notify: bytes) -> PendingWrite:
+        return PendingWrite(lambda: self._held(peer, plan, notify))
+
+    def _held(self, peer: str, plan: TransferPlan, notify: bytes) -> TransferHandle:
         say(writing=1)
         engine = self
 
@@ -62,7 +65,7 @@ class GatedNixl(NixlEngine):
                 if not engine.gate.is_set():
                     return TransferState.PENDING
                 if self.posted is None:
-                    self.posted = NixlEngine._write(engine, peer, plan, notify)
+                    self.posted = NixlEngine._prepare_write(engine, peer, plan, notify).start()
                 state = self.posted.poll()
                 self.error = self.posted.error
                 return state
