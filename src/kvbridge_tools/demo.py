@@ -19,7 +19,7 @@ import signal
 import sys
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from multiprocessing.synchronize import Barrier, Event
 from typing import Any
@@ -311,6 +311,21 @@ class RankMemory:
         for host, device in zip(self.host_arrays, self.device_tensors, strict=True):
             device.view(torch.uint8).copy_(torch.from_numpy(host.view(np.uint8)))
         torch.cuda.synchronize()
+
+    def holds_data(self, pages: Sequence[int]) -> bool:
+        """Whether any byte of these KV pages (one per request catches a batch written
+        early), of the aux or of the state slots is not zero, where the engine writes them
+        (on the device for GPU memory)."""
+        arrays: list[Any] = self.host_arrays
+        if self.device_tensors:
+            import torch  # type: ignore[import-not-found,unused-ignore]
+
+            arrays = [tensor.view(torch.uint8) for tensor in self.device_tensors]
+        index = list(pages)
+        kv, slots = arrays[: len(self.kv)], arrays[len(self.kv) :]
+        return any(bool(array[index].any()) for array in kv) or any(
+            bool(array.any()) for array in slots
+        )
 
     def to_host(self) -> None:
         if not self.device_tensors:
@@ -615,16 +630,21 @@ def run_decode(
             memory.to_host()
             for room in warmup:
                 delivered(room)
-            # Zeroed again: what the timed batch is checked for must be its own writing.
-            for array in memory.host_arrays:
-                array.fill(0)
-            memory.to_device()
             events.warmed[rank].set()
             if config.measure_raw:  # prefill replays the warm-up's blocks: stay reachable
                 manager.poll_engine_often(True)
                 wait_all(events.replayed, config.timeout_s)
                 manager.poll_engine_often(False)
+            # Zeroed again only now: the replay wrote the warm-up's blocks, which are the
+            # timed batch's, into these same pages, and what the timed batch is checked for
+            # must be its own writing.
+            for array in memory.host_arrays:
+                array.fill(0)
+            memory.to_device()
         timed = range(config.requests)
+        if memory.holds_data([pages_of(room)[0] for room in timed]):
+            raise RuntimeError("decode's pages hold data before the timed batch: its bytes "
+                               "could not be told from what was there")  # fmt: skip
         started = time.perf_counter()
         sent_at, done = run_batch(timed, timed=True)
         report.seconds = max(done.values(), default=started) - started

@@ -68,9 +68,11 @@ def test_nixl_requests_arrive_byte_exact(
 def test_a_warm_up_batch_and_raw_replays_around_the_timed_one(
     prefill_tp: int, decode_tp: int, dcp: int
 ) -> None:
-    """What benchmarks run: a warm-up batch of every request into the same pages (verified,
-    then decode's pages zeroed), the raw engine replaying its blocks before the timed batch and
-    the timed batch's after it; the baseline is the mean of the two."""
+    """What benchmarks run: a warm-up batch of every request into the same pages (verified),
+    the raw engine replaying its blocks before the timed batch and the timed batch's after it
+    (the baseline is the mean of the two); decode's pages are zeroed after the first replay,
+    which writes the timed batch's bytes into them, and the demo fails if they are not blank
+    when the timed batch starts: its bytes must be kvbridge's own."""
     require("nixl")
     config = DemoConfig(
         requests=4, tokens=200, prefill_tp=prefill_tp, decode_tp=decode_tp, dcp=dcp,
