@@ -94,6 +94,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/plan_128k.py
 	$(BIN)/python benchmarks/wire_codec.py
 	$(BIN)/python benchmarks/registration.py
+	$(BIN)/python benchmarks/nixl_notify.py
 	$(MAKE) --no-print-directory $(SGLANG_STAMP)
 	$(BIN)/python benchmarks/e2e.py
 	$(BIN)/python benchmarks/hetero.py
