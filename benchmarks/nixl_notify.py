@@ -38,8 +38,8 @@ POLL_INTERVALS_S = (0.0001, 0.001, 0.003)
 
 
 def run_target(conn: Connection) -> None:
-    """Register the destination, then poll notifications at the pace the initiator sets,
-    until it says stop (None)."""
+    """Register the destination, then poll notifications at each pace the initiator sets
+    (acknowledged once set), until it says stop (None)."""
     from kvbridge.engines.nixl import NixlEngine
 
     destination = np.ones(TOTAL_BYTES, np.uint8)  # touched: no page faults in the copies
@@ -47,13 +47,11 @@ def run_target(conn: Connection) -> None:
     region = MemoryRegion(destination.ctypes.data, TOTAL_BYTES)
     engine.register([region])
     conn.send((engine.endpoint(), region.ptr))
-    interval_s: float | None = conn.recv()
-    while interval_s is not None:
-        engine.notifications()
-        time.sleep(interval_s)
-        if conn.poll():
-            interval_s = conn.recv()
-            conn.send("ok")
+    while (interval_s := conn.recv()) is not None:
+        conn.send("polling")
+        while not conn.poll():
+            engine.notifications()
+            time.sleep(interval_s)
     engine.close()
 
 
@@ -97,7 +95,6 @@ def main() -> None:
 
     cases = [(per_write, notify) for per_write in args.blocks_per_write for notify in (b"", b"n")]
     results: list[dict[str, Any]] = []
-    here.send(POLL_INTERVALS_S[0])
     for interval_s in POLL_INTERVALS_S:
         here.send(interval_s)
         here.recv()
