@@ -95,6 +95,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/wire_codec.py
 	$(BIN)/python benchmarks/registration.py
 	$(BIN)/python benchmarks/nixl_notify.py
+	$(BIN)/python benchmarks/busy_host.py
 	$(MAKE) --no-print-directory $(SGLANG_STAMP)
 	$(BIN)/python benchmarks/e2e.py
 	$(BIN)/python benchmarks/hetero.py

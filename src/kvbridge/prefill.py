@@ -275,8 +275,10 @@ class PrefillManager(RankManager):
         self._handle(WriteEnded(write, failure))
 
     def _lease_problem(self, peer_id: str) -> str | None:
-        with self._lock:
-            return self.protocol.lease_problem(peer_id, time.monotonic())
+        # Without the lock (`lease_problem` says why that is safe): the engine thread asks
+        # before every post and poll round, and waiting there for a control thread's whole
+        # event to end held the copies back.
+        return self.protocol.lease_problem(peer_id, time.monotonic())
 
     def _await_lease(self, peer_id: str) -> str | None:
         """Wait (up to one peer timeout) for a valid write lease: a peer that just registered,

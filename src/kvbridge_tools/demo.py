@@ -17,6 +17,7 @@ import os
 import queue
 import signal
 import sys
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -124,6 +125,12 @@ class DemoConfig:
     prefill_host: str = "127.0.0.1"
     decode_host: str = "127.0.0.1"
     decode_netns: str | None = None
+    # A stand-in for a serving engine's scheduler thread that never waits: a pure-Python busy
+    # loop in every prefill rank's process, from before the first batch to the end
+    # (`benchmarks/busy_host.py`); and that process's `sys.setswitchinterval` (None: Python's
+    # own, 5 ms), how long a thread that gave up the GIL may wait to take it back.
+    prefill_busy_loop: bool = False
+    prefill_switch_interval_s: float | None = None
 
     @property
     def shape(self) -> ModelShape:
@@ -208,6 +215,9 @@ class DemoConfig:
                 raise DemoConfigError("--memory cuda needs torch, which is not installed") from None
             if not torch.cuda.is_available():
                 raise DemoConfigError("--memory cuda needs a CUDA GPU; torch sees none here")
+        if self.prefill_switch_interval_s is not None and self.prefill_switch_interval_s <= 0:
+            raise DemoConfigError("the prefill switch interval must be a positive number of "
+                                  f"seconds, not {self.prefill_switch_interval_s}")  # fmt: skip
         needed, available = self.memory_needed(), available_memory()
         if needed > available:
             raise DemoConfigError(
@@ -402,6 +412,7 @@ def run_prefill(
 
     report = RankReport("prefill", rank, ok=False)
     manager = None
+    busy_until = threading.Event()
     try:
         pages_per_request = config.pages_per_request
         tp, shape = config.prefill_tp, config.shape
@@ -423,6 +434,11 @@ def run_prefill(
                 rows = STATE_ROWS // tp
                 state[room] = state_content(room, range(rank * rows, (rank + 1) * rows))
         memory.to_device()
+        if config.prefill_switch_interval_s is not None:
+            sys.setswitchinterval(config.prefill_switch_interval_s)
+        if config.prefill_busy_loop:
+            threading.Thread(target=_busy_loop, args=(busy_until,), name="demo-busy-loop",
+                             daemon=True).start()  # fmt: skip
         events.filled[rank].set()
         active = []
         for room in range(config.rooms):
@@ -473,11 +489,19 @@ def run_prefill(
         # A rank that replays no more (done, or failed before) frees the others from waiting.
         events.raw_start.abort()
         events.prefill_done[rank].set()
+        busy_until.set()
         results.put(asdict(report))
         if manager is not None:
             # Decode reads the last statuses (and its verification ends) before sockets go.
             wait_all(events.decode_done, config.timeout_s)
             manager.close()
+
+
+def _busy_loop(stop: threading.Event) -> None:
+    """Run Python without ever blocking until `stop` is set (checked every 100k steps)."""
+    steps = 0
+    while not (steps % 100_000 == 0 and stop.is_set()):
+        steps += 1
 
 
 # Ways to replay the written blocks through the engine alone; the best is the baseline: all
@@ -574,10 +598,12 @@ def run_decode(
             slot = config.slot(room)
             return scattered[slot * pages_per_request : (slot + 1) * pages_per_request]
 
-        def run_batch(rooms: range, timed: bool) -> tuple[dict[int, float], dict[int, float]]:
+        def run_batch(rooms: range) -> tuple[dict[int, float], dict[int, float]]:
             """Ask for the rooms' transfers at once; when each was asked for and seen ending.
             The scheduler waits for rooms to end on the manager's activity event (set whenever
-            one may have), as a serving engine's idle step does, rather than spinning."""
+            one may have), as a serving engine's idle step does, rather than spinning. Nothing
+            else happens meanwhile: progress is reported as rooms are verified, after the
+            batch (a message to the parent process per room took CPU from the transfers)."""
             sent_at: dict[int, float] = {}
             for room in rooms:
                 sent_at[room] = time.perf_counter()
@@ -592,8 +618,6 @@ def run_decode(
                 for room in [room for room in waiting if receivers[room].poll() in ended]:
                     waiting.discard(room)
                     done[room] = now
-                    if timed:
-                        results.put({"progress": room})
                 if waiting:
                     manager.activity.wait(0.05)
             return sent_at, done
@@ -626,7 +650,7 @@ def run_decode(
 
         if config.warmup:
             warmup = range(config.requests, config.rooms)
-            run_batch(warmup, timed=False)
+            run_batch(warmup)
             memory.to_host()
             for room in warmup:
                 delivered(room)
@@ -646,11 +670,12 @@ def run_decode(
             raise RuntimeError("decode's pages hold data before the timed batch: its bytes "
                                "could not be told from what was there")  # fmt: skip
         started = time.perf_counter()
-        sent_at, done = run_batch(timed, timed=True)
+        sent_at, done = run_batch(timed)
         report.seconds = max(done.values(), default=started) - started
         memory.to_host()
         for room in timed:
             delivered(room)
+            results.put({"progress": room})
             if room in done and receivers[room].poll() == KVPoll.Success:
                 report.latencies_ms.append((done[room] - sent_at[room]) * 1e3)
                 report.bytes += tokens * args.token_bytes * len(kv) + AUX_BYTES

@@ -10,7 +10,7 @@ import pytest
 
 from kvbridge.cache.plan import DIRECT_MIN_BLOCK_BYTES
 from kvbridge.engines import unavailable_reason
-from kvbridge_tools.demo import RAW_STRATEGIES, DemoConfig, run_demo
+from kvbridge_tools.demo import RAW_STRATEGIES, DemoConfig, DemoConfigError, run_demo
 
 
 def _cuda_available() -> bool:
@@ -87,6 +87,22 @@ def test_a_warm_up_batch_and_raw_replays_around_the_timed_one(
     for name, gbps in result.raw_strategy_gbps().items():
         assert gbps == pytest.approx((before[name] + after[name]) / 2)
     assert result.raw_gbps == max(result.raw_strategy_gbps().values())
+
+
+def test_a_prefill_process_whose_python_never_waits() -> None:
+    """`benchmarks/busy_host.py`'s stand-in for a serving engine's scheduler: a busy Python
+    loop in the prefill process (and a short switch interval there) slows the transfers but
+    loses nothing; progress is reported once per verified room, after the timed batch."""
+    require("nixl")
+    progressed: list[int] = []
+    config = DemoConfig(requests=4, tokens=64, engine="nixl", prefill_busy_loop=True,
+                        prefill_switch_interval_s=0.001)  # fmt: skip
+    result = run_demo(config, progressed.append)
+    assert result.ok, [report for report in result.reports if not report.ok]
+    assert result.requests_verified == 4
+    assert progressed == [1, 2, 3, 4]
+    with pytest.raises(DemoConfigError, match="switch interval"):
+        DemoConfig(prefill_switch_interval_s=0.0).check()
 
 
 @pytest.mark.parametrize("memory", ["torch-cpu", pytest.param("cuda", marks=pytest.mark.skipif(

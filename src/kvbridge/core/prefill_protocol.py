@@ -318,7 +318,9 @@ class PrefillProtocol(ProtocolCore):
     # --- queries ---------------------------------------------------------------------------
 
     def lease_problem(self, peer_id: str, now: float) -> str | None:
-        """Why this rank may not write to the peer now (its lease ran out), or None."""
+        """Why this rank may not write to the peer now (its lease ran out), or None. A plain
+        read, safe without the manager's lock: a peer's record is only replaced whole (a new
+        registration) and its `lease_until` only grows."""
         peer = self.peers.get(peer_id)
         if peer is not None and now < peer.lease_until:
             return None
