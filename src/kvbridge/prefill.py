@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import sys
 import threading
 import time
 from collections import deque
@@ -57,6 +58,7 @@ from kvbridge.core.prefill_protocol import (
 )
 from kvbridge.core.protocol import Tick
 from kvbridge.core.room import Chunk, Failure, RoomStatus
+from kvbridge.core.waits import WINDOW_S, EngineWaits
 from kvbridge.engines import EngineError, EngineTimeout, PendingWrite, TransferHandle, WriteFenced
 from kvbridge.runtime import RankManager, RankRuntime
 from kvbridge.wire import FailureKind, KVPoll, Message
@@ -172,6 +174,8 @@ class PrefillManager(RankManager):
         # decode peer id → the engine's peer (engine thread)
         self._engine_peers: dict[str, str] = {}
         self._connect_errors: dict[str, str] = {}
+        # Time the engine thread spent in engine calls, and off a CPU in them (engine thread).
+        self.engine_waits = EngineWaits()
         # (room, engine peer, plan) of every write, kept with `keep_plans` (benchmarks).
         self.written_plans: list[tuple[int, str, TransferPlan]] = []
         # Address arrays of large plans, reused once their write ended (not with keep_plans).
@@ -217,6 +221,8 @@ class PrefillManager(RankManager):
             "staged_chunks": self.stats.staged_chunks,
             "staging_fallbacks": self.stats.staging_fallbacks,
             "blocks_written": self.stats.blocks_written,
+            "engine_call_seconds": self.engine_waits.busy_s,
+            "engine_call_wait_seconds": self.engine_waits.waited_s,
         }
 
     # --- scheduler side ------------------------------------------------------------------
@@ -355,6 +361,7 @@ class PrefillManager(RankManager):
                     self._connect(item)
                 else:
                     ready.append(item)
+            wall_started, cpu_started = time.perf_counter(), time.thread_time()
             posted, ended = self._progress(posted)
             # The next transfer is set up before the ended writes are handed to the reporting
             # thread and posted right after: that thread (and the preparing one it hands new
@@ -366,8 +373,23 @@ class PrefillManager(RankManager):
                 self._to_report.put(ended)
             if starting is not None:
                 posted += self._start(starting)
+            self._note_waits(wall_started, cpu_started)
             if posted and not ready and not ended:
                 time.sleep(WRITE_POLL_S)
+
+    def _note_waits(self, wall_started: float, cpu_started: float) -> None:
+        """Count a stretch of engine calls (polls, set-up, post) and the part of it spent off
+        a CPU; warn when that was most of the last window (`kvbridge.core.waits`)."""
+        wall_s = time.perf_counter() - wall_started
+        share = self.engine_waits.add(wall_s, time.thread_time() - cpu_started, time.monotonic())
+        if share is not None:
+            log.warning(
+                "prefill rank %d: %.0f%% of the engine thread's last %.2f s in engine calls went "
+                "to waiting for the GIL or a CPU, not to moving data: another thread of this "
+                "process keeps the GIL (one that never blocks holds it for the switch interval, "
+                "%.1f ms now: sys.setswitchinterval), or the host's CPUs are all busy",
+                self.rank, share * 100, WINDOW_S, sys.getswitchinterval() * 1e3,
+            )  # fmt: skip
 
     # --- reporting thread: ended writes into the protocol ----------------------------------
 

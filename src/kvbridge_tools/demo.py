@@ -472,7 +472,9 @@ def run_prefill(
         stats = manager.stats
         report.timings = {"staging_wait_s": stats.staging_wait_s, "gather_s": stats.gather_s,
                           "plan_s": stats.plan_s, "write_s": stats.write_s,
-                          "control_cpu_s": manager.channel.stats.cpu_seconds}  # fmt: skip
+                          "control_cpu_s": manager.channel.stats.cpu_seconds,
+                          "engine_call_s": manager.engine_waits.busy_s,
+                          "engine_call_wait_s": manager.engine_waits.waited_s}  # fmt: skip
         report.ok = not report.failed_rooms
         if config.measure_raw and report.ok and wait_all(events.verified, config.timeout_s):
             report.raw_seconds, report.raw_bytes, report.raw_blocks = _replay_raw(

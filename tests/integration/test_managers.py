@@ -443,6 +443,8 @@ def test_metrics_are_served_and_scraped() -> None:
     page_bytes = src.args.page_bytes
     assert prefill_metrics[("kvbridge_written_bytes_total", on_prefill)] == 2 * 4 * page_bytes
     assert prefill_metrics[("kvbridge_write_blocks_count", on_prefill)] == 1
+    call_s = prefill_metrics[("kvbridge_engine_call_seconds_total", on_prefill)]
+    assert 0 < prefill_metrics[("kvbridge_engine_call_wait_seconds_total", on_prefill)] <= call_s
     success = frozenset({**on_decode, "outcome": "Success", "kind": ""}.items())
     aborted = frozenset({**on_decode, "outcome": "Failed", "kind": "aborted"}.items())
     assert decode_metrics[("kvbridge_rooms_started_total", frozenset(on_decode.items()))] == 2

@@ -101,6 +101,9 @@ def test_a_prefill_process_whose_python_never_waits() -> None:
     assert result.ok, [report for report in result.reports if not report.ok]
     assert result.requests_verified == 4
     assert progressed == [1, 2, 3, 4]
+    # The engine thread's calls waited for the GIL most of the time, and it says so.
+    (prefill,) = [report for report in result.reports if report.role == "prefill"]
+    assert prefill.timings["engine_call_wait_s"] > 0.3 * prefill.timings["engine_call_s"] > 0
     with pytest.raises(DemoConfigError, match="switch interval"):
         DemoConfig(prefill_switch_interval_s=0.0).check()
 
