@@ -1,9 +1,17 @@
-"""Child processes, read from /proc (Linux)."""
+"""Child processes: read from /proc (Linux), and started as a terminal would start them."""
 
 from __future__ import annotations
 
 import contextlib
+import signal
 from pathlib import Path
+
+
+def interruptible() -> None:
+    """`preexec_fn` for a child that a test interrupts with SIGINT: the signal's default action
+    back. A suite started as a background job (`make test &`, nohup) inherits SIGINT ignored,
+    and Python leaves an ignored SIGINT ignored, so the test's SIGINT would do nothing."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def children_of(pid: int | str) -> dict[int, str]:

@@ -13,6 +13,7 @@ from dataclasses import asdict
 
 import pytest
 from kv_cache import rank_cache
+from processes import interruptible
 from real_engine import ENGINE, require_engine
 
 from kvbridge.config import ManagerConfig
@@ -94,6 +95,7 @@ def test_standalone_command() -> None:
         [sys.executable, "-m", "kvbridge", "bootstrap", "--port", "0"],
         stdout=subprocess.PIPE,
         text=True,
+        preexec_fn=interruptible,
     )
     try:
         assert process.stdout is not None

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from processes import children_of
+from processes import children_of, interruptible
 
 from kvbridge.engines import unavailable_reason
 
@@ -48,6 +48,7 @@ def start() -> Iterator[object]:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             cwd=ROOT,
+            preexec_fn=interruptible,
         )
         started.append(process)
         return process
