@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvbridge_tools.bench import engine_unavailable
+from kvbridge_tools.bench import engine_unavailable, raw_baseline
 
 RESULTS = Path("bench-results") / "busy_host.json"
 WORKLOADS = ((32, 128), (8, 2048))  # (requests, tokens)
@@ -59,8 +59,7 @@ def measure(requests: int, tokens: int, load: HostLoad, repeats: int) -> dict[st
             raise SystemExit(f"{requests} × {tokens}, {load.name}: the run failed: "
                              f"{[r for r in result.reports if not r.ok]}")  # fmt: skip
         runs.append((result.gbps, result.raw_strategy_gbps(), result.latency_ms(0.5)))
-    raw = {way: statistics.median(run[1][way] for run in runs) for way in runs[0][1]}
-    best = max(raw, key=lambda way: raw[way])
+    raw, best = raw_baseline([run[1] for run in runs])
     return {
         "requests": requests, "tokens": tokens, "load": load.name, "runs": repeats,
         "kvbridge_gbps": round(statistics.median(run[0] for run in runs), 3),

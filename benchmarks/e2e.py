@@ -39,7 +39,7 @@ from typing import Any
 
 from kvbridge.engines import engine_spec
 from kvbridge_tools import netns
-from kvbridge_tools.bench import engine_unavailable, json_in_private_netns
+from kvbridge_tools.bench import engine_unavailable, json_in_private_netns, raw_baseline
 
 RESULTS = Path("bench-results") / "e2e.json"
 # The median request of 32 issued at once ends within this share of the batch's wall time.
@@ -128,9 +128,7 @@ def summarize(workload: Workload, runs: list[dict[str, Any]]) -> dict[str, Any]:
     """One row from repeated runs: medians, the raw way with the best median GB/s as the
     baseline, and the median (and range) of the runs' ratios to it, each run against its own
     replay."""
-    ways = runs[0]["raw_gbps"].keys()
-    raw = {way: statistics.median(run["raw_gbps"][way] for run in runs) for way in ways}
-    best = max(raw, key=lambda way: raw[way])
+    raw, best = raw_baseline([run["raw_gbps"] for run in runs])
     ratios = [run["kvbridge_gbps"] / run["raw_gbps"][best] for run in runs]
     shares = [run["p50_ms"] / run["wall_ms"] for run in runs]
 

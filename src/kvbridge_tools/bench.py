@@ -16,10 +16,11 @@ import json
 import logging
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -245,6 +246,13 @@ def _run_in_private_netns(cell: Cell, preset_name: str, budget: int, log_level: 
         return CellResult(cell, error=f"the cell's process failed: {exc.stderr[-500:]}")
     row.pop("ratio")
     return CellResult(**{**row, "cell": cell})
+
+
+def raw_baseline(runs: Sequence[Mapping[str, float]]) -> tuple[dict[str, float], str]:
+    """Each raw way's median GB/s over repeated runs (each run: way → GB/s), and the way
+    with the best median: the baseline that each run's kvbridge figure is held against."""
+    medians = {way: statistics.median(run[way] for run in runs) for way in runs[0]}
+    return medians, max(medians, key=lambda way: medians[way])
 
 
 def engine_unavailable(engine: str) -> str | None:

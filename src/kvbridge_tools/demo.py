@@ -412,7 +412,7 @@ def run_prefill(
 
     report = RankReport("prefill", rank, ok=False)
     manager = None
-    busy_until = threading.Event()
+    stop_busy_loop = threading.Event()
     try:
         pages_per_request = config.pages_per_request
         tp, shape = config.prefill_tp, config.shape
@@ -437,7 +437,7 @@ def run_prefill(
         if config.prefill_switch_interval_s is not None:
             sys.setswitchinterval(config.prefill_switch_interval_s)
         if config.prefill_busy_loop:
-            threading.Thread(target=_busy_loop, args=(busy_until,), name="demo-busy-loop",
+            threading.Thread(target=_busy_loop, args=(stop_busy_loop,), name="demo-busy-loop",
                              daemon=True).start()  # fmt: skip
         events.filled[rank].set()
         active = []
@@ -491,7 +491,7 @@ def run_prefill(
         # A rank that replays no more (done, or failed before) frees the others from waiting.
         events.raw_start.abort()
         events.prefill_done[rank].set()
-        busy_until.set()
+        stop_busy_loop.set()
         results.put(asdict(report))
         if manager is not None:
             # Decode reads the last statuses (and its verification ends) before sockets go.
