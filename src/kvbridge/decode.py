@@ -48,7 +48,7 @@ from kvbridge.core.decode_protocol import (
     ScatterChunk,
 )
 from kvbridge.core.protocol import Tick
-from kvbridge.core.room import DecodeRoom, RoomStatus
+from kvbridge.core.room import COMPLETING_NOTIFICATIONS, DecodeRoom, RoomStatus
 from kvbridge.runtime import RankManager, RankRuntime
 from kvbridge.wire import FailureKind, KVPoll, Message, TransferRequest
 from kvbridge.wire.address import tcp_endpoint
@@ -91,6 +91,14 @@ class DecodeManager(RankManager):
         self.stats: DecodeStats = self.protocol.stats
         self._lock = self.runtime.lock
         self._groups: dict[str, list[PrefillRank]] = {}  # bootstrap URL → its prefill ranks
+        # A room's last write notifies this rank; its complete form (`COMPLETING_NOTIFICATIONS`)
+        # spares prefill a success status per room, and the room half a round trip. Not with
+        # a secret: an engine's notifications are not authenticated, statuses are.
+        self._capabilities = (
+            frozenset({COMPLETING_NOTIFICATIONS})
+            if self.engine.delivers_notifications and not config.secret
+            else frozenset()
+        )
         self._poll_often = False
         self._scatters: queue.SimpleQueue[ScatterChunk | None] = queue.SimpleQueue()
         self._scatter_thread = threading.Thread(
@@ -162,6 +170,7 @@ class DecodeManager(RankManager):
             control_port=self.channel.port,
             engine=self.config.engine,
             engine_descriptor=self.engine.endpoint(),
+            capabilities=self._capabilities,
             session_token=self.protocol.settings.session_token,
         )
         self._handle(Registering(endpoint, registration))

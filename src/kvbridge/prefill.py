@@ -55,6 +55,7 @@ from kvbridge.core.prefill_protocol import (
     Write,
     WriteEnded,
     plan_write,
+    transfer_notification,
 )
 from kvbridge.core.protocol import Tick
 from kvbridge.core.room import Chunk, Failure, RoomStatus
@@ -94,10 +95,12 @@ class _Starting:
     plan: TransferPlan
     engine_peer: str
     pending: PendingWrite
+    completing: Write | None  # the write whose room its notification completes, if any
 
 
-# Writes that ended, each with what failed it (None: written), for the reporting thread.
-_Ended = list[tuple[Write, Exception | None]]
+# Writes that ended, each with what failed it (None: written) and whether it went with a
+# complete notification (`transfer_notification`), for the reporting thread.
+_Ended = list[tuple[Write, Exception | None, bool]]
 
 
 @dataclass
@@ -110,6 +113,7 @@ class _Posted:
     engine_peer: str
     handle: TransferHandle
     started: float  # monotonic, when it was posted
+    completing: Write | None
 
 
 def _merged(ready: deque[_Prepared]) -> list[_Prepared]:
@@ -167,6 +171,7 @@ class PrefillManager(RankManager):
                 staging_timeout_s=config.staging_timeout_s,
                 staging_bytes=self._staging.length if self._staging is not None else None,
                 writes_in_flight=config.writes_in_flight,
+                engine_notifies=self.engine.delivers_notifications,
             )
         )
         self.stats: PrefillStats = self.protocol.stats
@@ -272,13 +277,14 @@ class PrefillManager(RankManager):
         elif isinstance(action, Connect):
             self._to_engine.put(action)
 
-    def _ended(self, write: Write, exc: Exception | None = None) -> None:
-        """Report a write's end to the protocol, with the failure `exc` says."""
+    def _ended(self, write: Write, exc: Exception | None = None, completed: bool = False) -> None:
+        """Report a write's end to the protocol, with the failure `exc` says (or, written,
+        whether its notification completed the room)."""
         failure = None
         if exc is not None:
             log.warning("room %d: %s", write.room, exc)
             failure = Failure(_kind_of(exc), f"room {write.room}: {exc}")
-        self._handle(WriteEnded(write, failure))
+        self._handle(WriteEnded(write, failure, completed and failure is None))
 
     def _lease_problem(self, peer_id: str) -> str | None:
         # Without the lock (`lease_problem` says why that is safe): the engine thread asks
@@ -395,8 +401,8 @@ class PrefillManager(RankManager):
 
     def _run_reporter(self) -> None:
         while (ended := self._to_report.get()) is not None:
-            for write, exc in ended:
-                self._ended(write, exc)
+            for write, exc, completed in ended:
+                self._ended(write, exc, completed)
 
     def _connect(self, connect: Connect) -> None:
         try:
@@ -413,7 +419,7 @@ class PrefillManager(RankManager):
         they ended already (failed, or nothing to move), added to `ended`."""
         writes = [prepared.write for prepared in group]
         peer_id = writes[0].job.peer_id
-        notify = next((write.notify for write in writes if write.notify), b"")
+        notify, completing = transfer_notification(writes)
         plan = TransferPlan.concat(*(prepared.plan for prepared in group), memory=self._plan_memory)
         failure: Exception | None = None
         try:
@@ -423,16 +429,17 @@ class PrefillManager(RankManager):
                 raise EngineError(self.engine.name, "write", missing)
             if len(plan):
                 pending = self.engine.prepare_write(engine_peer, plan, notify)
-                return _Starting(group, plan, engine_peer, pending)
+                return _Starting(group, plan, engine_peer, pending, completing)
             why = self._lease_problem(peer_id)
             if why is not None:
                 raise WriteFenced(self.engine.name, "write", why)
-            if notify and self.engine.delivers_notifications:
-                self.engine.notify(engine_peer, notify)
+            plain = next((write.notify for write in writes if write.notify), b"")
+            if plain and self.engine.delivers_notifications:
+                self.engine.notify(engine_peer, plain)  # alone it completes nothing
         except (EngineError, ValueError) as exc:
             failure = exc
         self._release(group, plan)
-        ended += [(write, failure) for write in writes]
+        ended += [(write, failure, False) for write in writes]
         return None
 
     def _start(self, starting: _Starting) -> list[_Posted]:
@@ -448,9 +455,10 @@ class PrefillManager(RankManager):
             handle = starting.pending.start()
         except EngineError as exc:
             self._release(starting.writes, starting.plan)
-            self._to_report.put([(prepared.write, exc) for prepared in starting.writes])
+            self._to_report.put([(prepared.write, exc, False) for prepared in starting.writes])
             return []
-        return [_Posted(starting.writes, starting.plan, starting.engine_peer, handle, started)]
+        return [_Posted(starting.writes, starting.plan, starting.engine_peer, handle, started,
+                        starting.completing)]  # fmt: skip
 
     def _release(self, group: list[_Prepared], plan: TransferPlan, reuse: bool = True) -> None:
         """These plans are done with: their memory may serve the next ones (unless a
@@ -482,7 +490,7 @@ class PrefillManager(RankManager):
                 )
             except EngineError as exc:
                 self._release(item.writes, item.plan, reuse=not isinstance(exc, EngineTimeout))
-                ended += [(prepared.write, exc) for prepared in item.writes]
+                ended += [(prepared.write, exc, False) for prepared in item.writes]
                 continue
             if not done:
                 still.append(item)
@@ -502,7 +510,7 @@ class PrefillManager(RankManager):
                     self.written_plans.append(
                         (prepared.write.room, item.engine_peer, prepared.plan)
                     )
-                ended.append((prepared.write, None))
+                ended.append((prepared.write, None, prepared.write is item.completing))
         return still, ended
 
     # --- lifecycle -------------------------------------------------------------------------

@@ -79,6 +79,21 @@ def test_chunks_aux_and_state_arrive() -> None:
     assert np.array_equal(dst.state[1][0], src.state[1][2])
 
 
+def test_a_rooms_complete_notification_is_its_success_report() -> None:
+    src, dst = rank_cache(seed=5, **GEOMETRY), rank_cache(seed=None, **GEOMETRY)
+    with pair(src, dst) as (prefill, decode):
+        sender, receiver = prefill.sender(5), decode.receiver(5)
+        receiver.init([7, 1, 4], aux_index=3)
+        sender.send([2, 3, 0], last=True, aux_index=0)
+        wait_for(finished(sender, receiver))
+        assert receiver.poll() == KVPoll.Success, receiver.failure_reason
+        # One transfer carried the whole room: its notification said it all, no status went.
+        assert prefill.protocol.rooms[5].completed_by_notification == {decode.peer_id}
+    for got, want in zip(dst.kv, src.kv, strict=True):
+        assert np.array_equal(got[[7, 1, 4]], want[[2, 3, 0]])
+    assert np.array_equal(dst.aux[0][3], src.aux[0][0])
+
+
 def test_incompatible_geometry_fails_the_room_with_the_reason() -> None:
     src = rank_cache(num_pages=8, seed=1, **GEOMETRY)
     dst = rank_cache(num_pages=8, seed=None, **{**GEOMETRY, "head_dim": 16})
@@ -346,6 +361,9 @@ def test_with_a_secret_unauthenticated_and_replayed_messages_are_refused() -> No
         sender.send([2, 3], last=True)
         wait_for(finished(sender, receiver))
         assert receiver.poll() == KVPoll.Success  # the forged abort did nothing
+        # An engine's notifications are not authenticated: with a secret, success comes
+        # with the (authenticated) status, never from a notification alone.
+        assert not prefill.protocol.rooms[6].completed_by_notification
     finally:
         push.close(linger=0)
         context.term()

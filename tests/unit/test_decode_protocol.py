@@ -121,6 +121,21 @@ def test_a_room_succeeds_when_every_rank_reported_and_its_notification_arrived()
     assert decode.pages_safe(1, 0.3) is None
 
 
+def test_complete_notifications_succeed_a_room_without_statuses() -> None:
+    decode = protocol()
+    register_all(decode)
+    state, _ = open_room(decode, 1)
+    decode.handle(Tick((notification_for(1, 0, complete=True),)), 0.1)
+    assert state.status.poll == KVPoll.Transferring  # rank 1 has not said anything
+    actions = decode.handle(Tick((notification_for(1, 1, complete=True),)), 0.2)
+    assert state.status.poll == KVPoll.Success
+    assert any(isinstance(action, RoomsChanged) for action in actions)
+    assert decode.pages_safe(1, 0.2)
+    # A status that follows anyway (a peer that sends one regardless) changes nothing.
+    decode.handle(status(1, 0, KVPoll.Failed), 0.3)
+    assert state.status.poll == KVPoll.Success
+
+
 def test_messages_without_this_ranks_token_or_from_strangers_are_ignored() -> None:
     decode = protocol()
     register_all(decode)

@@ -29,9 +29,10 @@ from kvbridge.core.prefill_protocol import (
     SenderOpened,
     Write,
     WriteEnded,
+    transfer_notification,
 )
 from kvbridge.core.protocol import Send, Tick
-from kvbridge.core.room import Chunk, Failure
+from kvbridge.core.room import COMPLETING_NOTIFICATIONS, Chunk, Failure
 from kvbridge.wire import (
     Abort,
     AbortAck,
@@ -55,7 +56,10 @@ RING_PTR = 0x7000_0000
 
 
 def protocol(
-    local: KVArgs | None = None, staging_bytes: int | None = 1 << 20, window: int = 2
+    local: KVArgs | None = None,
+    staging_bytes: int | None = 1 << 20,
+    window: int = 2,
+    engine_notifies: bool = False,
 ) -> PrefillProtocol:
     return PrefillProtocol(
         PrefillSettings(
@@ -63,6 +67,7 @@ def protocol(
             endpoint="tcp://10.0.0.1:7000", engine="nixl", heartbeat_interval_s=0.5,
             peer_timeout_s=TIMEOUT_S, request_timeout_s=30.0, staging_timeout_s=5.0,
             staging_bytes=staging_bytes, writes_in_flight=window,
+            engine_notifies=engine_notifies,
         )
     )  # fmt: skip
 
@@ -73,18 +78,23 @@ DECODE_CACHE = rank_cache(seed=None, **GEOMETRY)
 
 
 def registration(
-    args: KVArgs | None = None, peer_id: str = PEER, engine: str = "nixl"
+    args: KVArgs | None = None,
+    peer_id: str = PEER,
+    engine: str = "nixl",
+    capabilities: frozenset[str] = frozenset(),
 ) -> Registration:
     return registration_for(
         args or DECODE_CACHE.args, peer_id=peer_id, host="10.0.0.2",
         control_port=7100, engine=engine, engine_descriptor=peer_id.encode(),
-        session_token=TOKEN,
+        capabilities=capabilities, session_token=TOKEN,
     )  # fmt: skip
 
 
-def leased(prefill: PrefillProtocol, now: float = 0.0) -> list[Action]:
+def leased(
+    prefill: PrefillProtocol, now: float = 0.0, capabilities: frozenset[str] = frozenset()
+) -> list[Action]:
     """Register the decode peer, connect, and echo the first heartbeat (the write lease)."""
-    actions = prefill.handle(registration(), now)
+    actions = prefill.handle(registration(capabilities=capabilities), now)
     (beat,) = [a.message for a in actions if isinstance(a, Send)]
     assert isinstance(beat, Heartbeat)
     assert beat.session_token == TOKEN
@@ -203,6 +213,53 @@ def test_a_rooms_chunks_go_out_together_and_success_waits_for_every_write() -> N
     (refused,) = messages(prefill.handle(request(1, [0]), 0.5), TransferStatus)
     assert isinstance(refused, TransferStatus)
     assert refused.failure_kind == FailureKind.REFUSED
+
+
+def test_a_complete_notification_replaces_the_success_status() -> None:
+    prefill = protocol(engine_notifies=True)
+    leased(prefill, capabilities=frozenset({COMPLETING_NOTIFICATIONS}))
+    prefill.handle(SenderOpened(1), 0.0)
+    prefill.handle(ChunkSubmitted(1, Chunk(np.array([3, 4]), last=False)), 0.0)
+    (first,) = writes(prefill.handle(request(1, [10, 11, 12]), 0.1))
+    (second,) = writes(prefill.handle(ChunkSubmitted(1, Chunk(np.array([5]), True, 0)), 0.1))
+    assert first.notify_complete == b""  # not the last write
+    assert (second.notify, second.notify_complete) == (b"kvbridge:1:0", b"kvbridge:1:0:complete")
+    assert second.complete_with == {0}  # the first chunk was still out
+    # In one transfer with the first chunk, the notification completes the room; alone (the
+    # first chunk may still be moving, or fail), it does not.
+    assert transfer_notification([first, second]) == (second.notify_complete, second)
+    assert transfer_notification([second]) == (second.notify, None)
+    assert transfer_notification([first]) == (b"", None)
+    assert messages(prefill.handle(WriteEnded(first), 0.2), TransferStatus) == []
+    actions = prefill.handle(WriteEnded(second, completed=True), 0.3)
+    assert messages(actions, TransferStatus) == []  # decode heard it from the notification
+    assert prefill.rooms[1].status.poll == KVPoll.Success
+    # A room whose earlier chunk ended before its last one was handed out: complete alone.
+    prefill.handle(SenderOpened(2), 0.4)
+    prefill.handle(ChunkSubmitted(2, Chunk(np.array([6]), last=False)), 0.4)
+    (early,) = writes(prefill.handle(request(2, [13, 14]), 0.4))
+    prefill.handle(WriteEnded(early), 0.5)
+    (last,) = writes(prefill.handle(ChunkSubmitted(2, Chunk(np.array([7]), True, 1)), 0.5))
+    assert last.complete_with == frozenset()
+    assert transfer_notification([last]) == (last.notify_complete, last)
+    # A last write that failed reports the failure as before.
+    actions = prefill.handle(WriteEnded(last, Failure(FailureKind.ENGINE, "lost")), 0.6)
+    (failed,) = messages(actions, TransferStatus)
+    assert failed.status == KVPoll.Failed  # type: ignore[attr-defined]
+
+
+def test_no_complete_notification_without_the_capability_or_an_engine_that_notifies() -> None:
+    cases = ((True, frozenset[str]()), (False, frozenset({COMPLETING_NOTIFICATIONS})))
+    for engine_notifies, capabilities in cases:
+        prefill = protocol(engine_notifies=engine_notifies)
+        leased(prefill, capabilities=capabilities)
+        prefill.handle(SenderOpened(1), 0.0)
+        prefill.handle(ChunkSubmitted(1, Chunk(np.array([3]), True, 0)), 0.0)
+        (write,) = writes(prefill.handle(request(1, [10]), 0.1))
+        assert write.notify_complete == b""
+        assert transfer_notification([write]) == (write.notify, None)
+        (done,) = messages(prefill.handle(WriteEnded(write), 0.2), TransferStatus)
+        assert done.status == KVPoll.Success  # type: ignore[attr-defined]
 
 
 def test_rooms_toward_a_peer_are_written_in_arrival_order_not_interleaved() -> None:

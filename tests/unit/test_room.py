@@ -141,9 +141,27 @@ def test_decode_room_failure_and_deadline() -> None:
 
 
 def test_notifications_round_trip() -> None:
-    assert parse_notification(notification_for(42, 3)) == (42, 3)
-    assert parse_notification(b"kvbridge:x:1") is None
-    assert parse_notification(b"other") is None
+    assert parse_notification(notification_for(42, 3)) == (42, 3, False)
+    assert parse_notification(notification_for(42, 3, complete=True)) == (42, 3, True)
+    assert notification_for(42, 3) == b"kvbridge:42:3"  # what kvbridge 1.2 decoders parse
+    for other in (b"kvbridge:x:1", b"other", b"kvbridge:1:2:done", b"kvbridge:1:2:complete:x"):
+        assert parse_notification(other) is None
+
+
+def test_a_complete_notification_is_the_ranks_success_report() -> None:
+    room = DecodeRoom(1, frozenset({0, 1}), notifying_ranks=frozenset({0, 1}), deadline=10.0)
+    room.on_notification(0, complete=True)
+    assert room.status.poll != KVPoll.Success  # rank 1 has said nothing yet
+    room.on_notification(1)
+    assert room.status.poll != KVPoll.Success  # a plain notification still needs the status
+    room.on_status(1, KVPoll.Success, "")
+    assert room.status.poll == KVPoll.Success
+    assert room.settled == {0, 1}
+    dummy = DecodeRoom(2, frozenset({0, 1}), notifying_ranks=frozenset({0}), deadline=10.0)
+    dummy.on_notification(1, complete=True)  # rank 1 only tells about the room: not from it
+    dummy.on_notification(0, complete=True)
+    assert dummy.status.poll != KVPoll.Success
+    assert dummy.reported == {0}
 
 
 def test_pages_of_a_dead_rank_are_safe_only_when_its_lease_ran_out() -> None:

@@ -415,10 +415,10 @@ class DecodeProtocol(ProtocolCore):
             parsed = parse_notification(message)
             if parsed is None:
                 continue
-            room, prefill_rank = parsed
+            room, prefill_rank, complete = parsed
             state = self.rooms.get(room)
             if state is not None:
-                state.on_notification(prefill_rank)
+                state.on_notification(prefill_rank, complete)
         if now < self._next_sweep:
             return [RoomsChanged()] if changed else []
         self._next_sweep = now + SWEEP_INTERVAL_S

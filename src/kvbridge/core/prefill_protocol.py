@@ -44,7 +44,14 @@ from kvbridge.cache.plan import (
 )
 from kvbridge.core.liveness import Liveness
 from kvbridge.core.protocol import DueQueue, ProtocolCore, RankStats, RoomsChanged, Send, Tick
-from kvbridge.core.room import Chunk, ChunkJob, Failure, PrefillRoom, notification_for
+from kvbridge.core.room import (
+    COMPLETING_NOTIFICATIONS,
+    Chunk,
+    ChunkJob,
+    Failure,
+    PrefillRoom,
+    notification_for,
+)
 from kvbridge.staging.kernels import staged_size
 from kvbridge.staging.ring import Allocation, StagingRing
 from kvbridge.wire import (
@@ -129,6 +136,28 @@ class Write:
     pairing: Pairing
     notify: bytes
     staged: StagedChunk | None = None
+    # The room's last write to a peer that takes complete notifications: that form of its
+    # notification, allowed when the room's chunks still out when it was handed out
+    # (`complete_with`) go in the same transfer (`transfer_notification`).
+    notify_complete: bytes = b""
+    complete_with: frozenset[int] = frozenset()
+
+
+def transfer_notification(writes: Sequence[Write]) -> tuple[bytes, Write | None]:
+    """The notification of one transfer made of `writes` (in order; a transfer ends with the
+    first write that carries one), and the write whose room that notification completes
+    for the peer, if it does: every write of the room to that peer then either ended, and
+    succeeded, before this one was handed out, or travels in this transfer — NIXL sends a
+    notification only once its transfer's writes (and, flushing the endpoint, every earlier
+    one) completed, and a transfer fails whole."""
+    notifying = next((write for write in writes if write.notify), None)
+    if notifying is None:
+        return b"", None
+    if notifying.notify_complete:
+        travelling = {write.job.chunk_idx for write in writes if write.room == notifying.room}
+        if notifying.complete_with <= travelling:
+            return notifying.notify_complete, notifying
+    return notifying.notify, None
 
 
 Action = Send | Connect | Write | RoomsChanged
@@ -178,6 +207,9 @@ class WriteEnded:
 
     write: Write
     failure: Failure | None = None
+    # It went with a complete notification (`transfer_notification`): decode heard of the
+    # room's success from that, and is sent no status for it.
+    completed: bool = False
 
 
 @dataclass(frozen=True)
@@ -193,6 +225,9 @@ class PrefillSettings:
     # Write jobs handed out per decode peer at once (to the engine, or waiting for ring
     # space): the next ones are planned and gathered while earlier ones move.
     writes_in_flight: int = 4
+    # The engine delivers a write's notification to the peer (NIXL): a room's last write
+    # to a decode peer that registered `COMPLETING_NOTIFICATIONS` may then report its success.
+    engine_notifies: bool = False
 
     @property
     def rank(self) -> int:
@@ -396,7 +431,8 @@ class PrefillProtocol(ProtocolCore):
         """Tell every destination of the room (and `also_peer`) how it ended."""
         peers = set(state.requests) | state.late_askers | ({also_peer} if also_peer else set())
         actions: list[Action] = []
-        for peer_id in sorted(peers):
+        told = state.completed_by_notification if state.status.poll == KVPoll.Success else set()
+        for peer_id in sorted(peers - told):
             peer = self.peers.get(peer_id)
             if peer is None:
                 continue
@@ -611,7 +647,24 @@ class PrefillProtocol(ProtocolCore):
         assert peer.pairing is not None
         job = entry.job
         notify = notification_for(job.room, self.rank) if job.last else b""
-        entry.write = Write(job.room, job, peer.kv_args, peer.pairing, notify, staged)
+        notify_complete, complete_with = b"", frozenset[int]()
+        ring = peer.pairing.stageable and not peer.pairing.direct  # chunks may go through it
+        if (
+            job.last
+            and not ring
+            and COMPLETING_NOTIFICATIONS in peer.registration.capabilities
+            and self.settings.engine_notifies
+        ):
+            notify_complete = notification_for(job.room, self.rank, complete=True)
+            complete_with = frozenset(
+                chunk_idx
+                for room, chunk_idx, peer_id in self._jobs_of_room.get(job.room, ())
+                if peer_id == job.peer_id
+                and chunk_idx != job.chunk_idx
+                and self._jobs[(room, chunk_idx, peer_id)].handed_out
+            )
+        entry.write = Write(job.room, job, peer.kv_args, peer.pairing, notify, staged,
+                            notify_complete, complete_with)  # fmt: skip
         return entry.write
 
     def _gather_for(
@@ -691,6 +744,8 @@ class PrefillProtocol(ProtocolCore):
         actions: list[Action] = []
         if state is not None and ended.failure is not None:
             state.status.fail(ended.failure.kind, ended.failure.reason)
+        elif state is not None and ended.completed:
+            state.completed_by_notification.add(job.peer_id)
         staged = ended.write.staged
         peer = self.peers.get(job.peer_id)
         if (

@@ -135,6 +135,9 @@ class PrefillRoom:
     # Decode peers that asked about the room after it failed, while a write of it was still
     # in flight: they hear how it ended with its destinations, once nothing is in flight.
     late_askers: set[str] = field(default_factory=set)
+    # Decode peers whose last write went with a complete notification: that was their
+    # success report.
+    completed_by_notification: set[str] = field(default_factory=set)
 
     def request_overdue(self, now: float, timeout_s: float) -> bool:
         """Still waiting for decode's request(s) after `timeout_s`."""
@@ -318,9 +321,14 @@ class DecodeRoom:
             self.reported.add(prefill_rank)
             self._maybe_done()
 
-    def on_notification(self, prefill_rank: int) -> None:
+    def on_notification(self, prefill_rank: int, complete: bool = False) -> None:
+        """The rank's notifying write landed; `complete`: it was the rank's success report
+        too (every write of the room to this rank landed with or before it, none failed)."""
         if prefill_rank in self.notifying_ranks:
             self.notified.add(prefill_rank)
+            if complete:
+                self.settled.add(prefill_rank)
+                self.reported.add(prefill_rank)
             self._maybe_done()
 
     def chunk_arrived(self) -> None:
@@ -331,8 +339,9 @@ class DecodeRoom:
         self._maybe_done()
 
     def _maybe_done(self) -> None:
-        # The status says a rank wrote everything; where the engine notifies, the notification
-        # says it landed; staged chunks must be in the pages. Success needs all three.
+        # The status says a rank wrote everything (or a complete notification says it);
+        # where the engine notifies, the notification says it landed; staged chunks must be
+        # in the pages. Success needs all three.
         if (
             self.reported >= self.expected_ranks
             and self.notified >= self.notifying_ranks
@@ -359,16 +368,27 @@ class DecodeRoom:
         )
 
 
-def notification_for(room: int, prefill_rank: int) -> bytes:
-    """The notification a prefill rank attaches to a room's last write."""
-    return f"kvbridge:{room}:{prefill_rank}".encode()
+# A decode rank's registration capability: it takes a "complete" notification as the prefill
+# rank's success report for the room, which then sends no success status to it.
+COMPLETING_NOTIFICATIONS = "completing-notifications"
+_COMPLETE = b"complete"
 
 
-def parse_notification(message: bytes) -> tuple[int, int] | None:
-    """(room, prefill rank) of a kvbridge notification, None for anything else."""
+def notification_for(room: int, prefill_rank: int, complete: bool = False) -> bytes:
+    """The notification a prefill rank attaches to a room's last write; `complete`: it also
+    says that every write of the room to that decode rank landed (only for decode ranks that
+    registered `COMPLETING_NOTIFICATIONS`: others do not parse it)."""
+    plain = f"kvbridge:{room}:{prefill_rank}".encode()
+    return plain + b":" + _COMPLETE if complete else plain
+
+
+def parse_notification(message: bytes) -> tuple[int, int, bool] | None:
+    """(room, prefill rank, complete) of a kvbridge notification, None for anything else."""
     parts = message.split(b":")
-    if len(parts) != 3 or parts[0] != b"kvbridge" or not parts[1].isdigit():
+    if len(parts) not in (3, 4) or parts[0] != b"kvbridge":
         return None
-    if not parts[2].isdigit():
+    if not parts[1].isdigit() or not parts[2].isdigit():
         return None
-    return int(parts[1]), int(parts[2])
+    if len(parts) == 4 and parts[3] != _COMPLETE:
+        return None
+    return int(parts[1]), int(parts[2]), len(parts) == 4

@@ -249,7 +249,12 @@ _LAYOUT_ROWS: tuple[tuple[int, type[Message], str, tuple[Field, ...]], ...] = (
             Field("staging_total_size", c.U64),
             Field("memory_kind", c.EnumU8(MemoryKind)),
             Field("device_id", c.U32),
-            Field("capabilities", c.STRING_SET),
+            Field(
+                "capabilities",
+                c.STRING_SET,
+                "what else this rank understands: completing-notifications (a room's last "
+                "write may notify in the complete form instead of a success status)",
+            ),
             _session_token("random bytes prefill echoes back (1.1)"),
         ),
     ),
