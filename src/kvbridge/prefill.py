@@ -284,7 +284,7 @@ class PrefillManager(RankManager):
         if exc is not None:
             log.warning("room %d: %s", write.room, exc)
             failure = Failure(_kind_of(exc), f"room {write.room}: {exc}")
-        self._handle(WriteEnded(write, failure, completed and failure is None))
+        self._handle(WriteEnded(write, failure, completed))
 
     def _lease_problem(self, peer_id: str) -> str | None:
         # Without the lock (`lease_problem` says why that is safe): the engine thread asks
@@ -433,7 +433,7 @@ class PrefillManager(RankManager):
             why = self._lease_problem(peer_id)
             if why is not None:
                 raise WriteFenced(self.engine.name, "write", why)
-            plain = next((write.notify for write in writes if write.notify), b"")
+            plain = completing.notify if completing is not None else notify
             if plain and self.engine.delivers_notifications:
                 self.engine.notify(engine_peer, plain)  # alone it completes nothing
         except (EngineError, ValueError) as exc:
