@@ -114,6 +114,35 @@ def test_chunked_sends_equal_one_send(chunks: int, seed: int) -> None:
         assert np.array_equal(got, want)
 
 
+def runs_by_hand(src_pages: list[int], dst_pages: list[int]) -> list[tuple[int, int, int]]:
+    """Maximal runs where both sides advance by one, walked page by page."""
+    runs: list[tuple[int, int, int]] = []
+    for src_page, dst_page in zip(src_pages, dst_pages, strict=True):
+        if runs and src_page == runs[-1][0] + runs[-1][2] and dst_page == runs[-1][1] + runs[-1][2]:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((src_page, dst_page, 1))
+    return runs
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    pairs=st.lists(st.tuples(st.integers(0, 12), st.integers(0, 12)), max_size=24),
+    shift=st.integers(0, 2),
+)
+def test_page_runs_are_the_maximal_runs(pairs: list[tuple[int, int]], shift: int) -> None:
+    # Small page numbers (repeats, steps back, steps by one) with a running offset: runs,
+    # breaks on either side alone, and repeated pages all occur.
+    src_pages = [src + shift * i for i, (src, _) in enumerate(pairs)]
+    dst_pages = [dst + shift * i for i, (_, dst) in enumerate(pairs)]
+    src_starts, dst_starts, lengths = page_runs(
+        np.array(src_pages, dtype=np.int64), np.array(dst_pages, dtype=np.int64)
+    )
+    assert src_starts.dtype == dst_starts.dtype == lengths.dtype == np.int64
+    got = list(zip(src_starts.tolist(), dst_starts.tolist(), lengths.tolist(), strict=True))
+    assert got == runs_by_hand(src_pages, dst_pages)
+
+
 def test_contiguous_pages_merge_into_one_block_per_buffer() -> None:
     src = rank_cache(num_pages=64)
     dst = rank_cache(num_pages=64, seed=None)

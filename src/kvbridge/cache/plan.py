@@ -157,12 +157,20 @@ def page_runs(
     src_pages: npt.NDArray[np.int64], dst_pages: npt.NDArray[np.int64]
 ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]]:
     """Maximal runs where both sides' pages advance by one: (src starts, dst starts, lengths)."""
-    if src_pages.size == 0:
+    pages = src_pages.size
+    if pages == 0:
         empty = np.empty(0, np.int64)
         return empty, empty, empty
-    breaks = (np.diff(src_pages) != 1) | (np.diff(dst_pages) != 1)
-    starts = np.concatenate(([0], np.flatnonzero(breaks) + 1))
-    lengths = np.diff(np.concatenate((starts, [src_pages.size])))
+    # Planned on every write, mostly a few pages: few numpy calls, no np.diff (its Python
+    # wrapper cost more than the work at that size; 2026-12-03: 16 → 9 µs at 4 pages).
+    run_starts_here = np.empty(pages, dtype=bool)
+    run_starts_here[0] = True
+    np.not_equal(src_pages[1:] - src_pages[:-1], 1, out=run_starts_here[1:])
+    run_starts_here[1:] |= dst_pages[1:] - dst_pages[:-1] != 1
+    starts = np.flatnonzero(run_starts_here)
+    lengths = np.empty(starts.size, np.int64)
+    np.subtract(starts[1:], starts[:-1], out=lengths[:-1])
+    lengths[-1] = pages - starts[-1]
     return src_pages[starts], dst_pages[starts], lengths
 
 

@@ -114,7 +114,8 @@ class KVArgs:
     def __post_init__(self) -> None:
         self.validate()
 
-    @property
+    # Cached (the fields are frozen): planning asks for these on every write.
+    @cached_property
     def kv_heads(self) -> int:
         """KV heads held by this rank."""
         return _rank_heads(self.kv_layout, self.total_kv_heads, self.attn_tp_size)
@@ -123,17 +124,17 @@ class KVArgs:
     def dtype_size(self) -> int:
         return DTYPE_SIZES[self.dtype]
 
-    @property
+    @cached_property
     def head_bytes(self) -> int:
         """Bytes of one head of one token (K or V)."""
         return self.head_dim * self.dtype_size
 
-    @property
+    @cached_property
     def token_bytes(self) -> int:
         """Bytes of one token in one KV buffer (its K and V with MHA_HEAD_MAJOR)."""
         return self.kv_layout.kv_in_page * self.kv_heads * self.head_bytes
 
-    @property
+    @cached_property
     def page_bytes(self) -> int:
         """Bytes of one page in one KV buffer: every KV buffer's item_len."""
         return self.page_size * self.token_bytes
@@ -142,7 +143,6 @@ class KVArgs:
     def buffers_per_layer(self) -> int:
         return self.kv_layout.buffers_per_layer
 
-    # Cached (the fields are frozen): planning asks for these on every write.
     @cached_property
     def num_pages(self) -> int:
         """Pages every KV buffer can hold."""
