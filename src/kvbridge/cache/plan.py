@@ -574,6 +574,11 @@ class Pairing:
     stageable: bool = False
     direct: bool = False
 
+    @property
+    def through_ring(self) -> bool:
+        """Chunks may be gathered and written into decode's staging ring (then scattered)."""
+        return self.stageable and not self.direct
+
     def plan(
         self,
         src: KVArgs,

@@ -648,10 +648,9 @@ class PrefillProtocol(ProtocolCore):
         job = entry.job
         notify = notification_for(job.room, self.rank) if job.last else b""
         notify_complete, complete_with = b"", frozenset[int]()
-        ring = peer.pairing.stageable and not peer.pairing.direct  # chunks may go through it
         if (
             job.last
-            and not ring
+            and not peer.pairing.through_ring
             and COMPLETING_NOTIFICATIONS in peer.registration.capabilities
             and self.settings.engine_notifies
         ):
