@@ -9,11 +9,13 @@ outcome goes to every destination as a `TransferStatus`, with the reason on fail
 Every rule lives in `kvbridge.core.prefill_protocol.PrefillProtocol`; this module turns what
 happens (messages, ticks, the scheduler's calls, engine writes) into its events and executes
 the actions it returns. Threads: the control channel's thread owns the sockets and handles
-incoming messages and ticks; a preparing thread waits for the write lease, gathers staged
-chunks and plans each write; the engine thread makes every engine call — connects, posts the
-prepared writes in the order the protocol handed them out, and polls every write in flight
-(the lease is checked before each post and poll), reporting each as it ends. Several writes
-are out at once, so the next one is planned while the current one moves.
+incoming messages and ticks; a preparing thread connects the engine to new peers, waits for
+the write lease, gathers staged chunks, plans each write and sets up the next engine transfer
+(descriptors, `initialize_xfer`) while the current one moves; the engine thread posts the set-up
+transfers in the order the protocol handed their writes out (setting one up itself when the
+preparing thread has not got to it) and polls every one in flight (the lease is checked before
+each post and poll); a reporting thread tells the protocol each write that ended. Several writes
+are out at once, so the next one is planned and set up while the current one moves.
 """
 
 from __future__ import annotations
@@ -116,6 +118,13 @@ class _Posted:
     completing: Write | None
 
 
+class _Wake:
+    """Put on a thread's queue to make it look again (the set-up transfer slot changed)."""
+
+
+_WAKE = _Wake()
+
+
 def _merged(ready: deque[_Prepared]) -> list[_Prepared]:
     """The writes at the head of `ready` that go as one transfer: in order, to one peer,
     within `MAX_MERGED_WRITES` and `MAX_MERGED_BLOCKS`, and ending with the first one that
@@ -185,8 +194,15 @@ class PrefillManager(RankManager):
         self.written_plans: list[tuple[int, str, TransferPlan]] = []
         # Address arrays of large plans, reused once their write ended (not with keep_plans).
         self._plan_memory = PlanArena()
-        self._to_prepare: queue.SimpleQueue[Write | None] = queue.SimpleQueue()
-        self._to_engine: queue.SimpleQueue[Connect | _Prepared | None] = queue.SimpleQueue()
+        self._to_prepare: queue.SimpleQueue[Write | Connect | _Wake | None] = queue.SimpleQueue()
+        self._to_engine: queue.SimpleQueue[_Wake | None] = queue.SimpleQueue()
+        # Prepared writes in the order the protocol handed them out, and the next transfer set
+        # up from them (at most one ahead of the engine, so that what waits together merges):
+        # the preparing thread sets it up while the engine copies, the engine thread itself
+        # when it needs one before the preparing thread got to it. `_setting_up` guards both.
+        self._setting_up = threading.Lock()
+        self._ready: deque[_Prepared] = deque()
+        self._next: _Starting | None = None
         self._to_report: queue.SimpleQueue[_Ended | None] = queue.SimpleQueue()
         self._threads = [
             threading.Thread(target=self._run_preparer, name="kvbridge-prefill-prepare",
@@ -270,12 +286,10 @@ class PrefillManager(RankManager):
         return False
 
     def _execute_own(self, action: object) -> None:
-        """The actions only prefill has: engine connects go to the engine thread (before any
-        write to that peer, which is prepared first), writes to the preparing thread."""
-        if isinstance(action, Write):
+        """The actions only prefill has, engine connects and writes: to the preparing thread,
+        in order (a peer is connected before its first write is set up)."""
+        if isinstance(action, (Write, Connect)):
             self._to_prepare.put(action)
-        elif isinstance(action, Connect):
-            self._to_engine.put(action)
 
     def _ended(self, write: Write, exc: Exception | None = None, completed: bool = False) -> None:
         """Report a write's end to the protocol, with the failure `exc` says (or, written,
@@ -303,19 +317,31 @@ class PrefillManager(RankManager):
             time.sleep(0.002)
         return None
 
-    # --- preparing thread: lease, gather, plan ------------------------------------------------
+    # --- preparing thread: connect, lease, gather, plan, set up -------------------------------
 
     def _run_preparer(self) -> None:
-        while (write := self._to_prepare.get()) is not None:
-            try:
-                prepared = self._prepare(write)
-            except (EngineError, PlanError, ValueError) as exc:
-                self._ended(write, exc)
-                continue
-            if prepared is None:
-                self._ended(write)  # its room ended meanwhile: nothing was written
-            else:
-                self._to_engine.put(prepared)
+        while (item := self._to_prepare.get()) is not None:
+            if isinstance(item, Connect):
+                self._connect(item)
+            elif isinstance(item, Write):
+                try:
+                    prepared = self._prepare(item)
+                except (EngineError, PlanError, ValueError) as exc:
+                    self._ended(item, exc)
+                    prepared = None
+                else:
+                    if prepared is None:
+                        self._ended(item)  # its room ended meanwhile: nothing was written
+                if prepared is not None:
+                    with self._setting_up:
+                        self._ready.append(prepared)
+                    if not prepared.write.notify and not self._to_prepare.empty():
+                        continue  # the room's next chunk may go in the same transfer
+            # An engine thread idle in its queue is woken for what was prepared or set up.
+            with self._setting_up:
+                if self._next is None and self._ready:
+                    self._next = self._set_up_next()
+            self._to_engine.put(_WAKE)
         self._to_engine.put(None)
 
     def _prepare(self, write: Write) -> _Prepared | None:
@@ -342,46 +368,47 @@ class PrefillManager(RankManager):
         self.stats.plan_s += time.perf_counter() - started
         return _Prepared(write, plan)
 
-    # --- engine thread: every engine call ------------------------------------------------------
+    # --- engine thread: post and poll ---------------------------------------------------------
 
     def _run_engine(self) -> None:
         posted: list[_Posted] = []
-        ready: deque[_Prepared] = deque()  # prepared, in the order the protocol handed out
         while True:
-            # Block only when nothing is in flight or waiting; else take what arrived.
-            items: list[Connect | _Prepared | None] = (
-                [] if posted or ready else [self._to_engine.get()]
-            )
+            # Block only when nothing is in flight; else take what arrived.
+            items = [] if posted else [self._to_engine.get()]
             while True:
                 try:
                     items.append(self._to_engine.get_nowait())
                 except queue.Empty:
                     break
-            for item in items:
-                if item is None:
-                    for left in posted:  # closing: nothing more moves
-                        left.handle.release()
-                    self._to_report.put(None)
-                    return
-                if isinstance(item, Connect):
-                    self._connect(item)
-                else:
-                    ready.append(item)
+            if None in items:
+                self._close_engine_loop(posted)
+                return
             wall_started, cpu_started = time.perf_counter(), time.thread_time()
             posted, ended = self._progress(posted)
-            # The next transfer is set up before the ended writes are handed to the reporting
-            # thread and posted right after: that thread (and the preparing one it hands new
-            # writes to) then runs while the engine moves data, not between two transfers.
-            # NIXL over CMA copies inside the post call; between its transfers, each handoff
-            # to another thread cost this one ~0.5 ms waiting for the GIL.
-            starting = self._set_up(_merged(ready), ended) if ready else None
             if ended:
                 self._to_report.put(ended)
+            with self._setting_up:
+                starting, self._next = self._next, None
+                if starting is None and self._ready:
+                    starting = self._set_up_next()  # the preparing thread did not get to it
             if starting is not None:
+                # The preparing thread sets the one after up while this one moves (NIXL over
+                # CMA copies inside the post call, without the GIL).
+                self._to_prepare.put(_WAKE)
                 posted += self._start(starting)
             self._note_waits(wall_started, cpu_started)
-            if posted and not ready and not ended:
+            if posted and starting is None and not ended:
                 time.sleep(WRITE_POLL_S)
+
+    def _close_engine_loop(self, posted: list[_Posted]) -> None:
+        """Closing: nothing more moves."""
+        for left in posted:
+            left.handle.release()
+        with self._setting_up:
+            if self._next is not None:
+                self._next.pending.release()
+                self._next = None
+        self._to_report.put(None)
 
     def _note_waits(self, wall_started: float, cpu_started: float) -> None:
         """Count a stretch of engine calls (polls, set-up, post) and the part of it spent off
@@ -413,6 +440,18 @@ class PrefillManager(RankManager):
             return
         self._engine_peers[connect.peer_id] = engine_peer
         self._handle(Connected(connect.peer_id))
+
+    def _set_up_next(self) -> _Starting | None:
+        """The next transfer set up from the prepared writes (under `_setting_up`); writes
+        that end before one could be (failed, or nothing to move) are reported."""
+        while self._ready:
+            ended: _Ended = []
+            starting = self._set_up(_merged(self._ready), ended)
+            if ended:
+                self._to_report.put(ended)
+            if starting is not None:
+                return starting
+        return None
 
     def _set_up(self, group: list[_Prepared], ended: _Ended) -> _Starting | None:
         """Prepared writes to one peer as one engine transfer, set up to be posted; None if

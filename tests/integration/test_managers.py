@@ -17,8 +17,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from real_engine import ENGINE, require_engine
 from waiting import wait_for
 
+from kvbridge.cache import TransferPlan
 from kvbridge.config import ManagerConfig
 from kvbridge.decode import DecodeManager, KVReceiver
+from kvbridge.engines import PendingWrite, TransferHandle
 from kvbridge.prefill import KVSender, PrefillManager
 from kvbridge.wire import (
     NATIVE,
@@ -383,6 +385,46 @@ def test_pages_of_a_finished_room_are_safe() -> None:
         idle.init([2])  # prefill never sends: abort, the idle prefill confirms at once
         idle.abort("no longer needed")
         wait_for(lambda: idle.pages_safe)
+
+
+def test_the_next_transfer_is_set_up_while_the_current_one_is_posted() -> None:
+    """NIXL over CMA copies inside the post call: the next transfer's set-up (descriptors,
+    `initialize_xfer`) must not wait for that copy to end. The first post here is held until
+    a second transfer has been set up; set up on the posting thread, it never would be."""
+    src, dst = rank_cache(num_pages=16, seed=3, **GEOMETRY), rank_cache(seed=None, **GEOMETRY)
+    with pair(src, dst) as (prefill, decode):
+        engine = prefill.engine
+        real_prepare = engine.prepare_write
+        set_ups: list[str] = []
+        second_set_up = threading.Event()
+        overlapped: list[bool] = []
+
+        def prepare_write(peer: str, plan: TransferPlan, notify: bytes = b"") -> PendingWrite:
+            pending = real_prepare(peer, plan, notify)
+            set_ups.append(peer)
+            if len(set_ups) == 2:
+                second_set_up.set()
+            if len(set_ups) > 1:
+                return pending
+
+            def held_start() -> TransferHandle:
+                overlapped.append(second_set_up.wait(timeout=10))
+                return pending.start()
+
+            return PendingWrite(held_start, pending.release)
+
+        engine.prepare_write = prepare_write  # type: ignore[method-assign]
+        senders = [prefill.sender(room) for room in (1, 2)]
+        receivers = [decode.receiver(room) for room in (1, 2)]
+        receivers[0].init([0, 1])
+        receivers[1].init([2, 3])
+        senders[0].send([5, 6], last=True)
+        senders[1].send([9, 12], last=True)
+        wait_for(finished(*senders, *receivers))
+        assert [room.poll() for room in receivers] == [KVPoll.Success] * 2
+        assert overlapped == [True]
+    for got, want in zip(dst.kv, src.kv, strict=True):
+        assert np.array_equal(got[[0, 1, 2, 3]], want[[5, 6, 9, 12]])
 
 
 def ends_wake(activity: threading.Event, ended: Callable[[], bool]) -> None:

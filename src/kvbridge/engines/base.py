@@ -180,7 +180,8 @@ class TransferEngine(ABC):
 
     def prepare_write(self, peer: str, plan: TransferPlan, notify: bytes = b"") -> PendingWrite:
         """`write` up to the point of posting (checked, and set up where the engine can do
-        that ahead); `start()` on the result posts it."""
+        that ahead); `start()` on the result posts it. A prefill rank sets the next write up
+        on one thread while another posts and polls the current one: engines allow that."""
         if peer not in self.peer_memory:
             raise EngineError(self.name, "write", f"not connected to peer {peer!r}")
         self.check_bounds(peer, plan)

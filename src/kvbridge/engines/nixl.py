@@ -139,7 +139,13 @@ class NixlEngine(TransferEngine):
         api = _import_nixl()
         self.agent_name = agent_name
         try:
-            config = api.nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"])
+            # Read-write locking: transfers are set up on one thread while another posts and
+            # polls (UCX workers then run in its multi-threaded mode).
+            config = api.nixl_agent_config(
+                enable_prog_thread=progress_thread,
+                backends=["UCX"],
+                sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_RW,
+            )
             self._agent = api.nixl_agent(agent_name, config)
         except Exception as exc:
             raise EngineError(NAME, "create agent", str(exc)) from None
