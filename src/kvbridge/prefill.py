@@ -337,11 +337,12 @@ class PrefillManager(RankManager):
                         self._ready.append(prepared)
                     if not prepared.write.notify and not self._to_prepare.empty():
                         continue  # the room's next chunk may go in the same transfer
-            # An engine thread idle in its queue is woken for what was prepared or set up.
             with self._setting_up:
-                if self._next is None and self._ready:
+                set_up = self._next is None and bool(self._ready)
+                if set_up:
                     self._next = self._set_up_next()
-            self._to_engine.put(_WAKE)
+            if set_up:  # an engine thread idle in its queue is woken for it
+                self._to_engine.put(_WAKE)
         self._to_engine.put(None)
 
     def _prepare(self, write: Write) -> _Prepared | None:
