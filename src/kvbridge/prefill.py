@@ -77,6 +77,12 @@ WRITE_POLL_S = 0.0001
 # most this many writes and blocks; a transfer carries at most one notification.
 MAX_MERGED_WRITES = 8
 MAX_MERGED_BLOCKS = 1 << 16
+# How long the control channel's thread waits, after a message gave an idle engine a write,
+# for that write's copy to start before it handles the next message. A burst of requests
+# (a decode batch asking for its rooms at once: tens of messages, ms of Python) otherwise
+# keeps the GIL from the preparing and engine threads until it is all handled, and the first
+# copy starts only after it.
+FIRST_POST_WAIT_S = 0.002
 
 __all__ = ["FINISHED_ROOMS_KEPT", "MAX_UNCLAIMED_ROOMS", "KVSender", "PrefillManager"]
 
@@ -204,6 +210,12 @@ class PrefillManager(RankManager):
         self._ready: deque[_Prepared] = deque()
         self._next: _Starting | None = None
         self._to_report: queue.SimpleQueue[_Ended | None] = queue.SimpleQueue()
+        # Transfers the engine thread has posted and not yet seen end (engine thread), writes
+        # handed to the preparing thread (under the lock), and set when a copy starts: what
+        # the channel's thread looks at to wait for the first copy of a burst.
+        self._transfers_out = 0
+        self._writes_handed = 0
+        self._posting = threading.Event()
         self._threads = [
             threading.Thread(target=self._run_preparer, name="kvbridge-prefill-prepare",
                              daemon=True),
@@ -277,7 +289,19 @@ class PrefillManager(RankManager):
     # --- control thread --------------------------------------------------------------------
 
     def _on_message(self, message: Message) -> None:
+        idle = self._engine_idle()
+        if idle:
+            self._posting.clear()
+        handed = self._writes_handed
         self._handle(message)
+        if idle and self._writes_handed != handed:
+            self._posting.wait(FIRST_POST_WAIT_S)
+
+    def _engine_idle(self) -> bool:
+        """Whether nothing is on its way to the engine or moving (read without the locks that
+        guard these: a wrong answer costs at most one `FIRST_POST_WAIT_S`)."""
+        return (self._transfers_out == 0 and self._next is None and not self._ready
+                and self._to_prepare.empty())  # fmt: skip
 
     def _on_tick(self) -> bool:
         self._handle(Tick())
@@ -290,6 +314,7 @@ class PrefillManager(RankManager):
         in order (a peer is connected before its first write is set up)."""
         if isinstance(action, (Write, Connect)):
             self._to_prepare.put(action)
+            self._writes_handed += isinstance(action, Write)
 
     def _ended(self, write: Write, exc: Exception | None = None, completed: bool = False) -> None:
         """Report a write's end to the protocol, with the failure `exc` says (or, written,
@@ -397,6 +422,7 @@ class PrefillManager(RankManager):
                 # CMA copies inside the post call, without the GIL).
                 self._to_prepare.put(_WAKE)
                 posted += self._start(starting)
+            self._transfers_out = len(posted)
             self._note_waits(wall_started, cpu_started)
             if posted and starting is None and not ended:
                 time.sleep(WRITE_POLL_S)
@@ -492,6 +518,9 @@ class PrefillManager(RankManager):
                 starting.pending.release()
                 raise WriteFenced(self.engine.name, "write", why)
             started = time.monotonic()
+            self._transfers_out += 1  # (before the post call: over CMA the copy is inside it)
+            if not self._posting.is_set():
+                self._posting.set()  # (the channel's thread may wait for this copy to start)
             handle = starting.pending.start()
         except EngineError as exc:
             self._release(starting.writes, starting.plan)

@@ -427,6 +427,51 @@ def test_the_next_transfer_is_set_up_while_the_current_one_is_posted() -> None:
         assert np.array_equal(got[[0, 1, 2, 3]], want[[5, 6, 9, 12]])
 
 
+def test_a_request_that_gives_an_idle_engine_a_write_waits_for_its_copy_to_start(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A burst of requests kept the GIL on the control channel's thread until every one was
+    handled, and the first copy started only after them. The handler of a request that gives
+    an idle engine its write returns once that write is posted (the wait is long here, so that
+    this does not depend on the machine's speed)."""
+    monkeypatch.setattr("kvbridge.prefill.FIRST_POST_WAIT_S", 30.0)
+    src, dst = rank_cache(num_pages=16, seed=4, **GEOMETRY), rank_cache(seed=None, **GEOMETRY)
+    with pair(src, dst) as (prefill, decode):
+        # A first room: the peer connected and its write lease in place.
+        first, warm = prefill.sender(1), decode.receiver(1)
+        warm.init([0])
+        first.send([1], last=True)
+        wait_for(finished(first, warm))
+        order: list[str] = []
+        real_prepare = prefill.engine.prepare_write
+
+        def prepare_write(peer: str, plan: TransferPlan, notify: bytes = b"") -> PendingWrite:
+            pending = real_prepare(peer, plan, notify)
+
+            def start() -> TransferHandle:
+                order.append("posted")
+                return pending.start()
+
+            return PendingWrite(start, pending.release)
+
+        real_handler = prefill.channel._on_message
+
+        def handler(message: object) -> None:
+            real_handler(message)  # type: ignore[arg-type]
+            order.append(f"handled {type(message).__name__}")
+
+        prefill.engine.prepare_write = prepare_write  # type: ignore[method-assign]
+        prefill.channel._on_message = handler  # type: ignore[method-assign]
+        sender, receiver = prefill.sender(2), decode.receiver(2)
+        sender.send([5, 6, 7], last=True)  # waits for decode's request
+        receiver.init([2, 3, 4])
+        wait_for(finished(sender, receiver))
+        assert receiver.poll() == KVPoll.Success
+        assert order.index("posted") < order.index("handled TransferRequest")
+    for got, want in zip(dst.kv, src.kv, strict=True):
+        assert np.array_equal(got[[0, 2, 3, 4]], want[[1, 5, 6, 7]])
+
+
 def ends_wake(activity: threading.Event, ended: Callable[[], bool]) -> None:
     """Wait for `ended` the way vLLM's idle step does: clear, look, wait on the event. The
     end must set the event; one missed would time the wait out."""
