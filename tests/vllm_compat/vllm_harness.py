@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import random
 import signal
 import socket
 import subprocess
@@ -37,9 +38,29 @@ def make_model(folder: Path, layers: int = 2) -> Path:
 
 
 def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
+    """A port free now and outside the kernel's ephemeral range, for a process started later
+    to bind. One from the ephemeral range (a bind to port 0) can be handed to any socket
+    meanwhile — an outgoing connection, a listener on port 0 — and was: vLLM's decode instance
+    found its NIXL side-channel port taken once, its handshake thread died and it never became
+    ready."""
+    low, high = _ephemeral_ports()
+    candidates = [*range(10000, min(low, 30000)), *range(max(high + 1, 10000), 65536)]
+    for port in random.sample(candidates, len(candidates)):
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port outside the ephemeral range")
+
+
+def _ephemeral_ports() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
 
 
 def kvbridge_config(
