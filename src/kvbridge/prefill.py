@@ -210,11 +210,11 @@ class PrefillManager(RankManager):
         self._ready: deque[_Prepared] = deque()
         self._next: _Starting | None = None
         self._to_report: queue.SimpleQueue[_Ended | None] = queue.SimpleQueue()
-        # Transfers the engine thread has posted and not yet seen end (engine thread), writes
-        # handed to the preparing thread (under the lock), and set when a copy starts: what
-        # the channel's thread looks at to wait for the first copy of a burst.
+        # Transfers the engine thread has posted and not yet seen end (engine thread), the
+        # last write handed to the preparing thread (under the lock), and set when a copy
+        # starts: what the channel's thread looks at to wait for the first copy of a burst.
         self._transfers_out = 0
-        self._writes_handed = 0
+        self._last_handed: Write | None = None
         self._posting = threading.Event()
         self._threads = [
             threading.Thread(target=self._run_preparer, name="kvbridge-prefill-prepare",
@@ -292,9 +292,13 @@ class PrefillManager(RankManager):
         idle = self._engine_idle()
         if idle:
             self._posting.clear()
-        handed = self._writes_handed
+        handed = self._last_handed
         self._handle(message)
-        if idle and self._writes_handed != handed:
+        write = self._last_handed
+        # Only for a write that can go now: one that waits for its lease waits for the answer
+        # to a heartbeat, which this thread receives.
+        if (idle and write is not handed and write is not None
+                and self._lease_problem(write.job.peer_id) is None):  # fmt: skip
             self._posting.wait(FIRST_POST_WAIT_S)
 
     def _engine_idle(self) -> bool:
@@ -314,7 +318,8 @@ class PrefillManager(RankManager):
         in order (a peer is connected before its first write is set up)."""
         if isinstance(action, (Write, Connect)):
             self._to_prepare.put(action)
-            self._writes_handed += isinstance(action, Write)
+            if isinstance(action, Write):
+                self._last_handed = action
 
     def _ended(self, write: Write, exc: Exception | None = None, completed: bool = False) -> None:
         """Report a write's end to the protocol, with the failure `exc` says (or, written,

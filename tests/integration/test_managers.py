@@ -434,7 +434,6 @@ def test_a_request_that_gives_an_idle_engine_a_write_waits_for_its_copy_to_start
     handled, and the first copy started only after them. The handler of a request that gives
     an idle engine its write returns once that write is posted (the wait is long here, so that
     this does not depend on the machine's speed)."""
-    monkeypatch.setattr("kvbridge.prefill.FIRST_POST_WAIT_S", 30.0)
     src, dst = rank_cache(num_pages=16, seed=4, **GEOMETRY), rank_cache(seed=None, **GEOMETRY)
     with pair(src, dst) as (prefill, decode):
         # A first room: the peer connected and its write lease in place.
@@ -442,6 +441,7 @@ def test_a_request_that_gives_an_idle_engine_a_write_waits_for_its_copy_to_start
         warm.init([0])
         first.send([1], last=True)
         wait_for(finished(first, warm))
+        monkeypatch.setattr("kvbridge.prefill.FIRST_POST_WAIT_S", 30.0)
         order: list[str] = []
         real_prepare = prefill.engine.prepare_write
 
@@ -470,6 +470,24 @@ def test_a_request_that_gives_an_idle_engine_a_write_waits_for_its_copy_to_start
         assert order.index("posted") < order.index("handled TransferRequest")
     for got, want in zip(dst.kv, src.kv, strict=True):
         assert np.array_equal(got[[0, 2, 3, 4]], want[[1, 5, 6, 7]])
+
+
+def test_a_request_whose_write_waits_for_its_lease_does_not_hold_the_control_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A first request may come before decode answered a heartbeat: its write waits for the
+    lease, whose answer the control channel's thread receives. That thread must not wait for
+    such a write's copy (with this long wait it did, and the room failed without a lease)."""
+    monkeypatch.setattr("kvbridge.prefill.FIRST_POST_WAIT_S", 30.0)
+    src, dst = rank_cache(num_pages=16, seed=5, **GEOMETRY), rank_cache(seed=None, **GEOMETRY)
+    with pair(src, dst) as (prefill, decode):
+        sender, receiver = prefill.sender(3), decode.receiver(3)
+        receiver.init([4, 5])
+        sender.send([2, 9], last=True)
+        wait_for(finished(sender, receiver))
+        assert receiver.poll() == KVPoll.Success, receiver.failure_reason
+    for got, want in zip(dst.kv, src.kv, strict=True):
+        assert np.array_equal(got[[4, 5]], want[[2, 9]])
 
 
 def ends_wake(activity: threading.Event, ended: Callable[[], bool]) -> None:
