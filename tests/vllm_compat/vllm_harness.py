@@ -218,7 +218,13 @@ class Instance:
         )  # fmt: skip
         self._answers: queue.Queue[dict[str, Any] | None] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
-        self.ready = self._answer(startup_timeout_s)
+        try:
+            self.ready = self._answer(startup_timeout_s)
+        except BaseException:
+            # An instance that never became ready is stopped here: it was left running once
+            # (a core kept busy for hours after its test failed).
+            self.close()
+            raise
 
     def _read(self) -> None:
         assert self.process.stdout is not None
