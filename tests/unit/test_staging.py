@@ -16,6 +16,7 @@ from kvbridge.cache.topology import topology
 from kvbridge.engines.loopback import LoopbackEngine
 from kvbridge.staging import RingError, StagingRing, buffer_rows, gather, host_bytes, scatter
 from kvbridge.staging.buffer import HostStaging, StagingUnavailable, open_staging
+from kvbridge.staging.kernels import whole_pages
 from kvbridge.wire import KVLayout, MemoryKind
 
 
@@ -116,6 +117,54 @@ def test_gather_then_scatter_equals_the_per_token_plan(
     for staged, planned in zip(by_staging.kv, by_tokens.kv, strict=True):
         assert planned.any()
         assert np.array_equal(staged, planned)
+
+
+@st.composite
+def chunk_rows(draw: st.DrawFn) -> tuple[np.ndarray, int]:
+    """Token rows of a chunk in a cache of 8 pages: whole pages, pages cut short or entered
+    part-way, and single rows, in any order, each row once (as a chunk's are); with the page
+    size."""
+    page_size = draw(st.sampled_from([1, 2, 4]))
+    # Runs of consecutive rows from any row: whole pages when they start on one and are a
+    # page long, else runs that cross pages or stop short.
+    runs = draw(st.lists(st.tuples(st.integers(0, 8 * page_size - 1),
+                                   st.sampled_from([1, page_size, page_size + 1, 2 * page_size])),
+                         max_size=10))  # fmt: skip
+    rows = [row for first, count in runs for row in range(first, min(8 * page_size, first + count))]
+    return np.array(list(dict.fromkeys(rows)), dtype=np.int64), page_size
+
+
+@settings(max_examples=300, deadline=None)
+@given(chunk_rows(), st.sampled_from([(0, 12), (0, 12), (0, 5), (4, 8), (7, 1)]))
+def test_gather_and_scatter_by_page_move_what_they_move_row_by_row(
+    drawn: tuple[np.ndarray, int], row_slice: tuple[int, int]
+) -> None:
+    rows, page_size = drawn
+    (column, width), token_bytes = row_slice, 12
+    rng = np.random.default_rng(rows.size)
+    views = [rng.integers(1, 255, (8 * page_size, token_bytes), dtype=np.uint8) for _ in range(3)]
+    size = 3 * rows.size * width
+    by_row, by_page = np.zeros(size + 4, np.uint8), np.zeros(size + 4, np.uint8)
+    assert gather(views, rows, column, width, by_row) == size
+    assert gather(views, rows, column, width, by_page, page_size) == size
+    assert np.array_equal(by_page, by_row)
+    staged = rng.integers(1, 255, size, dtype=np.uint8)
+    landed_by_row = [np.zeros_like(view) for view in views]
+    landed_by_page = [np.zeros_like(view) for view in views]
+    scatter(staged, landed_by_row, rows, column, width)
+    scatter(staged, landed_by_page, rows, column, width, page_size)
+    for got, want in zip(landed_by_page, landed_by_row, strict=True):
+        assert np.array_equal(got, want)
+
+
+def test_whole_pages_counts_the_leading_aligned_pages() -> None:
+    rows = np.array([8, 9, 10, 11, 0, 1, 2, 3, 5, 6, 7, 12], dtype=np.int64)
+    assert whole_pages(rows, 4, 16) == 8  # pages 2 and 0, then a page entered part-way
+    assert whole_pages(rows[8:], 4, 16) == 0
+    assert whole_pages(np.arange(2, 10, dtype=np.int64), 4, 16) == 0  # a page long, not on one
+    assert whole_pages(np.arange(16, dtype=np.int64), 4, 16) == 16
+    assert whole_pages(np.arange(16, dtype=np.int64), 4, 18) == 0  # not whole pages of rows
+    assert whole_pages(np.arange(4, dtype=np.int64), 1, 16) == 0  # by row anyway
 
 
 def test_open_staging_picks_the_kernels_for_the_memory_or_says_why_not() -> None:

@@ -61,14 +61,17 @@ class HostStaging(StagingBuffer):
         self.ptr, self.length = int(self._bytes.ctypes.data), length
         self.memory_kind, self.device_id = MemoryKind.DRAM, 0
         self._rows = [kernels.buffer_rows(b, kv_args.token_bytes) for b in kv_args.kv_buffers]
+        self._page_size = kv_args.page_size
 
     def gather(self, rows: npt.NDArray[np.int64], column: int, width: int, offset: int = 0) -> int:
-        return kernels.gather(self._rows, rows, column, width, self._bytes[offset:])
+        return kernels.gather(
+            self._rows, rows, column, width, self._bytes[offset:], self._page_size
+        )
 
     def scatter(
         self, offset: int, end: int, rows: npt.NDArray[np.int64], column: int, width: int
     ) -> None:
-        kernels.scatter(self._bytes[offset:end], self._rows, rows, column, width)
+        kernels.scatter(self._bytes[offset:end], self._rows, rows, column, width, self._page_size)
 
 
 class TorchStaging(StagingBuffer):
