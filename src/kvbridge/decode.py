@@ -55,6 +55,13 @@ from kvbridge.wire.address import tcp_endpoint
 
 log = logging.getLogger("kvbridge.decode")
 
+# How long the scheduler's thread waits, after it opened a room while none was transferring,
+# for the control channel's thread to send that room's requests. A scheduler opening a batch
+# of rooms runs Python without blocking (32 rooms: about 1 ms here), and the channel's thread,
+# which needs the GIL to send, got it only after the whole batch: every prefill rank then
+# heard of the first room that much later.
+FIRST_SEND_WAIT_S = 0.002
+
 
 class DecodeManager(RankManager):
     def __init__(self, kv_args: KVArgs, config: ManagerConfig) -> None:
@@ -177,7 +184,13 @@ class DecodeManager(RankManager):
         return endpoint
 
     def open_room(self, state: DecodeRoom, requests: Sequence[tuple[str, TransferRequest]]) -> None:
-        self._handle(RoomOpened(state, tuple(requests)))
+        if self.protocol.busy:  # (read without the lock: a wrong answer costs one wait at most)
+            self._handle(RoomOpened(state, tuple(requests)))
+            return
+        # The first room while none transfers: its requests leave before the scheduler opens
+        # the next one (its burst of rooms otherwise keeps them until it blocks).
+        with self.channel.sending_now(FIRST_SEND_WAIT_S):
+            self._handle(RoomOpened(state, tuple(requests)))
 
     def abort_room(self, status: RoomStatus, room: int, reason: str,
                    endpoints: Sequence[str]) -> None:  # fmt: skip

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 from waiting import wait_for
@@ -14,23 +16,44 @@ from kvbridge.control.channel import ControlChannel
 from kvbridge.wire import Heartbeat, Message
 
 
-def test_a_queued_message_wakes_an_idle_loop(monkeypatch: pytest.MonkeyPatch) -> None:
-    # With the loop's poll timeout at a minute, only the wake-up can deliver within the wait.
-    monkeypatch.setattr(channel_module, "IDLE_POLL_MS", 60_000)
-    got: list[Message] = []
+@contextmanager
+def channels(got: list[Message]) -> Iterator[tuple[ControlChannel, ControlChannel]]:
+    """A sender and a receiver (whose messages go to `got`), their loops running; closed at
+    the end, within 20 s (close wakes a loop too: its stop is checked)."""
     receiver = ControlChannel("127.0.0.1", got.append, name="kvbridge-test-receiver")
     sender = ControlChannel("127.0.0.1", lambda message: None, name="kvbridge-test-sender")
     receiver.start()
     sender.start()
     try:
+        yield sender, receiver
+    finally:
+        started = time.monotonic()
+        sender.close()
+        receiver.close()
+        assert time.monotonic() - started < 20
+
+
+def test_a_queued_message_wakes_an_idle_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    # With the loop's poll timeout at a minute, only the wake-up can deliver within the wait.
+    monkeypatch.setattr(channel_module, "IDLE_POLL_MS", 60_000)
+    got: list[Message] = []
+    with channels(got) as (sender, receiver):
         time.sleep(0.2)  # both loops are now asleep in their poll
         for sequence in range(1, 4):  # from threads other than the loop, one after another
             beat = Heartbeat("wake-test", sequence, 1000)
             threading.Thread(target=sender.send, args=(receiver.endpoint, beat)).start()
             wait_for(lambda n=sequence: len(got) == n, timeout_s=20)  # type: ignore[misc]
         assert [message.sequence for message in got] == [1, 2, 3]  # type: ignore[attr-defined]
-    finally:
+
+
+def test_sending_now_returns_once_its_messages_left_and_never_waits_for_nothing() -> None:
+    got: list[Message] = []
+    with channels(got) as (sender, receiver):
         started = time.monotonic()
-        sender.close()
-        receiver.close()
-    assert time.monotonic() - started < 20  # close wakes the loop too (its stop is checked)
+        with sender.sending_now(60.0):
+            pass  # nothing queued: no wait
+        with sender.sending_now(60.0):
+            sender.send(receiver.endpoint, Heartbeat("now-test", 1, 1000))
+        assert sender.stats.sent == 1  # it left before the block's end returned
+        assert time.monotonic() - started < 20
+        wait_for(lambda: len(got) == 1, timeout_s=20)

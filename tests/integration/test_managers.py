@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -29,7 +30,9 @@ from kvbridge.wire import (
     Heartbeat,
     KVLayout,
     KVPoll,
+    Message,
 )
+from kvbridge.wire.native import NativeProfile
 
 require_engine()
 GEOMETRY = dict(
@@ -427,6 +430,15 @@ def test_the_next_transfer_is_set_up_while_the_current_one_is_posted() -> None:
         assert np.array_equal(got[[0, 1, 2, 3]], want[[5, 6, 9, 12]])
 
 
+def warm_up(prefill: PrefillManager, decode: DecodeManager) -> None:
+    """A first room, 1: prefill's page 1 into decode's page 0."""
+    sender, receiver = prefill.sender(1), decode.receiver(1)
+    receiver.init([0])
+    sender.send([1], last=True)
+    wait_for(finished(sender, receiver))
+    assert receiver.poll() == KVPoll.Success
+
+
 def test_a_request_that_gives_an_idle_engine_a_write_waits_for_its_copy_to_start(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -436,11 +448,7 @@ def test_a_request_that_gives_an_idle_engine_a_write_waits_for_its_copy_to_start
     this does not depend on the machine's speed)."""
     src, dst = rank_cache(num_pages=16, seed=4, **GEOMETRY), rank_cache(seed=None, **GEOMETRY)
     with pair(src, dst) as (prefill, decode):
-        # A first room: the peer connected and its write lease in place.
-        first, warm = prefill.sender(1), decode.receiver(1)
-        warm.init([0])
-        first.send([1], last=True)
-        wait_for(finished(first, warm))
+        warm_up(prefill, decode)  # the peer connected and its write lease in place
         monkeypatch.setattr("kvbridge.prefill.FIRST_POST_WAIT_S", 30.0)
         order: list[str] = []
         real_prepare = prefill.engine.prepare_write
@@ -470,6 +478,42 @@ def test_a_request_that_gives_an_idle_engine_a_write_waits_for_its_copy_to_start
         assert order.index("posted") < order.index("handled TransferRequest")
     for got, want in zip(dst.kv, src.kv, strict=True):
         assert np.array_equal(got[[0, 2, 3, 4]], want[[1, 5, 6, 7]])
+
+
+def test_the_first_room_while_none_transfers_sends_its_request_before_init_returns(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A scheduler opening a batch of rooms runs Python without blocking, and the control
+    channel's thread sent their requests only after the batch. The first room opened while
+    none transfers leaves before `init` returns (the wait is long here, so that this does not
+    depend on the machine's speed); rooms opened while one transfers do not wait."""
+    src, dst = rank_cache(num_pages=16, seed=6, **GEOMETRY), rank_cache(seed=None, **GEOMETRY)
+    with pair(src, dst) as (prefill, decode):
+        warm_up(prefill, decode)  # registered
+        wait_for(lambda: not decode.protocol.busy)  # and no room transfers
+        monkeypatch.setattr("kvbridge.decode.FIRST_SEND_WAIT_S", 30.0)
+        order: list[str] = []
+
+        class RecordingProfile(NativeProfile):
+            def encode(self, message: Message, *, secret: bytes | None = None) -> list[bytes]:
+                order.append(f"sent {type(message).__name__}")
+                return super().encode(message, secret=secret)
+
+        monkeypatch.setattr("kvbridge.control.channel.NATIVE", RecordingProfile())
+        senders = [prefill.sender(room) for room in (2, 3)]
+        receivers = [decode.receiver(room) for room in (2, 3)]
+        started = time.monotonic()
+        receivers[0].init([2, 3])
+        order.append("first init returned")
+        receivers[1].init([4, 5])  # a room transfers now: no wait (30 s here)
+        assert time.monotonic() - started < 10
+        senders[0].send([5, 6], last=True)
+        senders[1].send([7, 8], last=True)
+        wait_for(finished(*senders, *receivers))
+        assert [receiver.poll() for receiver in receivers] == [KVPoll.Success] * 2
+        assert order.index("sent TransferRequest") < order.index("first init returned")
+    for got, want in zip(dst.kv, src.kv, strict=True):
+        assert np.array_equal(got[[0, 2, 3, 4, 5]], want[[1, 5, 6, 7, 8]])
 
 
 def test_a_request_whose_write_waits_for_its_lease_does_not_hold_the_control_thread(

@@ -25,7 +25,7 @@ import queue
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import zmq
@@ -97,6 +97,8 @@ class ControlChannel:
         self._wake_read, self._wake_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._wake_pending = False
         self._wake_lock = threading.Lock()  # no write to a pipe that close() let go
+        # Set by the loop after a flush that sent something (`sending_now` waits for it).
+        self._sent = threading.Event()
         # endpoint → (socket, last use), least recently used first
         self._push: OrderedDict[str, tuple[zmq.Socket[bytes], float]] = OrderedDict()
         self._stop = threading.Event()
@@ -115,6 +117,21 @@ class ControlChannel:
         """Queue a message for a peer's control endpoint (any thread)."""
         self._outgoing.put((endpoint, message))
         self._wake()
+
+    @contextlib.contextmanager
+    def sending_now(self, wait_s: float) -> Iterator[None]:
+        """Messages queued inside the block leave before the caller goes on (it waits up to
+        `wait_s` for the loop to send them). The loop needs the GIL to send, and a thread that
+        runs Python without blocking (a scheduler opening a batch of rooms) keeps it from the
+        loop for up to the switch interval; waiting hands it over. (Not on the loop's own
+        thread, which sends them when its handler returns.)"""
+        if threading.current_thread() is self._thread:
+            yield
+            return
+        self._sent.clear()
+        yield
+        if not self._sent.is_set() and not self._outgoing.empty():
+            self._sent.wait(wait_s)
 
     def _wake(self) -> None:
         """Make the loop's poll return now (any thread)."""
@@ -201,10 +218,13 @@ class ControlChannel:
                 log.exception("handler failed on %s", type(message).__name__)
 
     def _flush(self) -> None:
+        sent = self.stats.sent
         while True:
             try:
                 endpoint, message = self._outgoing.get_nowait()
             except queue.Empty:
+                if self.stats.sent != sent:
+                    self._sent.set()
                 return
             kind = type(message).__name__
             problem = endpoint_problem(endpoint)
