@@ -50,15 +50,18 @@ def whole_pages(rows: npt.NDArray[np.int64], page_size: int, buffer_rows: int) -
 
 def _paged_rows(
     views: Sequence[Bytes], rows: npt.NDArray[np.int64], width: int, page_size: int
-) -> int:
-    """How many leading rows `gather` and `scatter` copy a page at a time: whole pages
-    (`whole_pages`), when the slice is whole rows. A page is then one contiguous block on
-    both sides; numpy copies it at memory speed, where row by row it pays per row (a head
-    slice of 512-byte rows into decode's pages, TP 2→4 at page 16: 11-13 GB/s by page, 6-7
-    by row here). For part of each row, a page is 16 strided rows either way: no faster."""
-    if not views or width != views[0].shape[1]:
-        return 0
-    return whole_pages(rows, page_size, views[0].shape[0])
+) -> tuple[int, npt.NDArray[np.int64]]:
+    """How many leading rows `gather` and `scatter` copy a page at a time, and those pages:
+    whole pages (`whole_pages`), when the slice is whole rows. A page is then one contiguous
+    block on both sides; numpy copies it at memory speed, where row by row it pays per row (a
+    head slice of 512-byte rows into decode's pages, TP 2→4 at page 16: 11-15 GB/s by page,
+    6-8 by row here). For part of each row, a page is strided rows either way: no faster."""
+    paged = (
+        whole_pages(rows, page_size, views[0].shape[0])
+        if views and width == views[0].shape[1]
+        else 0
+    )
+    return paged, rows[:paged:page_size] // page_size
 
 
 def gather(
@@ -74,8 +77,7 @@ def gather(
     `page_size` are copied by page (`_paged_rows`)."""
     size = staged_size(len(views), rows.size, width)
     staged = out[:size].reshape(len(views), rows.size, width)
-    paged = _paged_rows(views, rows, width, page_size)
-    pages = rows[:paged:page_size] // page_size
+    paged, pages = _paged_rows(views, rows, width, page_size)
     for index, view in enumerate(views):
         # Plain fancy indexing: np.take with `out` buffers everything (an order slower).
         if paged:
@@ -98,8 +100,7 @@ def scatter(
     """The inverse of `gather`: staged bytes into the token rows of every buffer."""
     size = staged_size(len(views), rows.size, width)
     staged = staged_bytes[:size].reshape(len(views), rows.size, width)
-    paged = _paged_rows(views, rows, width, page_size)
-    pages = rows[:paged:page_size] // page_size
+    paged, pages = _paged_rows(views, rows, width, page_size)
     for index, view in enumerate(views):
         if paged:
             by_page = view.reshape(-1, page_size, view.shape[1])
