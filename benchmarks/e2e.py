@@ -13,19 +13,18 @@ mean of the two, which brackets kvbridge's batch in time (on this shared machine
 drifts by tens of percent within seconds, and a baseline measured only after kvbridge moved
 every ratio with that drift). Repeated `--repeats` times with fresh processes (by default
 3, and 9 for the rows whose runs take seconds: 128 tokens, NIXL between two hosts).
-Mooncake's rows also run with two submit threads (a demo run of its own each time, right after
-the one at kvbridge's defaults). The raw way with the best median GB/s is the baseline, and
-kvbridge's setting with the best median GB/s is its side; the row's ratio is the median of the
-runs' ratios, each run's kvbridge against the same repetition's replays (so that a noisy
-machine moves both sides of a ratio together, and the best of several noisy raw figures is not
-held against one kvbridge figure); the range of the ratios is printed too. Rows: NIXL on one
+Mooncake's rows also run with two submit threads (a demo run of its own each time, before or
+after the one at kvbridge's defaults, in turn). The raw way with the best median GB/s is the
+baseline, and kvbridge's setting with the best median GB/s is its side; the row's ratio is the
+median of the runs' ratios, each run's kvbridge against the same repetition's replays (so that a
+noisy machine moves both sides of a ratio together, and the best of several noisy raw figures is
+not held against one kvbridge figure); the range of the ratios is printed too. Rows: NIXL on one
 host at three request lengths, Mooncake on one host, and both engines between two hosts (two
-network namespaces joined by a veth pair that this script makes: TCP through the kernel's
-stack; NIXL with UCX_TLS=tcp). For 32 requests issued at once it also reports the median
-request's latency against the whole batch's wall time. Prints the ratios with their targets
-(issue 16) and writes bench-results/e2e.json. Mooncake binds wildcard listeners, so its runs
-happen in network namespaces of their own (root only; otherwise they are skipped, as are the
-two-host rows).
+network namespaces joined by a veth pair that this script makes: TCP through the kernel's stack;
+NIXL with UCX_TLS=tcp). For 32 requests issued at once it also reports the median request's
+latency against the whole batch's wall time. Prints the ratios with their targets (issue 16) and
+writes bench-results/e2e.json. Mooncake binds wildcard listeners, so its runs happen in network
+namespaces of their own (root only; otherwise they are skipped, as are the two-host rows).
 """
 
 from __future__ import annotations
@@ -102,12 +101,14 @@ def run_here(workload: Workload, repeats: int, hosts: dict[str, str] | None) -> 
         return result
 
     runs: list[dict[str, Any]] = []
-    for _ in range(repeats):
-        # kvbridge and the raw engine at each setting, in one demo run each: kvbridge's
-        # defaults first, then the other settings.
+    every: list[tuple[tuple[str, str], ...]] = [(), *workload.other_settings]
+    for repetition in range(repeats):
+        # kvbridge and the raw engine at each setting, in one demo run each; each repetition
+        # starts at the next setting, so that no setting always runs first or last.
+        start = repetition % len(every)
         settings: dict[str, dict[str, Any]] = {}
         raw: dict[str, dict[str, float]] = {"around": {}, "before": {}, "after": {}}
-        for options in ((), *workload.other_settings):
+        for options in every[start:] + every[:start]:
             label = ", ".join(f"{name}={value}" for name, value in options)
             result = demo(options)
             # Each way's GB/s around kvbridge's batch (the baseline: the mean of the two),
@@ -170,12 +171,17 @@ def summarize(workload: Workload, runs: list[dict[str, Any]]) -> dict[str, Any]:
         "p50_of_wall": round(statistics.median(shares), 3),
         "blocks": runs[0]["blocks"],
         # Each run's figures for the chosen setting and the baseline's way: kvbridge, and the
-        # raw engine just before and just after kvbridge's batch (the baseline is their mean).
+        # raw engine just before and just after kvbridge's batch (the baseline is their mean);
+        # and every setting's kvbridge and every way's raw figure, in the order they ran.
         "per_run": [
             {
                 "kvbridge_gbps": round(run["settings"][setting]["kvbridge_gbps"], 3),
                 "raw_before_gbps": round(run["raw_gbps_before"].get(best, 0.0), 3),
                 "raw_after_gbps": round(run["raw_gbps_after"].get(best, 0.0), 3),
+                "kvbridge_gbps_by_setting": {
+                    label: round(own["kvbridge_gbps"], 3) for label, own in run["settings"].items()
+                },
+                "raw_gbps": {way: round(gbps, 3) for way, gbps in run["raw_gbps"].items()},
             }
             for run in runs
         ],

@@ -19,7 +19,6 @@ import shutil
 import statistics
 import subprocess
 import sys
-import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -224,17 +223,12 @@ def run_cell(
 def json_in_private_netns(arguments: list[str], python: str = sys.executable) -> Any:
     """Run `python ARGUMENTS` in a network namespace of its own (loopback up; root only) and
     return the JSON on its last line of output: how Mooncake, which binds wildcard
-    listeners, is measured without touching the host's network."""
-    name = f"kvbridge-bench-{uuid.uuid4().hex[:8]}"
-    subprocess.run(["ip", "netns", "add", name], check=True)
-    try:
-        subprocess.run(["ip", "-n", name, "link", "set", "lo", "up"], check=True)
-        output = subprocess.run(
-            ["ip", "netns", "exec", name, python, *arguments],
-            check=True, capture_output=True, text=True,
-        ).stdout  # fmt: skip
-    finally:
-        subprocess.run(["ip", "netns", "delete", name], check=False)
+    listeners, is measured without touching the host's network. The namespace has no name
+    (`unshare --net`): it ends with the last process in it, so a run that is killed leaves
+    none behind (named ones, deleted in a `finally`, outlived a SIGTERM)."""
+    command = ["unshare", "--net", "--", "sh", "-c", 'ip link set lo up && exec "$@"',
+               "kvbridge-private-netns", python, *arguments]  # fmt: skip
+    output = subprocess.run(command, check=True, capture_output=True, text=True).stdout
     return json.loads(output.strip().splitlines()[-1])
 
 
@@ -260,8 +254,10 @@ def engine_unavailable(engine: str) -> str | None:
     Mooncake does, also needs a private netns)."""
     reason = unavailable_reason(engine)
     needs_netns = engine_spec(engine).needs_own_netns
-    if reason is None and needs_netns and (os.geteuid() != 0 or not shutil.which("ip")):
-        reason = "its wildcard listeners need a private network namespace: run as root"
+    tools = all(shutil.which(tool) for tool in ("ip", "unshare"))
+    if reason is None and needs_netns and (os.geteuid() != 0 or not tools):
+        reason = ("its wildcard listeners need a private network namespace: run as root, "
+                  "with iproute2's `ip` and util-linux's `unshare`")  # fmt: skip
     return reason
 
 
