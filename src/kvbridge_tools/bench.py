@@ -220,6 +220,13 @@ def run_cell(
     return summarize(cell, run_demo(config))
 
 
+def private_netns_unavailable() -> str | None:
+    """Why `json_in_private_netns` cannot run here, or None."""
+    if os.geteuid() != 0 or not all(shutil.which(tool) for tool in ("ip", "unshare")):
+        return "a private network namespace needs root, iproute2's `ip` and util-linux's `unshare`"
+    return None
+
+
 def json_in_private_netns(arguments: list[str], python: str = sys.executable) -> Any:
     """Run `python ARGUMENTS` in a network namespace of its own (loopback up; root only) and
     return the JSON on its last line of output: how Mooncake, which binds wildcard
@@ -254,10 +261,10 @@ def engine_unavailable(engine: str) -> str | None:
     Mooncake does, also needs a private netns)."""
     reason = unavailable_reason(engine)
     needs_netns = engine_spec(engine).needs_own_netns
-    tools = all(shutil.which(tool) for tool in ("ip", "unshare"))
-    if reason is None and needs_netns and (os.geteuid() != 0 or not tools):
-        reason = ("its wildcard listeners need a private network namespace: run as root, "
-                  "with iproute2's `ip` and util-linux's `unshare`")  # fmt: skip
+    if reason is None and needs_netns:
+        missing = private_netns_unavailable()
+        if missing is not None:
+            reason = f"its wildcard listeners need a private network namespace: {missing}"
     return reason
 
 

@@ -4,7 +4,6 @@ its own loopback, and the namespace has no name, so nothing is left behind once 
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -13,12 +12,10 @@ from pathlib import Path
 import pytest
 from waiting import wait_for
 
-from kvbridge_tools.bench import json_in_private_netns
+from kvbridge_tools.bench import json_in_private_netns, private_netns_unavailable
 
-pytestmark = pytest.mark.skipif(
-    os.geteuid() != 0 or not all(shutil.which(tool) for tool in ("ip", "unshare")),
-    reason="a private network namespace needs root, iproute2's `ip` and util-linux's `unshare`",
-)
+UNAVAILABLE = private_netns_unavailable()
+pytestmark = pytest.mark.skipif(UNAVAILABLE is not None, reason=UNAVAILABLE or "")
 
 INTERFACES = """
 import json, os, socket
