@@ -4,14 +4,17 @@ instance, each with its own connector configuration."""
 
 from __future__ import annotations
 
+import getpass
 import json
 import os
 import queue
 import random
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -116,10 +119,34 @@ def stats_lines_at_every_level(folder: Path) -> dict[str, str]:
     return {"VLLM_LOGGING_CONFIG_PATH": str(path)}
 
 
-def instance_environment(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """What vLLM's CPU build needs here, and a NIXL side channel of its own per instance."""
+class PrivateTemp:
+    """A temporary folder for one vLLM process, removed when it is closed. vLLM names its ZMQ
+    IPC sockets and its distributed-init files in the temporary folder and leaves them behind
+    when its process is stopped (thirty sockets and two `vllm_dist_*` files per test run were
+    left in /tmp); torch's compile cache keeps its usual shared place."""
+
+    def __init__(self) -> None:
+        self.path = Path(tempfile.mkdtemp(prefix="kvbridge-vllm-"))
+        # Torch's default, computed from the shared temporary folder before TMPDIR changes.
+        compile_cache = Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}"
+        self.environment = {
+            "TMPDIR": str(self.path),
+            "VLLM_RPC_BASE_PATH": str(self.path),
+            "TORCHINDUCTOR_CACHE_DIR": os.environ.get(
+                "TORCHINDUCTOR_CACHE_DIR", str(compile_cache)
+            ),
+        }
+
+    def close(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+
+
+def instance_environment(temp: PrivateTemp, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """What vLLM's CPU build needs here, a NIXL side channel and a temporary folder of its own
+    per instance."""
     return {
         **os.environ,
+        **temp.environment,
         "LD_PRELOAD": str(Path(sys.prefix) / "lib" / "libiomp5.so"),
         "VLLM_LOGGING_STREAM": "ext://sys.stderr",
         "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
@@ -156,9 +183,12 @@ class Server:
                 json.dumps(transfer),
                 "--disable-hybrid-kv-cache-manager",
             ]
+        self._temp = PrivateTemp()
         self.process = subprocess.Popen(
             command, stdout=self._log, stderr=subprocess.STDOUT,
-            env=instance_environment({"VLLM_LOG_STATS_INTERVAL": "1", **(environment or {})}),
+            env=instance_environment(
+                self._temp, {"VLLM_LOG_STATS_INTERVAL": "1", **(environment or {})}
+            ),
             start_new_session=True,
         )  # fmt: skip
         deadline = time.monotonic() + startup_timeout_s
@@ -195,6 +225,7 @@ class Server:
                 os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait()
         self._log.close()
+        self._temp.close()
 
 
 class Instance:
@@ -209,7 +240,10 @@ class Instance:
         startup_timeout_s: float = 300.0,
     ) -> None:
         self.log_path = log_path
-        environment = instance_environment({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **(env or {})})
+        self._temp = PrivateTemp()
+        environment = instance_environment(
+            self._temp, {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **(env or {})}
+        )
         self._log = open(log_path, "w")  # noqa: SIM115 (closed in close())
         self.process = subprocess.Popen(
             [sys.executable, str(INSTANCE), str(model), json.dumps(transfer)],
@@ -282,3 +316,4 @@ class Instance:
                 self.process.kill()
                 self.process.wait()
         self._log.close()
+        self._temp.close()
