@@ -181,3 +181,72 @@ def test_rooms_that_no_scheduler_claims_expire_and_decode_hears_why() -> None:
     finally:
         decode.close()
         prefill.close()
+
+
+OVERSIZED = textwrap.dedent(
+    """
+    import sys, zmq
+    from kvbridge.wire import NATIVE, Heartbeat
+
+    endpoint, frame_bytes = sys.argv[1], int(sys.argv[2])
+    context = zmq.Context()
+    push = context.socket(zmq.PUSH)
+    push.connect(endpoint)
+    # A message the channel would decode and drop as malformed — if it ever held it whole.
+    push.send_multipart([*NATIVE.encode(Heartbeat("tcp://127.0.0.1:5555", 1, 1000)),
+                         b"\\0" * frame_bytes])
+    push.close(linger=10000)
+    context.term()
+    """
+)
+
+
+def test_a_frame_over_the_limit_is_refused_before_it_is_held_and_the_channel_serves_on() -> None:
+    """A peer that can reach the port sends one frame far over `max_frame_bytes`: ZMQ drops the
+    connection when the frame's length arrives, so the channel never receives (allocates) it;
+    the channel keeps serving others. With no limit the same frame arrives whole (received,
+    then dropped as malformed) — what a frame of many GB would do to a rank's memory."""
+    got: list[object] = []
+    limit = 1 << 20
+    channel = ControlChannel("127.0.0.1", got.append, name="kvbridge-probe", max_frame_bytes=limit)
+    channel.start()
+    peer = ControlChannel("127.0.0.1", got.append, name="kvbridge-probe-peer")
+    peer.start()
+    try:
+        subprocess.run([sys.executable, "-c", OVERSIZED, channel.endpoint, str(64 * limit)],
+                       check=True, timeout=60)  # fmt: skip
+        from kvbridge.wire import Heartbeat
+
+        peer.send(channel.endpoint, Heartbeat(peer.endpoint, 2, 1000))
+        wait_for(lambda: len(got) == 1, 10)
+        assert channel.stats.received == 1  # the heartbeat; the oversized message never came
+        assert channel.stats.malformed == 0
+        assert channel.alive
+    finally:
+        channel.close()
+        peer.close()
+
+
+def test_a_message_with_a_frame_over_the_limit_is_dropped_with_an_error_before_it_leaves(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Ours too: a peer would disconnect us for it, and the room would only time out."""
+    from kvbridge.wire import TransferRequest
+
+    got: list[object] = []
+    limit = 1 << 20
+    channel = ControlChannel("127.0.0.1", got.append, name="kvbridge-probe", max_frame_bytes=limit)
+    channel.start()
+    peer = ControlChannel("127.0.0.1", got.append, name="kvbridge-probe-peer")
+    peer.start()
+    try:
+        pages = np.arange(limit // 4 + 1, dtype=np.int32)  # one index over the limit
+        channel.send(peer.endpoint, TransferRequest(1, "big", False, pages, None, [], 1))
+        channel.send(peer.endpoint, TransferRequest(2, "fits", False, pages[:-1], None, [], 1))
+        wait_for(lambda: len(got) == 1, 10)
+        assert [message.room for message in got] == [2]  # type: ignore[attr-defined]
+        assert channel.stats.send_failures == 1
+        assert "MAX_FRAME_BYTES" in caplog.text
+    finally:
+        channel.close()
+        peer.close()

@@ -48,6 +48,12 @@ PEER_IDLE_S = 60.0
 # Loop iterations in a row that fail outside any one message before the channel gives up.
 MAX_LOOP_FAILURES = 100
 CLOSE_TIMEOUT_S = 5.0
+# The largest frame a peer may send (ZMQ_MAXMSGSIZE, checked per frame): ZMQ disconnects a peer
+# whose frame is larger as soon as its length arrives, before holding any of it (a single 512
+# MiB frame from a peer that never registered grew a rank by 512 MiB before it was dropped as
+# malformed). The largest frame kvbridge sends is a transfer request's page indices, 4 bytes
+# each: this is 16M pages.
+MAX_FRAME_BYTES = 64 << 20
 
 
 @dataclass
@@ -78,12 +84,17 @@ class ControlChannel:
         *,
         name: str = "kvbridge-control",
         secret: bytes | None = None,
+        max_frame_bytes: int = MAX_FRAME_BYTES,
     ) -> None:
         """`on_tick` runs every loop iteration on the channel thread and says whether work is
-        in flight (the loop then polls at `BUSY_POLL_MS`)."""
+        in flight (the loop then polls at `BUSY_POLL_MS`). Frames over `max_frame_bytes` are
+        refused both ways: a peer that sends one is disconnected, and one of ours is dropped
+        with an error before it leaves."""
         self._context = zmq.Context()
         self._pull = self._context.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
+        self._pull.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
+        self._max_frame_bytes = max_frame_bytes
         self.port = self._pull.bind_to_random_port(f"tcp://{host}")
         self.host = host
         self.endpoint = tcp_endpoint(host, self.port)
@@ -234,6 +245,13 @@ class ControlChannel:
                 continue
             try:
                 frames = NATIVE.encode(message, secret=self._secret)
+                largest = max(len(frame) for frame in frames)
+                if largest > self._max_frame_bytes:
+                    self.stats.send_failures += 1
+                    log.error("dropped %s to %s: a frame of %d bytes, over the %d a peer "
+                              "accepts (MAX_FRAME_BYTES)", kind, endpoint, largest,
+                              self._max_frame_bytes)  # fmt: skip
+                    continue
                 self._socket_to(endpoint).send_multipart(frames, zmq.NOBLOCK)
                 self.stats.sent += 1
             except zmq.Again:
