@@ -16,6 +16,9 @@ import textwrap
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pytest
@@ -28,7 +31,7 @@ from kvbridge.control import channel as channel_module
 from kvbridge.control.channel import ControlChannel
 from kvbridge.decode import DecodeManager
 from kvbridge.prefill import PrefillManager
-from kvbridge.wire import KVPoll
+from kvbridge.wire import Heartbeat, KVPoll, TransferRequest
 
 require_engine()
 GEOMETRY = dict(layer_ids=(0, 1), page_size=4, total_kv_heads=2, head_dim=8)
@@ -139,8 +142,6 @@ def test_a_channel_sending_to_more_peers_than_zmq_has_sockets_keeps_serving() ->
     peer = ControlChannel("127.0.0.1", got.append, name="kvbridge-probe-peer")
     peer.start()
     try:
-        from kvbridge.wire import Heartbeat
-
         for index in range(ENDPOINTS):
             channel.send(f"tcp://127.0.0.1:{20000 + index}", Heartbeat("probe", index, 1000))
         channel.send("tcp://*:5555", Heartbeat("probe", 0, 1000))
@@ -201,52 +202,61 @@ OVERSIZED = textwrap.dedent(
 )
 
 
-def test_a_frame_over_the_limit_is_refused_before_it_is_held_and_the_channel_serves_on() -> None:
+FRAME_LIMIT = 1 << 20
+
+
+@dataclass
+class LimitedPair:
+    """A channel that accepts and sends frames of at most `FRAME_LIMIT`, a peer at the default
+    limit, and what both received."""
+
+    channel: ControlChannel
+    peer: ControlChannel
+    got: list[Any]
+
+
+@pytest.fixture
+def limited_pair() -> Iterator[LimitedPair]:
+    got: list[Any] = []
+    channel = ControlChannel(
+        "127.0.0.1", got.append, name="kvbridge-probe", max_frame_bytes=FRAME_LIMIT
+    )
+    channel.start()
+    peer = ControlChannel("127.0.0.1", got.append, name="kvbridge-probe-peer")
+    peer.start()
+    try:
+        yield LimitedPair(channel, peer, got)
+    finally:
+        channel.close()
+        peer.close()
+
+
+def test_a_frame_over_the_limit_is_refused_before_it_is_held_and_the_channel_serves_on(
+    limited_pair: LimitedPair,
+) -> None:
     """A peer that can reach the port sends one frame far over `max_frame_bytes`: ZMQ drops the
     connection when the frame's length arrives, so the channel never receives (allocates) it;
     the channel keeps serving others. With no limit the same frame arrives whole (received,
     then dropped as malformed) — what a frame of many GB would do to a rank's memory."""
-    got: list[object] = []
-    limit = 1 << 20
-    channel = ControlChannel("127.0.0.1", got.append, name="kvbridge-probe", max_frame_bytes=limit)
-    channel.start()
-    peer = ControlChannel("127.0.0.1", got.append, name="kvbridge-probe-peer")
-    peer.start()
-    try:
-        subprocess.run([sys.executable, "-c", OVERSIZED, channel.endpoint, str(64 * limit)],
-                       check=True, timeout=60)  # fmt: skip
-        from kvbridge.wire import Heartbeat
-
-        peer.send(channel.endpoint, Heartbeat(peer.endpoint, 2, 1000))
-        wait_for(lambda: len(got) == 1, 10)
-        assert channel.stats.received == 1  # the heartbeat; the oversized message never came
-        assert channel.stats.malformed == 0
-        assert channel.alive
-    finally:
-        channel.close()
-        peer.close()
+    channel, peer, got = limited_pair.channel, limited_pair.peer, limited_pair.got
+    subprocess.run([sys.executable, "-c", OVERSIZED, channel.endpoint, str(64 * FRAME_LIMIT)],
+                   check=True, timeout=60)  # fmt: skip
+    peer.send(channel.endpoint, Heartbeat(peer.endpoint, 2, 1000))
+    wait_for(lambda: len(got) == 1, 10)
+    assert channel.stats.received == 1  # the heartbeat; the oversized message never came
+    assert channel.stats.malformed == 0
+    assert channel.alive
 
 
 def test_a_message_with_a_frame_over_the_limit_is_dropped_with_an_error_before_it_leaves(
-    caplog: pytest.LogCaptureFixture,
+    limited_pair: LimitedPair, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Ours too: a peer would disconnect us for it, and the room would only time out."""
-    from kvbridge.wire import TransferRequest
-
-    got: list[object] = []
-    limit = 1 << 20
-    channel = ControlChannel("127.0.0.1", got.append, name="kvbridge-probe", max_frame_bytes=limit)
-    channel.start()
-    peer = ControlChannel("127.0.0.1", got.append, name="kvbridge-probe-peer")
-    peer.start()
-    try:
-        pages = np.arange(limit // 4 + 1, dtype=np.int32)  # one index over the limit
-        channel.send(peer.endpoint, TransferRequest(1, "big", False, pages, None, [], 1))
-        channel.send(peer.endpoint, TransferRequest(2, "fits", False, pages[:-1], None, [], 1))
-        wait_for(lambda: len(got) == 1, 10)
-        assert [message.room for message in got] == [2]  # type: ignore[attr-defined]
-        assert channel.stats.send_failures == 1
-        assert "MAX_FRAME_BYTES" in caplog.text
-    finally:
-        channel.close()
-        peer.close()
+    channel, peer, got = limited_pair.channel, limited_pair.peer, limited_pair.got
+    pages = np.arange(FRAME_LIMIT // 4 + 1, dtype=np.int32)  # one index over the limit
+    channel.send(peer.endpoint, TransferRequest(1, "big", False, pages, None, [], 1))
+    channel.send(peer.endpoint, TransferRequest(2, "fits", False, pages[:-1], None, [], 1))
+    wait_for(lambda: len(got) == 1, 10)
+    assert [message.room for message in got] == [2]
+    assert channel.stats.send_failures == 1
+    assert "MAX_FRAME_BYTES" in caplog.text
