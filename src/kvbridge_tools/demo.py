@@ -232,7 +232,9 @@ class DemoEvents:
     verified the warm-up batch and zeroed its pages again (`warmed`); prefill replayed the
     warm-up's blocks through the raw engine (`replayed`); decode verified the timed batch;
     each rank finished (the other side waits for all of them before closing its sockets).
-    The prefill ranks start each raw replay together (`raw_start`)."""
+    The prefill ranks start each raw replay together (`raw_start`), the decode ranks their
+    timed batch (`timed_start`: none times its batch while another still verifies or zeroes
+    its pages after the warm-up, on the same CPUs)."""
 
     filled: list[Event]
     warmed: list[Event]
@@ -241,6 +243,7 @@ class DemoEvents:
     prefill_done: list[Event]
     decode_done: list[Event]
     raw_start: Barrier
+    timed_start: Barrier
 
 
 def wait_all(events: list[Event], timeout_s: float) -> bool:
@@ -264,6 +267,10 @@ class RankReport:
     # after the timed batch, and (with a warm-up batch) before it.
     raw_seconds: dict[str, float] = field(default_factory=dict)
     raw_seconds_before: dict[str, float] = field(default_factory=dict)
+    # time.monotonic() (one clock for every process of the host) when a decode rank was done
+    # with the warm-up batch (verified, pages zeroed again) and when it began its timed batch.
+    warmup_done_at: float = 0.0
+    timed_started_at: float = 0.0
     staged_chunks: int = 0
     staging_fallbacks: int = 0
     blocks_written: int = 0
@@ -667,10 +674,13 @@ def run_decode(
             for array in memory.host_arrays:
                 array.fill(0)
             memory.to_device()
+            report.warmup_done_at = time.monotonic()
         timed = range(config.requests)
         if memory.holds_data([pages_of(room)[0] for room in timed]):
             raise RuntimeError("decode's pages hold data before the timed batch: its bytes "
                                "could not be told from what was there")  # fmt: skip
+        events.timed_start.wait(config.timeout_s)
+        report.timed_started_at = time.monotonic()
         started = time.perf_counter()
         sent_at, done = run_batch(timed)
         report.seconds = max(done.values(), default=started) - started
@@ -689,6 +699,7 @@ def run_decode(
         report.error = f"{type(exc).__name__}: {exc}"
     finally:
         events.warmed[rank].set()  # (also after an error: prefill stops waiting for it)
+        events.timed_start.abort()  # (the other decode ranks' timed batch then fails fast)
         events.verified[rank].set()
         results.put(asdict(report))
         if manager is not None:
@@ -839,6 +850,7 @@ def run_demo(config: DemoConfig, on_progress: Any = None) -> DemoResult:
         prefill_done=[context.Event() for _ in range(config.prefill_tp)],
         decode_done=[context.Event() for _ in range(config.decode_ranks)],
         raw_start=context.Barrier(config.prefill_tp),
+        timed_start=context.Barrier(config.decode_ranks),
     )
     bootstrap = BootstrapServer(config.prefill_host).start()
     processes = [

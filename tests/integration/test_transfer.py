@@ -89,6 +89,20 @@ def test_a_warm_up_batch_and_raw_replays_around_the_timed_one(
     assert result.raw_gbps == max(result.raw_strategy_gbps().values())
 
 
+def test_decode_ranks_start_the_timed_batch_together_after_the_warm_up() -> None:
+    """No decode rank times its batch while another still verifies the warm-up or zeroes its
+    pages on the same CPUs (with no raw replays between them, nothing else lines them up)."""
+    require("nixl")
+    config = DemoConfig(requests=4, tokens=200, prefill_tp=1, decode_tp=2, engine="nixl",
+                        warmup=True)  # fmt: skip
+    result = run_demo(config)
+    assert result.ok, [report for report in result.reports if not report.ok]
+    decode = result.decode_reports
+    assert len(decode) == 2
+    assert all(report.warmup_done_at > 0 for report in decode)
+    assert min(r.timed_started_at for r in decode) >= max(r.warmup_done_at for r in decode)
+
+
 def test_a_prefill_process_whose_python_never_waits() -> None:
     """`benchmarks/busy_host.py`'s stand-in for a serving engine's scheduler: a busy Python
     loop in the prefill process (and a short switch interval there) slows the transfers but
