@@ -72,6 +72,9 @@ log = logging.getLogger("kvbridge.prefill")
 # vLLM's engine step) then wait up to Python's 5 ms switch interval for each turn. Measured in
 # vLLM (8 × 1k-token loads): time until decode's KV is in place 35-50 ms → 23-33 ms.
 WRITE_POLL_S = 0.0001
+# With an engine that moves writes on its own threads and says when one ended, the worker
+# sleeps until then instead, looking at the writes' deadlines at least this often.
+WRITE_WAIT_S = 0.01
 # Prepared writes to one peer that wait together are posted as one engine transfer (the
 # engine's per-transfer cost and this process's per-write work are paid once for them), at
 # most this many writes and blocks; a transfer carries at most one notification.
@@ -202,6 +205,7 @@ class PrefillManager(RankManager):
         self._plan_memory = PlanArena()
         self._to_prepare: queue.SimpleQueue[Write | Connect | _Wake | None] = queue.SimpleQueue()
         self._to_engine: queue.SimpleQueue[_Wake | None] = queue.SimpleQueue()
+        self.engine.add_write_end_listener(self._wake_engine_thread)
         # Prepared writes in the order the protocol handed them out, and the next transfer set
         # up from them (at most one ahead of the engine, so that what waits together merges):
         # the preparing thread sets it up while the engine copies, the engine thread itself
@@ -430,7 +434,26 @@ class PrefillManager(RankManager):
             self._transfers_out = len(posted)
             self._note_waits(wall_started, cpu_started)
             if posted and starting is None and not ended:
-                time.sleep(WRITE_POLL_S)
+                if self.engine.progresses_on_its_own:
+                    self._wait_for_engine()
+                else:
+                    time.sleep(WRITE_POLL_S)
+
+    def _wake_engine_thread(self) -> None:
+        """A write ended (called on the engine's own thread)."""
+        self._to_engine.put(_WAKE)
+
+    def _wait_for_engine(self) -> None:
+        """Sleep until the engine's threads end a write or new work comes (each puts a wake
+        on the engine thread's queue), at most `WRITE_WAIT_S` (write deadlines are checked
+        then). Polling every `WRITE_POLL_S` instead took CPU from an engine that moves data on
+        its own threads: Mooncake over TCP on two CPUs moved 8 % less beside a thread waking
+        every 0.1 ms."""
+        try:
+            item = self._to_engine.get(timeout=WRITE_WAIT_S)
+        except queue.Empty:
+            return
+        self._to_engine.put(item)  # for the loop's next round (None: close)
 
     def _close_engine_loop(self, posted: list[_Posted]) -> None:
         """Closing: nothing more moves."""

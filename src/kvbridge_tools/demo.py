@@ -563,18 +563,33 @@ def _timed_writes(
     engine: Any, writes: list[tuple[str, TransferPlan]], window: int | None, timeout_s: float
 ) -> float:
     """Seconds to move `writes` in order through the engine, at most `window` at once (None:
-    all at once), polling each until it is done."""
+    all at once), polling each until it is done — as prefill's engine thread waits: between
+    polls it sleeps 0.1 ms, or, with an engine that moves writes on its own threads, until one
+    of them ended (kvbridge's and the raw engine's side alike)."""
+    from kvbridge.prefill import WRITE_POLL_S, WRITE_WAIT_S
+
     pending = list(writes)
     out: list[Any] = []
-    started = time.perf_counter()
-    while pending or out:
-        while pending and (window is None or len(out) < window):
-            peer, plan = pending.pop(0)
-            out.append(engine.write(peer, plan))
-        out = [h for h in out if not h.check(started, timeout_s)]
-        if out:
-            time.sleep(0.0001)
-    return time.perf_counter() - started
+    ended = threading.Event()
+    if engine.progresses_on_its_own:
+        engine.add_write_end_listener(ended.set)
+    try:
+        started = time.perf_counter()
+        while pending or out:
+            while pending and (window is None or len(out) < window):
+                peer, plan = pending.pop(0)
+                out.append(engine.write(peer, plan))
+            ended.clear()  # before looking: an end after the look wakes the wait
+            out = [h for h in out if not h.check(started, timeout_s)]
+            if out:
+                if engine.progresses_on_its_own:
+                    ended.wait(WRITE_WAIT_S)
+                else:
+                    time.sleep(WRITE_POLL_S)
+        return time.perf_counter() - started
+    finally:
+        if engine.progresses_on_its_own:
+            engine.remove_write_end_listener(ended.set)
 
 
 def run_decode(

@@ -11,6 +11,7 @@ import json
 import os
 import select
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -74,9 +75,16 @@ def main() -> int:
             [MemoryRegion(p, n) for p, n in peer_kv],
         )
         plan = plan_kv(cache.args, peer_args, order["src_pages"], order["dst_pages"])
+        # Engines that move writes on their own threads say when one ended (once per write,
+        # however many batches it took); the others never do.
+        write_ends: list[float] = []
+        heard = threading.Event()
+        engine.add_write_end_listener(lambda: (write_ends.append(time.monotonic()), heard.set()))
         started = time.perf_counter()
         engine.write(peer, plan, notify=b"done").wait(TIMEOUT_S)
         seconds = time.perf_counter() - started
+        if engine.progresses_on_its_own:
+            heard.wait(TIMEOUT_S)  # (the listener runs just after the write's state changed)
         # A write set up and dropped unstarted moves nothing (other pages into the same
         # places: the target's bytes would show it) and leaves no notification.
         other = plan_kv(cache.args, peer_args, order["src_pages"][::-1], order["dst_pages"])
@@ -84,7 +92,14 @@ def main() -> int:
         dropped.release()
         dropped.release()
         batch = engine.batch_blocks if isinstance(engine, MooncakeEngine) else None
-        say(ok=True, blocks=len(plan), bytes=plan.total_bytes, seconds=seconds, batch_blocks=batch)
+        say(
+            ok=True,
+            blocks=len(plan),
+            bytes=plan.total_bytes,
+            seconds=seconds,
+            batch_blocks=batch,
+            write_ends=len(write_ends),
+        )
         return 0
     finally:
         engine.close()

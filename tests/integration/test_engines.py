@@ -140,6 +140,7 @@ def scattered_write(
     )
     report = initiator.read()
     assert report["ok"], report
+    assert report["write_ends"] == (1 if engine == "mooncake" else 0)
     target.send(finish=True)
     assert target.read() == {"ok": True, "notified": NOTIFIES[engine], "unexpected": []}
 

@@ -142,6 +142,7 @@ class TransferEngine(ABC):
     def __init__(self) -> None:
         self.local_memory = RegionMap()
         self.peer_memory: dict[str, RegionMap] = {}
+        self._write_end_listeners: list[Callable[[], None]] = []
 
     @classmethod
     @abstractmethod
@@ -207,8 +208,24 @@ class TransferEngine(ABC):
 
     delivers_notifications: bool = False
     # Whether a posted write moves on without this process polling it (its own threads): then
-    # a writer cannot stop a write in flight, and a target waits out `write_timeout_s` too.
+    # a writer cannot stop a write in flight, and a target waits out `write_timeout_s` too;
+    # such an engine tells its write-end listeners when a write ended.
     progresses_on_its_own: bool = False
+
+    def add_write_end_listener(self, listener: Callable[[], None]) -> None:
+        """Have `listener` called, on the engine's own thread, whenever one of this engine's
+        writes ends (done or failed): a writer then sleeps until something ended instead of
+        polling its handles. Only engines that progress on their own call it; a writer must
+        poll the others (polling is what moves them)."""
+        self._write_end_listeners.append(listener)
+
+    def remove_write_end_listener(self, listener: Callable[[], None]) -> None:
+        self._write_end_listeners.remove(listener)
+
+    def _write_ended(self) -> None:
+        """Tell the listeners that a write ended (engines that progress on their own)."""
+        for listener in tuple(self._write_end_listeners):
+            listener()
 
     def notify(self, peer: str, message: bytes) -> None:
         """Send a notification to a peer without data (engines that deliver notifications)."""

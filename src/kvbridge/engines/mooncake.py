@@ -99,13 +99,15 @@ class _MooncakeHandle(TransferHandle):
     def poll(self) -> TransferState:
         return self.state
 
-    def batch_ended(self, error: str | None) -> None:
-        """One batch ended; the write ends with its last batch (failed if any failed)."""
+    def batch_ended(self, error: str | None) -> bool:
+        """One batch ended; the write ends with its last batch (failed if any failed).
+        Whether the write ended with it."""
         with self._lock:
             self.error = self.error or error
             self.batches_left -= 1
             if not self.batches_left:
                 self.state = TransferState.FAILED if self.error else TransferState.DONE
+            return not self.batches_left
 
 
 @dataclass(frozen=True)
@@ -206,7 +208,8 @@ class MooncakeEngine(TransferEngine):
         while (batch := self._work.get()) is not None:
             handle = batch.handle
             if handle.error is not None:  # an earlier batch of this write failed
-                handle.batch_ended(None)
+                if handle.batch_ended(None):
+                    self._write_ended()
                 continue
             try:
                 # The synchronous call opens the peer's segment and checks that it could;
@@ -224,7 +227,8 @@ class MooncakeEngine(TransferEngine):
                              f"failed (rc {rc}){self._limit_note}")  # fmt: skip
             except Exception as exc:  # anything Mooncake raises ends this write, not the worker
                 error = exc.detail if isinstance(exc, EngineError) else str(exc)
-            handle.batch_ended(error)
+            if handle.batch_ended(error):
+                self._write_ended()
 
     def close(self) -> None:
         if self._closed:
