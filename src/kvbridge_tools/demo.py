@@ -571,7 +571,8 @@ def _timed_writes(
     pending = list(writes)
     out: list[Any] = []
     ended = threading.Event()
-    if engine.progresses_on_its_own:
+    told_of_ends = engine.progresses_on_its_own
+    if told_of_ends:
         engine.add_write_end_listener(ended.set)
     try:
         started = time.perf_counter()
@@ -581,14 +582,13 @@ def _timed_writes(
                 out.append(engine.write(peer, plan))
             ended.clear()  # before looking: an end after the look wakes the wait
             out = [h for h in out if not h.check(started, timeout_s)]
-            if out:
-                if engine.progresses_on_its_own:
-                    ended.wait(WRITE_WAIT_S)
-                else:
-                    time.sleep(WRITE_POLL_S)
+            if out and told_of_ends:
+                ended.wait(WRITE_WAIT_S)
+            elif out:
+                time.sleep(WRITE_POLL_S)
         return time.perf_counter() - started
     finally:
-        if engine.progresses_on_its_own:
+        if told_of_ends:
             engine.remove_write_end_listener(ended.set)
 
 

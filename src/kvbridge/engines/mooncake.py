@@ -207,28 +207,30 @@ class MooncakeEngine(TransferEngine):
     def _run(self) -> None:
         while (batch := self._work.get()) is not None:
             handle = batch.handle
-            if handle.error is not None:  # an earlier batch of this write failed
-                if handle.batch_ended(None):
-                    self._write_ended()
-                continue
-            try:
-                # The synchronous call opens the peer's segment and checks that it could;
-                # the asynchronous submit followed by a status query crashed inside
-                # Mooncake (SIGSEGV) when the peer had become unreachable.
-                rc = self._engine.batch_transfer_sync_write(
-                    handle.session,
-                    batch.plan.src.tolist(),
-                    batch.plan.dst.tolist(),
-                    batch.plan.length.tolist(),
-                )
-                error = None
-                if rc != 0:
-                    error = (f"a batch of {len(batch.plan)} block(s) to {handle.session} "
-                             f"failed (rc {rc}){self._limit_note}")  # fmt: skip
-            except Exception as exc:  # anything Mooncake raises ends this write, not the worker
-                error = exc.detail if isinstance(exc, EngineError) else str(exc)
+            # After an earlier batch of this write failed, the rest only count down.
+            error = self._move(batch) if handle.error is None else None
             if handle.batch_ended(error):
                 self._write_ended()
+
+    def _move(self, batch: _Batch) -> str | None:
+        """One batch through Mooncake (blocking); why it failed, or None."""
+        handle = batch.handle
+        try:
+            # The synchronous call opens the peer's segment and checks that it could; the
+            # asynchronous submit followed by a status query crashed inside Mooncake (SIGSEGV)
+            # when the peer had become unreachable.
+            rc = self._engine.batch_transfer_sync_write(
+                handle.session,
+                batch.plan.src.tolist(),
+                batch.plan.dst.tolist(),
+                batch.plan.length.tolist(),
+            )
+        except Exception as exc:  # anything Mooncake raises ends this write, not the worker
+            return exc.detail if isinstance(exc, EngineError) else str(exc)
+        if rc != 0:
+            return (f"a batch of {len(batch.plan)} block(s) to {handle.session} failed "
+                    f"(rc {rc}){self._limit_note}")  # fmt: skip
+        return None
 
     def close(self) -> None:
         if self._closed:
