@@ -176,6 +176,11 @@ def summarize(workload: Workload, runs: list[dict[str, Any]]) -> dict[str, Any]:
         "per_run": [
             {
                 "kvbridge_gbps": round(own["kvbridge_gbps"], 3),
+                # A run far below the others: a stall of one room (p99 near the wall) or of
+                # everything (wall long, p99 in proportion)?
+                "wall_ms": round(own["wall_ms"], 1),
+                "p50_ms": round(own["p50_ms"], 1),
+                "p99_ms": round(own["p99_ms"], 1),
                 "raw_before_gbps": round(run["raw_gbps_before"].get(best, 0.0), 3),
                 "raw_after_gbps": round(run["raw_gbps_after"].get(best, 0.0), 3),
                 "kvbridge_gbps_by_setting": {

@@ -7,10 +7,13 @@ For the demo model shape (Llama-3-8B, page 16), TP 2→4 and 4→2: kvbridge GB/
 scattered into decode's pages; at 2→4 each decode rank's heads come from one prefill rank, but
 its pages are too small to be written straight into: `DIRECT_MIN_BLOCK_BYTES`), through
 per-token blocks (staging off), and between equal TP (the prefill size on both sides), with
-the blocks written per request, and the targets of issue 16. The three runs of a pair are
-repeated `--repeats` times, one after the other; the ratios printed are the medians of each
-round's ratios (a noisy machine then moves both sides of a ratio together), the GB/s the
-medians of the rounds. Writes bench-results/hetero.json.
+the blocks written per request, and the targets of issue 16. Each staged run sits between two
+equal-TP runs (`--repeats` staged runs, one more equal-TP run) and its ratio is against their
+mean, which brackets it in time (on this shared machine copy speed drifts by tens of percent
+within seconds: a batch here lasts under a second, and three rounds of single neighbours gave
+ratios 0.35-0.60 in one run); the printed ratio to equal TP is the median of those, the one to
+per-token the ratio of the medians (`--per-token-repeats` runs after the rest; its margin is
+wide), the GB/s the medians of the runs. Writes bench-results/hetero.json.
 """
 
 from __future__ import annotations
@@ -42,42 +45,67 @@ def run(
     return {"gbps": round(result.gbps, 3), "blocks_per_request": blocks // requests}
 
 
+def measure_pair(
+    prefill_tp: int,
+    decode_tp: int,
+    repeats: int,
+    per_token_repeats: int,
+    requests: int,
+    tokens: int,
+) -> dict[str, Any]:
+    """One TP pair's row: `repeats` staged runs, each between two equal-TP runs, then the
+    per-token runs."""
+    equal = [run(prefill_tp, prefill_tp, True, requests, tokens)]
+    staged = []
+    for _ in range(repeats):
+        staged.append(run(prefill_tp, decode_tp, True, requests, tokens))
+        equal.append(run(prefill_tp, prefill_tp, True, requests, tokens))
+    per_token = [run(prefill_tp, decode_tp, False, requests, tokens)
+                 for _ in range(per_token_repeats)]  # fmt: skip
+    # Each staged run against the mean of the equal-TP runs just before and after it.
+    to_equal = [
+        each["gbps"] * 2 / (before["gbps"] + after["gbps"])
+        for each, before, after in zip(staged, equal, equal[1:], strict=False)
+    ]
+
+    def median(runs: list[dict[str, Any]]) -> float:
+        return float(statistics.median(each["gbps"] for each in runs))
+
+    return {
+        "pair": f"{prefill_tp}->{decode_tp}",
+        "rounds": len(staged),
+        "staging_gbps": round(median(staged), 3),
+        "per_token_gbps": round(median(per_token), 3),
+        "equal_tp_gbps": round(median(equal), 3),
+        "staging_vs_per_token": round(median(staged) / median(per_token), 3),
+        "staging_vs_equal_tp": round(statistics.median(to_equal), 3),
+        "staging_vs_equal_tp_range": [round(min(to_equal), 3), round(max(to_equal), 3)],
+        "blocks_per_request": {  # the same in every run
+            "staging": staged[-1]["blocks_per_request"],
+            "per_token": per_token[-1]["blocks_per_request"],
+            "equal_tp": equal[-1]["blocks_per_request"],
+        },
+        "runs_gbps": {  # in the order they ran: equal TP and staged alternating, then per-token
+            "equal_tp": [each["gbps"] for each in equal],
+            "staging": [each["gbps"] for each in staged],
+            "per_token": [each["gbps"] for each in per_token],
+        },
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=1024)
-    parser.add_argument("--repeats", type=int, default=3, help="rounds of the three runs")
+    parser.add_argument("--repeats", type=int, default=7,
+                        help="staged runs, each between two equal-TP runs")  # fmt: skip
+    parser.add_argument("--per-token-repeats", type=int, default=3)
     options = parser.parse_args()
-    rows = []
-    for prefill_tp, decode_tp in ((2, 4), (4, 2)):
-        rounds = []
-        for _ in range(options.repeats):
-            staged = run(prefill_tp, decode_tp, True, options.requests, options.tokens)
-            per_token = run(prefill_tp, decode_tp, False, options.requests, options.tokens)
-            equal = run(prefill_tp, prefill_tp, True, options.requests, options.tokens)
-            rounds.append((staged, per_token, equal))
-
-        def median(values: list[float]) -> float:
-            return round(statistics.median(values), 3)
-
-        rows.append({
-            "pair": f"{prefill_tp}->{decode_tp}",
-            "rounds": len(rounds),
-            "staging_gbps": median([s["gbps"] for s, _, _ in rounds]),
-            "per_token_gbps": median([p["gbps"] for _, p, _ in rounds]),
-            "equal_tp_gbps": median([e["gbps"] for _, _, e in rounds]),
-            "staging_vs_per_token": median([s["gbps"] / p["gbps"] for s, p, _ in rounds]),
-            "staging_vs_equal_tp": median([s["gbps"] / e["gbps"] for s, _, e in rounds]),
-            "staging_vs_equal_tp_range": [
-                round(min(s["gbps"] / e["gbps"] for s, _, e in rounds), 3),
-                round(max(s["gbps"] / e["gbps"] for s, _, e in rounds), 3),
-            ],
-            "blocks_per_request": {  # the same in every round
-                "staging": rounds[-1][0]["blocks_per_request"],
-                "per_token": rounds[-1][1]["blocks_per_request"],
-                "equal_tp": rounds[-1][2]["blocks_per_request"],
-            },
-        })  # fmt: skip
+    rows = [
+        measure_pair(prefill_tp, decode_tp, options.repeats, options.per_token_repeats,
+                     options.requests, options.tokens)
+        for prefill_tp, decode_tp in ((2, 4), (4, 2))
+    ]  # fmt: skip
     print(
         "pair | staging GB/s | per-token GB/s | equal-TP GB/s | ×per-token | ×equal (range) | "
         "blocks/request (staging, per-token, equal)"
@@ -89,7 +117,7 @@ def main() -> None:
             f"{row['pair']} | {row['staging_gbps']} | {row['per_token_gbps']} | "
             f"{row['equal_tp_gbps']} | {row['staging_vs_per_token']} | "
             f"{row['staging_vs_equal_tp']} ({row['staging_vs_equal_tp_range'][0]}-"
-            f"{row['staging_vs_equal_tp_range'][1]}, {row['rounds']} rounds) | "
+            f"{row['staging_vs_equal_tp_range'][1]}, {row['rounds']} staged runs) | "
             f"{blocks['staging']}, {blocks['per_token']}, "
             f"{blocks['equal_tp']}"
         )

@@ -16,7 +16,7 @@ from kvbridge.cache.topology import topology
 from kvbridge.engines.loopback import LoopbackEngine
 from kvbridge.staging import RingError, StagingRing, buffer_rows, gather, host_bytes, scatter
 from kvbridge.staging.buffer import HostStaging, StagingUnavailable, open_staging
-from kvbridge.staging.kernels import row_runs, whole_pages
+from kvbridge.staging.kernels import whole_pages
 from kvbridge.wire import KVLayout, MemoryKind
 
 
@@ -136,7 +136,7 @@ def chunk_rows(draw: st.DrawFn) -> tuple[np.ndarray, int]:
 
 @settings(max_examples=300, deadline=None)
 @given(chunk_rows(), st.sampled_from([(0, 12), (0, 12), (0, 5), (4, 8), (7, 1)]))
-def test_gather_and_scatter_by_page_and_by_run_move_what_they_move_row_by_row(
+def test_gather_and_scatter_by_page_move_what_they_move_row_by_row(
     drawn: tuple[np.ndarray, int], row_slice: tuple[int, int]
 ) -> None:
     rows, page_size = drawn
@@ -144,30 +144,17 @@ def test_gather_and_scatter_by_page_and_by_run_move_what_they_move_row_by_row(
     rng = np.random.default_rng(rows.size)
     views = [rng.integers(1, 255, (8 * page_size, token_bytes), dtype=np.uint8) for _ in range(3)]
     size = 3 * rows.size * width
-    never = rows.size + 1  # runs never average this long: row by row (or by page)
-    ways = {"by page": (page_size, never), "every run": (1, 1), "runs of 2+": (1, 2)}
-    by_row = np.zeros(size + 4, np.uint8)
-    assert gather(views, rows, column, width, by_row, 1, never) == size
+    by_row, by_page = np.zeros(size + 4, np.uint8), np.zeros(size + 4, np.uint8)
+    assert gather(views, rows, column, width, by_row) == size
+    assert gather(views, rows, column, width, by_page, page_size) == size
+    assert np.array_equal(by_page, by_row)
     staged = rng.integers(1, 255, size, dtype=np.uint8)
     landed_by_row = [np.zeros_like(view) for view in views]
-    scatter(staged, landed_by_row, rows, column, width, 1, never)
-    for way, (pages, long_run_rows) in ways.items():
-        gathered = np.zeros(size + 4, np.uint8)
-        assert gather(views, rows, column, width, gathered, pages, long_run_rows) == size
-        assert np.array_equal(gathered, by_row), way
-        landed = [np.zeros_like(view) for view in views]
-        scatter(staged, landed, rows, column, width, pages, long_run_rows)
-        for got, want in zip(landed, landed_by_row, strict=True):
-            assert np.array_equal(got, want), way
-
-
-def test_row_runs_are_taken_only_where_they_average_long() -> None:
-    rows = np.array([8, 9, 10, 11, 0, 1, 2, 5], dtype=np.int64)
-    assert row_runs(rows, 2) == [(0, 4, 8), (4, 7, 0), (7, 8, 5)]
-    assert row_runs(rows, 3) is None  # 8 rows in 3 runs
-    assert row_runs(np.arange(5, 69, dtype=np.int64)) == [(0, 64, 5)]
-    assert row_runs(np.arange(5, 68, dtype=np.int64)) is None  # 63 rows: by page or row
-    assert row_runs(np.array([], dtype=np.int64), 1) is None
+    landed_by_page = [np.zeros_like(view) for view in views]
+    scatter(staged, landed_by_row, rows, column, width)
+    scatter(staged, landed_by_page, rows, column, width, page_size)
+    for got, want in zip(landed_by_page, landed_by_row, strict=True):
+        assert np.array_equal(got, want)
 
 
 def test_whole_pages_counts_the_leading_aligned_pages() -> None:

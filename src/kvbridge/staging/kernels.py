@@ -48,29 +48,6 @@ def whole_pages(rows: npt.NDArray[np.int64], page_size: int, buffer_rows: int) -
     return int(count if whole.all() else np.argmin(whole)) * page_size
 
 
-# Runs of consecutive token rows at least this long on average are copied one slice per run
-# and buffer: a strided copy straight into place, where numpy's fancy indexing (by row or by
-# page) builds a temporary and copies it again. Here, a half row (512 B) of 1024 tokens from 64
-# buffers: 11-14 GB/s by run against 6-10 by row in runs of 64 rows or more; in runs of 16, the
-# slices' Python calls cost more than the temporary.
-LONG_RUN_ROWS = 64
-
-
-def row_runs(
-    rows: npt.NDArray[np.int64], long_run_rows: int = LONG_RUN_ROWS
-) -> list[tuple[int, int, int]] | None:
-    """The runs of consecutive rows, as (position in `rows`, end position, first row), when
-    they average at least `long_run_rows` rows (None otherwise: copy by page or row)."""
-    if rows.size == 0:
-        return None
-    breaks = np.flatnonzero(np.diff(rows) != 1) + 1
-    if rows.size < long_run_rows * (breaks.size + 1):
-        return None
-    positions = np.concatenate(([0], breaks))
-    ends = np.concatenate((breaks, [rows.size]))
-    return list(zip(positions.tolist(), ends.tolist(), rows[positions].tolist(), strict=True))
-
-
 def _paged_rows(
     views: Sequence[Bytes], rows: npt.NDArray[np.int64], width: int, page_size: int
 ) -> tuple[int, npt.NDArray[np.int64]]:
@@ -94,22 +71,12 @@ def gather(
     width: int,
     out: Bytes,
     page_size: int = 1,
-    long_run_rows: int = LONG_RUN_ROWS,
 ) -> int:
     """Copy bytes ``[column, column + width)`` of the given token rows of every buffer into
-    `out`, buffer-major; returns the bytes staged. Runs of consecutive rows are copied a run
-    at a time where they are long (`row_runs`); otherwise whole rows that are whole pages of
-    `page_size` are copied by page (`_paged_rows`), the rest row by row."""
+    `out`, buffer-major; returns the bytes staged. Whole rows that are whole pages of
+    `page_size` are copied by page (`_paged_rows`)."""
     size = staged_size(len(views), rows.size, width)
     staged = out[:size].reshape(len(views), rows.size, width)
-    runs = row_runs(rows, long_run_rows)
-    if runs is not None:
-        for index, view in enumerate(views):
-            for position, end, first in runs:
-                staged[index, position:end] = view[
-                    first : first + end - position, column : column + width
-                ]
-        return size
     paged, pages = _paged_rows(views, rows, width, page_size)
     for index, view in enumerate(views):
         # Plain fancy indexing: np.take with `out` buffers everything (an order slower).
@@ -129,19 +96,10 @@ def scatter(
     column: int,
     width: int,
     page_size: int = 1,
-    long_run_rows: int = LONG_RUN_ROWS,
 ) -> None:
     """The inverse of `gather`: staged bytes into the token rows of every buffer."""
     size = staged_size(len(views), rows.size, width)
     staged = staged_bytes[:size].reshape(len(views), rows.size, width)
-    runs = row_runs(rows, long_run_rows)
-    if runs is not None:
-        for index, view in enumerate(views):
-            for position, end, first in runs:
-                view[first : first + end - position, column : column + width] = staged[
-                    index, position:end
-                ]
-        return
     paged, pages = _paged_rows(views, rows, width, page_size)
     for index, view in enumerate(views):
         if paged:
