@@ -65,7 +65,7 @@ def measure_pair(
     # Each staged run against the mean of the equal-TP runs just before and after it.
     to_equal = [
         each["gbps"] * 2 / (before["gbps"] + after["gbps"])
-        for each, before, after in zip(staged, equal, equal[1:], strict=False)
+        for each, before, after in zip(staged, equal[:-1], equal[1:], strict=True)
     ]
 
     def median(runs: list[dict[str, Any]]) -> float:
