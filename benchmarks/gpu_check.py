@@ -1,7 +1,8 @@
 """The GPU check (issue 7): on one GPU machine, in a few minutes, in one run —
 
 - the ceiling: a device-to-device copy through torch (GB/s of bytes moved);
-- the staging kernels on the GPU: gather and scatter GB/s (torch, their own stream);
+- the staging kernels on the GPU: gather and scatter GB/s on their own stream, one Triton
+  launch for all KV buffers and, beside it, one torch copy per buffer (the fallback);
 - kvbridge end to end between a prefill and a decode process on the same GPU (KV, aux and
   state slots in GPU memory, registered as VRAM), the demo model shape, at equal TP and at
   TP 2→4 through the staging ring, every byte verified; beside each, the raw engine replaying
@@ -9,7 +10,8 @@
 
     python benchmarks/gpu_check.py [--memory cuda|torch-cpu] [--requests N --tokens L]
 
-`--memory torch-cpu` runs the same on CPU tensors (how it is checked without a GPU). Prints a
+`--memory torch-cpu` runs the same on CPU tensors (how it is checked without a GPU). On the
+lent GPU machine, `scripts/gpu-check.sh` runs it with the CUDA tests. Prints a
 table and writes bench-results/gpu_check.json.
 """
 
@@ -48,17 +50,20 @@ def copy_ceiling(device: torch.device, nbytes: int) -> float:
     return nbytes / timed(lambda: target.copy_(source), device) / 1e9
 
 
-def staging_kernels(device: torch.device, tokens: int) -> tuple[float, float]:
+def staging_kernels(device: torch.device, tokens: int, one_launch: bool) -> tuple[float, float]:
     """Gather and scatter GB/s for the demo shape's TP 2→4 head slice (64 buffers, half of a
-    rank's 4 heads × 128 dims in bf16 per token), scattered token rows."""
+    rank's 4 heads × 128 dims in bf16 per token), scattered token rows: with one launch for
+    all buffers (Triton, where it runs) or one torch copy per buffer."""
     buffers, token_bytes, width = 64, 4 * 128 * 2, 2 * 128 * 2
     views = [torch.randint(0, 255, (2 * tokens, token_bytes), dtype=torch.uint8, device=device)
              for _ in range(buffers)]  # fmt: skip
     rows = torch.randperm(2 * tokens, device=device)[:tokens]
     staged = torch.empty(buffers * tokens * width, dtype=torch.uint8, device=device)
     stream = torch_kernels.side_stream(device)
-    gather_s = timed(lambda: torch_kernels.gather(views, rows, 0, width, staged, stream), device)
-    scatter_s = timed(lambda: torch_kernels.scatter(staged, views, rows, 0, width, stream), device)
+    gather_s = timed(lambda: torch_kernels.gather(views, rows, 0, width, staged, stream,
+                                                  one_launch), device)  # fmt: skip
+    scatter_s = timed(lambda: torch_kernels.scatter(staged, views, rows, 0, width, stream,
+                                                    one_launch), device)  # fmt: skip
     return staged.numel() / gather_s / 1e9, staged.numel() / scatter_s / 1e9
 
 
@@ -81,6 +86,12 @@ def transfer(
         "staged_chunks": sum(r.staged_chunks for r in result.reports),
         "transport": sorted({r.transport for r in result.reports if r.transport}),
         "p50_ms": round(result.latency_ms(0.5), 1),
+        # Where each process's batch went (seconds): gathers, scatters, engine calls, control.
+        "timings": {
+            f"{r.role}-{r.rank}": {name: round(s, 3) for name, s in r.timings.items()}
+            | ({"batch_s": round(r.seconds, 3)} if r.seconds else {})
+            for r in sorted(result.reports, key=lambda r: (r.role != "prefill", r.rank))
+        },
     }
 
 
@@ -95,19 +106,25 @@ def main() -> None:
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "copy_ceiling_gbps": round(copy_ceiling(device, 1 << 30), 1),
     }
-    gather_gbps, scatter_gbps = staging_kernels(device, options.tokens)
-    report["gather_gbps"], report["scatter_gbps"] = round(gather_gbps, 1), round(scatter_gbps, 1)
+    for one_launch, name in ((True, ""), (False, "_per_buffer")):
+        gather_gbps, scatter_gbps = staging_kernels(device, options.tokens, one_launch)
+        report[f"gather{name}_gbps"] = round(gather_gbps, 1)
+        report[f"scatter{name}_gbps"] = round(scatter_gbps, 1)
     report["transfers"] = [
         transfer(options.memory, 1, 1, options.requests, options.tokens),
         transfer(options.memory, 2, 4, options.requests, options.tokens),
     ]
-    print(f"{report['device']}: device copy {report['copy_ceiling_gbps']} GB/s, staging gather "
-          f"{report['gather_gbps']} GB/s, scatter {report['scatter_gbps']} GB/s")  # fmt: skip
+    per_buffer = f"{report['gather_per_buffer_gbps']}, {report['scatter_per_buffer_gbps']}"
+    print(f"{report['device']}: device copy {report['copy_ceiling_gbps']} GB/s; staging gather "
+          f"{report['gather_gbps']} GB/s, scatter {report['scatter_gbps']} GB/s (one copy per "
+          f"buffer: {per_buffer})")  # fmt: skip
     print("TP | verified | kvbridge GB/s | raw GB/s | staged chunks | p50 ms | transport")
     for row in report["transfers"]:
         transport = ", ".join(row["transport"])
         print(f"{row['pair']} | {row['verified']} | {row['kvbridge_gbps']} | {row['raw_gbps']} | "
               f"{row['staged_chunks']} | {row['p50_ms']} | {transport}")  # fmt: skip
+        for process, timings in row["timings"].items():
+            print(f"  {process}: " + ", ".join(f"{name} {s}" for name, s in timings.items()))
         for error in row["errors"]:
             print(f"  error: {error}")
     RESULTS.parent.mkdir(exist_ok=True)

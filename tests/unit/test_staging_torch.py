@@ -3,6 +3,11 @@ here, on a GPU where one exists (those cases skip elsewhere)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -27,26 +32,35 @@ def numpy_buffers(seed: int | None) -> list[np.ndarray]:
     return [rng.integers(0, 256, (ROWS, TOKEN_BYTES), dtype=np.uint8) for _ in range(BUFFERS)]
 
 
+# Head slices whose bytes and offsets allow 8-, 4-, 2- and 1-byte words (the kernels copy the
+# widest words that fit).
+SLICES = [(0, 64), (16, 32), (48, 16), (4, 12), (6, 2), (5, 3)]
+
+
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize(("column", "width"), [(0, 64), (16, 32), (48, 16)])
-def test_gather_matches_numpy(device: str, column: int, width: int) -> None:
+@pytest.mark.parametrize(("column", "width"), SLICES)
+@pytest.mark.parametrize("offset", [0, 3])
+def test_gather_matches_numpy(device: str, column: int, width: int, offset: int) -> None:
     source = numpy_buffers(seed=3)
     rows = np.array([5, 6, 7, 31, 2, 39, 0], dtype=np.int64)  # out of order, like pages
     expected = np.zeros(BUFFERS * rows.size * width, dtype=np.uint8)
     size = kernels.gather(source, rows, column, width, expected)
 
     views = [torch.from_numpy(b).to(device) for b in source]
-    out = torch.zeros(expected.size + 100, dtype=torch.uint8, device=device)  # a larger ring
+    ring = torch.zeros(expected.size + 100, dtype=torch.uint8, device=device)  # a larger ring
+    out = ring[offset:]  # at an odd offset in the ring, only byte copies line up
     got = torch_kernels.gather(views, torch.from_numpy(rows).to(device), column, width, out)
     assert got == size
     assert np.array_equal(out[:size].cpu().numpy(), expected[:size])
     assert not out[size:].any()
+    assert not ring[:offset].any()
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize(("column", "width"), [(0, 64), (16, 32)])
+@pytest.mark.parametrize(("column", "width"), SLICES)
+@pytest.mark.parametrize("offset", [0, 3])
 def test_scatter_matches_numpy_and_touches_nothing_else(
-    device: str, column: int, width: int
+    device: str, column: int, width: int, offset: int
 ) -> None:
     rows = np.array([10, 3, 4, 5, 38], dtype=np.int64)
     staged = np.random.default_rng(9).integers(0, 256, BUFFERS * rows.size * width, np.uint8)
@@ -55,7 +69,8 @@ def test_scatter_matches_numpy_and_touches_nothing_else(
 
     views = [torch.zeros((ROWS, TOKEN_BYTES), dtype=torch.uint8, device=device)
              for _ in range(BUFFERS)]  # fmt: skip
-    staged_tensor = torch.from_numpy(staged).to(device)
+    staged_tensor = torch.from_numpy(np.concatenate([np.zeros(offset, np.uint8), staged]))
+    staged_tensor = staged_tensor.to(device)[offset:]
     torch_kernels.scatter(staged_tensor, views, torch.from_numpy(rows).to(device), column, width)
     for got, want in zip(views, expected, strict=True):
         assert np.array_equal(got.cpu().numpy(), want)  # the other rows and columns stay zero
@@ -89,3 +104,16 @@ def test_byte_rows_views_a_bf16_cache_without_copying() -> None:
     assert rows.data_ptr() == cache.data_ptr()
     rows[0].zero_()
     assert not cache[0, 0].any()
+
+
+def test_one_launch_triton_kernels_move_the_torch_kernels_bytes() -> None:
+    """The Triton kernels (one launch for all buffers; what a GPU uses) against the torch
+    ones, run by Triton's interpreter on CPU tensors where Triton is installed. The `cuda`
+    cases above run them compiled on a GPU."""
+    pytest.importorskip("triton", reason="the one-launch kernels need Triton")
+    check = Path(__file__).parents[1] / "helpers" / "staging_triton_check.py"
+    environment = {**os.environ, "TRITON_INTERPRET": "1"}
+    result = subprocess.run([sys.executable, str(check)], env=environment, capture_output=True,
+                            text=True, timeout=240)  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("row ") == 5, result.stdout

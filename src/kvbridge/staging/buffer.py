@@ -91,6 +91,7 @@ class TorchStaging(StagingBuffer):
         self.memory_kind, self.device_id = kv_args.memory_kind, kv_args.device_id
         self._rows = [torch_kernels.byte_rows(t, kv_args.token_bytes) for t in kv_args.kv_tensors]
         self._stream = torch_kernels.side_stream(self._device)
+        torch_kernels.prepare(self._device)
 
     def _on_device(self, rows: npt.NDArray[np.int64]) -> Any:
         return self._torch.from_numpy(np.ascontiguousarray(rows)).to(self._device)
