@@ -10,6 +10,12 @@ from dataclasses import dataclass, field
 from kvbridge.engines import DEFAULT_ENGINE
 from kvbridge.wire.auth import secret_from_env
 
+# Decode's staging ring and prefill's staging buffer, each. At 64 MiB a TP 2→4 batch of the
+# demo (16 × 1024 tokens of Llama-3-8B: 32 MiB per request and decode rank) kept prefill
+# waiting for ring space and rooms finishing together: median request 0.35-0.54 s against
+# 0.25-0.30 s at 128 or 256 MiB, GB/s the same within the noise (2026-12-04, README).
+DEFAULT_STAGING_BYTES = 128 << 20
+
 
 @dataclass(frozen=True)
 class ManagerConfig:
@@ -63,7 +69,7 @@ class ManagerConfig:
     writes_in_flight: int = 4
     keep_plans: bool = False
     staging: bool = True
-    staging_bytes: int = 64 << 20
+    staging_bytes: int = DEFAULT_STAGING_BYTES
     staging_timeout_s: float = 30.0
     staging_kernels: str = "auto"
     heartbeat_interval_s: float = 0.5

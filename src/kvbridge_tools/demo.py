@@ -30,7 +30,7 @@ import numpy.typing as npt
 
 from kvbridge.cache import KVArgs, TransferPlan, kv_heads_on_rank
 from kvbridge.cache.topology import HeadRange, TopologyError, rank_heads, topology
-from kvbridge.config import ManagerConfig
+from kvbridge.config import DEFAULT_STAGING_BYTES, ManagerConfig
 from kvbridge.engines import DEFAULT_ENGINE, EngineError, engine_spec
 from kvbridge.logs import configure as configure_logging
 from kvbridge.wire import KVLayout, KVPoll
@@ -191,7 +191,7 @@ class DemoConfig:
         prefill = self.prefill_tp * self.kv_bytes_per_rank(self.prefill_tp)
         decode = self.decode_tp * self.kv_bytes_per_rank(self.decode_tp) * self.decode_pool_factor
         processes = self.prefill_tp + self.decode_ranks
-        staging = 2 * (64 << 20) * processes if self.prefill_tp != self.decode_tp else 0
+        staging = 2 * DEFAULT_STAGING_BYTES * processes if self.prefill_tp != self.decode_tp else 0
         return int(prefill + decode + staging + PROCESS_BYTES * processes)
 
     def check(self) -> None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from kvbridge.cache.spec import GeometryError, KVArgs
-from kvbridge.config import ManagerConfig
+from kvbridge.config import DEFAULT_STAGING_BYTES, ManagerConfig
 from kvbridge.engines import DEFAULT_ENGINE, PROCESS_ENGINES, EngineError, engine_spec
 from kvbridge.wire.auth import secret_from_env
 from kvbridge.wire.messages import KVLayout
@@ -75,7 +75,7 @@ class ConnectorOptions:
     peer_timeout_s: float = 3.0
     heartbeat_interval_s: float = 0.5
     staging: bool = True
-    staging_bytes: int = 64 << 20
+    staging_bytes: int = DEFAULT_STAGING_BYTES
     idle_poll_s: float = 0.005
     idle_batch_s: float = 1.0
     secret: str | None = field(default=None, repr=False)

@@ -58,15 +58,17 @@ def side_stream(device: Any) -> Any:
 @contextlib.contextmanager
 def _ordered(device: Any, stream: Any) -> Iterator[None]:
     """Run the block on `stream` (CUDA tensors), after the caller's queued work, and wait
-    for it at the end; CPU tensors run in place."""
+    for it at the end; CPU tensors run in place. The tensors' GPU is made the current one:
+    Triton launches on the current device, whichever the tensors are on."""
     if device.type != "cuda":
         yield
         return
     side = stream if stream is not None else side_stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        yield
-    side.synchronize()
+    with torch.cuda.device(device):
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            yield
+        side.synchronize()
 
 
 def _one_launch_kernels(device: Any, views: Sequence[Tensor], rows: Tensor) -> Any:
@@ -91,7 +93,8 @@ def prepare(device: Any) -> Any:
     except ImportError:
         return None
     try:
-        triton_kernels.warm_up(device)
+        with torch.cuda.device(device):
+            triton_kernels.warm_up(device)
     except Exception as exc:  # Triton's compilers raise many kinds; any means "do not use it"
         log.warning("staging on %s: one-launch Triton kernels unusable (%s: %s); one torch copy "
                     "per KV buffer instead", device, type(exc).__name__, exc)  # fmt: skip
