@@ -46,8 +46,9 @@ def download(requirements: list[str]) -> list[Path]:
          *requirements],
         check=True,
     )  # fmt: skip
-    names = [re.split("[=<>]", r)[0].replace("-", "_").lower() for r in requirements]
-    return [w for w in WHEELS.glob("*.whl") if w.name.lower().startswith(tuple(names))]
+    # The pinned versions' wheels only (older downloads may lie beside them).
+    prefixes = tuple(r.replace("-", "_").replace("==", "-").lower() + "-" for r in requirements)
+    return [w for w in WHEELS.glob("*.whl") if w.name.lower().startswith(prefixes)]
 
 
 def needed(library: Path) -> list[str]:
