@@ -2,7 +2,7 @@
 
 torch has no indexed copy over a list of tensors, so `torch_kernels`' fallback launches one
 `index_select`/`index_copy_` per KV buffer: 64 launches per chunk for an 8B model, about 17 µs
-each, and an H200 then gathers 10-30 GB/s whatever the chunk's size (2026-12-04). Here one
+each, and an H200 then gathers 19-48 GB/s whatever the chunk's size (2026-12-04). Here one
 program reads the buffers' base addresses from a pointer table and each block of programs
 copies a tile of token rows × the head slice's words: 0.3-1.8 TB/s on the same chunks.
 
@@ -33,33 +33,22 @@ _SIZES_VARY = ["n_rows", "row_words", "start", "width"]
 
 
 @triton.jit(do_not_specialize=_SIZES_VARY, do_not_specialize_on_alignment=["staged"])
-def _gather_kernel(table, rows, staged, n_rows, row_words, start, width,
-                   BLOCK_ROWS: tl.constexpr, BLOCK_WIDTH: tl.constexpr):  # fmt: skip
+def _copy_kernel(table, rows, staged, n_rows, row_words, start, width, GATHER: tl.constexpr,
+                 BLOCK_ROWS: tl.constexpr, BLOCK_WIDTH: tl.constexpr):  # fmt: skip
+    """A tile of token rows × words of one buffer: cache → staged (GATHER) or back."""
     buffer = tl.program_id(1).to(tl.int64)
     base = tl.load(table + buffer).to(tl.pointer_type(staged.dtype.element_ty))
     ids = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     in_rows = ids < n_rows
     row = tl.load(rows + ids, mask=in_rows, other=0)
-    source = base + row[:, None] * row_words + start
-    target = staged + (buffer * n_rows + ids[:, None]) * width
+    in_cache = base + row[:, None] * row_words + start
+    in_staged = staged + (buffer * n_rows + ids[:, None]) * width
     words = tl.program_id(2) * BLOCK_WIDTH + tl.arange(0, BLOCK_WIDTH)[None, :]
     mask = in_rows[:, None] & (words < width)
-    tl.store(target + words, tl.load(source + words, mask=mask), mask=mask)
-
-
-@triton.jit(do_not_specialize=_SIZES_VARY, do_not_specialize_on_alignment=["staged"])
-def _scatter_kernel(table, rows, staged, n_rows, row_words, start, width,
-                    BLOCK_ROWS: tl.constexpr, BLOCK_WIDTH: tl.constexpr):  # fmt: skip
-    buffer = tl.program_id(1).to(tl.int64)
-    base = tl.load(table + buffer).to(tl.pointer_type(staged.dtype.element_ty))
-    ids = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    in_rows = ids < n_rows
-    row = tl.load(rows + ids, mask=in_rows, other=0)
-    target = base + row[:, None] * row_words + start
-    source = staged + (buffer * n_rows + ids[:, None]) * width
-    words = tl.program_id(2) * BLOCK_WIDTH + tl.arange(0, BLOCK_WIDTH)[None, :]
-    mask = in_rows[:, None] & (words < width)
-    tl.store(target + words, tl.load(source + words, mask=mask), mask=mask)
+    if GATHER:
+        tl.store(in_staged + words, tl.load(in_cache + words, mask=mask), mask=mask)
+    else:
+        tl.store(in_cache + words, tl.load(in_staged + words, mask=mask), mask=mask)
 
 
 @functools.lru_cache(maxsize=64)
@@ -73,7 +62,7 @@ def pointer_table(views: Sequence[Tensor]) -> Tensor:
     return _table(tuple(int(view.data_ptr()) for view in views), views[0].device)
 
 
-def _launch(kernel: Any, views: Sequence[Tensor], rows: Tensor, start: int, width: int,
+def _launch(gathering: bool, views: Sequence[Tensor], rows: Tensor, start: int, width: int,
             staged: Tensor) -> None:  # fmt: skip
     """`views`: ``[rows, row_words]`` tensors of one word type; `staged`: ``[buffers, rows,
     width]`` of that type, contiguous; `start`, `width`: the slice in words."""
@@ -81,12 +70,13 @@ def _launch(kernel: Any, views: Sequence[Tensor], rows: Tensor, start: int, widt
     if n_rows == 0:
         return
     grid = (triton.cdiv(n_rows, BLOCK_ROWS), len(views), triton.cdiv(width, BLOCK_WIDTH))
-    kernel[grid](pointer_table(views), rows, staged, n_rows, int(views[0].shape[-1]), start,
-                 width, BLOCK_ROWS=BLOCK_ROWS, BLOCK_WIDTH=BLOCK_WIDTH)  # fmt: skip
+    _copy_kernel[grid](pointer_table(views), rows, staged, n_rows, int(views[0].shape[-1]),
+                       start, width, GATHER=gathering, BLOCK_ROWS=BLOCK_ROWS,
+                       BLOCK_WIDTH=BLOCK_WIDTH)  # fmt: skip
 
 
 def warm_up(device: Any, word: Any = torch.int64) -> None:
-    """Compile both kernels for one word type now (a gather and a scatter of scratch
+    """Compile the kernel both ways for one word type now (a gather and a scatter of scratch
     tensors), not at a request's first chunk."""
     views = [torch.zeros((2, 4), dtype=word, device=device) for _ in range(2)]
     rows = torch.zeros(1, dtype=torch.int64, device=device)
@@ -97,9 +87,9 @@ def warm_up(device: Any, word: Any = torch.int64) -> None:
 
 def gather(views: Sequence[Tensor], rows: Tensor, start: int, width: int, staged: Tensor) -> None:
     """Words ``[start, start + width)`` of the given rows of every view into `staged`."""
-    _launch(_gather_kernel, views, rows, start, width, staged)
+    _launch(True, views, rows, start, width, staged)
 
 
 def scatter(staged: Tensor, views: Sequence[Tensor], rows: Tensor, start: int, width: int) -> None:
     """The inverse of `gather`."""
-    _launch(_scatter_kernel, views, rows, start, width, staged)
+    _launch(False, views, rows, start, width, staged)
