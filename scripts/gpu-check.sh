@@ -25,7 +25,7 @@ print(f"python ok: torch {torch.__version__} (cuda {torch.version.cuda}, device 
 EOF
 status=0
 timeout 200 "$python" -m pytest -p no:cacheprovider -q -rs --timeout 120 \
-  tests/unit/test_staging_torch.py \
+  tests/unit/test_staging_torch.py tests/unit/test_vllm_cache.py \
   "tests/integration/test_transfer.py::test_torch_tensors_arrive_byte_exact" \
   2>&1 | tee "$out/gpu-tests.txt" || status=1
 timeout 260 "$python" benchmarks/gpu_check.py 2>&1 | tee "$out/gpu-check.txt" || status=1

@@ -44,7 +44,7 @@ def rank_cache(
 ) -> RankCache:
     """Random contents when `seed` is given, zeros otherwise (a destination)."""
     rng = np.random.default_rng(seed)
-    heads = total_kv_heads if kv_layout == KVLayout.MLA else max(1, total_kv_heads // attn_tp_size)
+    heads = max(1, total_kv_heads // attn_tp_size) if kv_layout.head_sliceable else total_kv_heads
     per_layer = kv_layout.buffers_per_layer
     # vLLM's CPU cache: [pages, heads, page_size, K and V of head_dim each].
     page_shape = (

@@ -70,7 +70,8 @@ def test_plan_matches_oracle(
     num_pages: int,
     data: st.DataObject,
 ) -> None:
-    heads = 1 if kv_layout == KVLayout.MLA else heads
+    heads = heads if kv_layout.head_sliceable else 1
+    page_size = 1 if kv_layout == KVLayout.PAGES else page_size
     geometry = dict(
         kv_layout=kv_layout,
         layer_ids=tuple(range(layers)),

@@ -67,7 +67,7 @@ class Rank:
 
 def make_rank(arena: Arena, layout: KVLayout, heads_here: int, total: int, tp_rank: int,
               tp: int, pages: int, page_size: int) -> Rank:  # fmt: skip
-    per_layer = 2 if layout == KVLayout.MHA else 1
+    per_layer = layout.buffers_per_layer
     kv = [arena.array((pages, page_size, heads_here, HEAD_DIM)) for _ in range(per_layer * LAYERS)]
     args = KVArgs(
         kv_layout=layout, layer_ids=tuple(range(LAYERS)), total_kv_heads=total,
@@ -87,6 +87,15 @@ CASES: list[Case] = [
     for page_size in (1, 16)
     for dcp in (1, 2, 4)
     for chunked in (False, True)
+] + [
+    # vLLM's LBNHC pages: one buffer per layer, a head's K and V side by side in a token row
+    # (HEAD_DIM stands for both): the token planner's head slices, page sizes and DCP.
+    (KVLayout.MHA_KV_PACKED, pt, dt, heads, page_size, dcp, chunked)
+    for pt, dt in itertools.product((1, 2, 4, 8), repeat=2)
+    for heads in (2, 8)
+    for page_size in (1, 16)
+    for dcp in (1, 2)
+    for chunked in (False, True)
 ]
 
 
@@ -103,7 +112,7 @@ def test_grid_against_the_global_tensor(
 ) -> None:
     layout, pt, dt, heads, page_size, dcp, chunked = case
     rng = np.random.default_rng(abs(hash(case_id(case))) % 2**32)
-    parts = 2 if layout == KVLayout.MHA else 1
+    parts = layout.buffers_per_layer
     truth = rng.integers(0, 2**16, size=(parts, LAYERS, TOKENS, heads, HEAD_DIM), dtype=np.uint16)
     src_pages_needed = math.ceil(TOKENS / page_size)
     local_tokens = [len(range(r, TOKENS, dcp)) for r in range(dcp)]

@@ -1,16 +1,15 @@
-"""The vLLM connector's pure part: options, the parameters it exchanges, which pages move,
-and vLLM's KV tensors as KVArgs (the connector itself runs in tests/vllm_compat)."""
+"""The vLLM connector's pure part: options and the parameters it exchanges (vLLM's KV tensors
+and which blocks move: test_vllm_cache.py; the connector itself runs in tests/vllm_compat)."""
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 
-from kvbridge.cache import GeometryError
 from kvbridge.integrations.vllm_core import (
+    BLOCK_SIZES_KEY,
+    BLOCKS_KEY,
     BOOTSTRAP_KEY,
-    ROOM_KEY,
+    ROOMS_KEY,
     ConnectorCounters,
     ConnectorOptions,
     OptionsError,
@@ -18,13 +17,8 @@ from kvbridge.integrations.vllm_core import (
     StepTimes,
     check_vllm_version,
     cpu_list,
-    kv_args_from_vllm,
-    layer_index,
-    pages_to_load,
-    pages_to_send,
     tokens_to_load,
 )
-from kvbridge.wire import KVLayout
 
 
 def test_options_come_from_extra_config_with_their_types_checked() -> None:
@@ -53,7 +47,8 @@ def test_only_the_supported_vllm_release_starts() -> None:
 
 
 def test_remote_prefill_travels_in_kv_transfer_params() -> None:
-    remote = RemotePrefill("http://127.0.0.1:8998", 2**62 + 5, 300, "engine-a", "req-1")
+    remote = RemotePrefill("http://127.0.0.1:8998", (2**62 + 5, None), 300, "engine-a", "req-1",
+                           ((0, 10), (0, 0)), (32, 32))  # fmt: skip
     params = remote.to_params()
     assert params["do_remote_prefill"] is True
     assert params["do_remote_decode"] is False
@@ -62,69 +57,22 @@ def test_remote_prefill_travels_in_kv_transfer_params() -> None:
     assert RemotePrefill.from_params({"do_remote_prefill": True, "remote_block_ids": [1]}) is None
     assert RemotePrefill.from_params(None) is None
     assert RemotePrefill.from_params([BOOTSTRAP_KEY]) is None
-    with pytest.raises(OptionsError, match=f"{ROOM_KEY}: '7' is not an integer"):
-        RemotePrefill.from_params({**params, ROOM_KEY: "7"})
+    with pytest.raises(OptionsError, match=rf"{ROOMS_KEY}\[0\]: '7' is not an integer"):
+        RemotePrefill.from_params({**params, ROOMS_KEY: ["7", None]})
     with pytest.raises(OptionsError, match=f"{BOOTSTRAP_KEY}: 'tcp://x' is not an http URL"):
         RemotePrefill.from_params({**params, BOOTSTRAP_KEY: "tcp://x"})
+    with pytest.raises(OptionsError, match=f"{BLOCKS_KEY}.*is not \\[first, count\\]"):
+        RemotePrefill.from_params({**params, BLOCKS_KEY: [[0], [0, 0]]})
+    with pytest.raises(OptionsError, match="one entry per KV cache group, got 2, 2, 1"):
+        RemotePrefill.from_params({**params, BLOCK_SIZES_KEY: [32]})
 
 
 def test_decode_loads_only_what_its_prefix_cache_lacks() -> None:
-    remote = RemotePrefill("http://h:1", 1, num_tokens=150, engine_id="", request_id="")
+    remote = RemotePrefill("http://h:1", (1,), num_tokens=150, engine_id="", request_id="")
     assert tokens_to_load(remote, num_prompt_tokens=150, num_computed=0) == 150
     assert tokens_to_load(remote, num_prompt_tokens=150, num_computed=96) == 54
     assert tokens_to_load(remote, num_prompt_tokens=120, num_computed=0) == 120
     assert tokens_to_load(remote, num_prompt_tokens=150, num_computed=160) == 0
-    blocks = [40, 41, 42, 43, 44, 45]
-    assert pages_to_load(blocks, 32, prefix_tokens=96, num_tokens=54) == (43, 44)
-    assert pages_to_load(blocks, 32, prefix_tokens=0, num_tokens=5) == (40,)
-    with pytest.raises(ValueError, match="not whole blocks"):
-        pages_to_load(blocks, 32, prefix_tokens=10, num_tokens=5)
-    with pytest.raises(ValueError, match="need 7 blocks"):
-        pages_to_load(blocks, 32, prefix_tokens=0, num_tokens=200)
-
-
-def test_prefill_sends_the_blocks_of_its_computed_tokens() -> None:
-    assert pages_to_send([7, 8, 9, 10], 32, 65) == (7, 8, 9)
-    assert pages_to_send(([7, 8, 9, 10],), 32, 64) == (7, 8)  # one list per group
-    assert pages_to_send([], 32, 0) == ()
-
-
-def test_layer_numbers_come_from_vllm_layer_names() -> None:
-    assert layer_index("model.layers.12.self_attn.attn") == 12
-    assert layer_index("layers.0.attn") == 0
-    with pytest.raises(GeometryError, match="no layer number"):
-        layer_index("lm_head")
-
-
-torch_missing = importlib.util.find_spec("torch") is None
-
-
-@pytest.mark.skipif(torch_missing, reason="torch is not installed")
-def test_vllm_cpu_and_cuda_layouts_become_kv_args() -> None:
-    import torch
-
-    # vLLM's CPU attention: [blocks, heads, block_size, 2 * head_dim] per layer.
-    cpu = {f"model.layers.{i}.self_attn.attn": torch.zeros(6, 8, 32, 256, dtype=torch.bfloat16)
-           for i in (1, 0)}  # fmt: skip
-    args = kv_args_from_vllm(cpu, total_kv_heads=8, attn_tp_rank=0, attn_tp_size=1)
-    assert args.kv_layout == KVLayout.MHA_HEAD_MAJOR
-    assert args.layer_ids == (0, 1)  # by layer number, not by the dict's order
-    assert args.kv_buffers[0].ptr == cpu["model.layers.0.self_attn.attn"].data_ptr()
-    assert (args.page_size, args.head_dim, args.num_pages) == (32, 128, 6)
-    # The NHD layout of vLLM's CUDA backends: [2, blocks, block_size, heads, head_dim].
-    nhd = {f"layers.{i}.attn": torch.zeros(2, 6, 16, 4, 64, dtype=torch.float16) for i in (0, 1)}
-    args = kv_args_from_vllm(nhd, total_kv_heads=8, attn_tp_rank=1, attn_tp_size=2)
-    assert args.kv_layout == KVLayout.MHA
-    assert len(args.kv_buffers) == 4
-    assert args.kv_buffers[1].ptr == nhd["layers.1.attn"][0].data_ptr()  # K of layer 1
-    assert args.kv_buffers[2].ptr == nhd["layers.0.attn"][1].data_ptr()  # V of layer 0
-    assert (args.page_size, args.kv_heads) == (16, 4)
-    hnd = {"layers.0.attn": torch.zeros(2, 6, 4, 16, 64).permute(0, 1, 3, 2, 4)}
-    with pytest.raises(GeometryError, match="not contiguous"):
-        kv_args_from_vllm(hnd, total_kv_heads=4, attn_tp_rank=0, attn_tp_size=1)
-    with pytest.raises(GeometryError, match=r"shape \(6, 32\)"):
-        kv_args_from_vllm({"layers.0.attn": torch.zeros(6, 32)}, total_kv_heads=1,
-                          attn_tp_rank=0, attn_tp_size=1)  # fmt: skip
 
 
 def test_counters_report_what_moved_since_the_last_report() -> None:

@@ -3,9 +3,14 @@ prefill, decode or plain instance of the vLLM tests and benchmark.
 
     instance.py MODEL_DIR '{"kv_connector": "KVBridgeConnector", ...}' | 'null'
 
-Environment: KVBRIDGE_TEST_TP (tensor-parallel size, default 1), KVBRIDGE_TEST_DTYPE (default
+Environment: KVBRIDGE_TEST_TP and KVBRIDGE_TEST_PP (tensor- and pipeline-parallel sizes,
+default 1), KVBRIDGE_TEST_DTYPE (default
 bfloat16), KVBRIDGE_TEST_MAX_MODEL_LEN, KVBRIDGE_TEST_KV_BYTES (KV cache bytes),
-KVBRIDGE_TEST_LOG_LEVEL (kvbridge's log level).
+KVBRIDGE_TEST_BLOCK_SIZE (default 32; "auto": vLLM's choice), KVBRIDGE_TEST_PREFIX_CACHING=0
+(prefix caching off), KVBRIDGE_TEST_LOG_LEVEL
+(kvbridge's log level), KVBRIDGE_TEST_KV_BLOCKS=1 (each output carries `kv_blocks`: per KV cache
+group, a hash of each block the prompt fills over the group's attention layers, read when the
+request ends).
 
 Commands on stdin, one JSON object per line; each answer is one line on stdout starting with
 ``@@`` (vLLM and kvbridge log to stderr):
@@ -34,11 +39,12 @@ from typing import Any
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
 
-BLOCK_SIZE = 32
+BLOCK_SIZE = os.environ.get("KVBRIDGE_TEST_BLOCK_SIZE", "32")
 # The benchmark's 8k prompts plus their output need more than 8192: it sets this higher.
 MAX_MODEL_LEN = int(os.environ.get("KVBRIDGE_TEST_MAX_MODEL_LEN", 8192))
 # TP > 1: one worker process per rank (vLLM's "mp" executor), each running its own connector.
 TP = int(os.environ.get("KVBRIDGE_TEST_TP", 1))
+PP = int(os.environ.get("KVBRIDGE_TEST_PP", 1))
 DTYPE = os.environ.get("KVBRIDGE_TEST_DTYPE", "bfloat16")
 
 
@@ -61,13 +67,16 @@ def main() -> None:
     transfer = json.loads(transfer_json)
     kv_transfer_config = KVTransferConfig(**transfer) if transfer else None
     started = time.perf_counter()
+    block_size = {} if BLOCK_SIZE == "auto" else {"block_size": int(BLOCK_SIZE)}
+    if os.environ.get("KVBRIDGE_TEST_PREFIX_CACHING") == "0":
+        block_size["enable_prefix_caching"] = False
     llm = LLM(
-        model=model, skip_tokenizer_init=True, block_size=BLOCK_SIZE,
+        model=model, skip_tokenizer_init=True, **block_size,
         max_model_len=MAX_MODEL_LEN, kv_cache_memory_bytes=int(os.environ.get(
             "KVBRIDGE_TEST_KV_BYTES", 256 << 20)), dtype=DTYPE, enforce_eager=True,
-        kv_transfer_config=kv_transfer_config,
-        disable_hybrid_kv_cache_manager=kv_transfer_config is not None, seed=0,
-        tensor_parallel_size=TP, distributed_executor_backend="mp" if TP > 1 else None,
+        kv_transfer_config=kv_transfer_config, seed=0,
+        tensor_parallel_size=TP, pipeline_parallel_size=PP,
+        distributed_executor_backend="mp" if TP * PP > 1 else None,
     )  # fmt: skip
     # kvbridge logs through vLLM's handlers at vLLM's level; DEBUG here traces every room.
     if level := os.environ.get("KVBRIDGE_TEST_LOG_LEVEL"):
@@ -96,6 +105,17 @@ def main() -> None:
         hear_finished(output)
 
     scheduler._update_from_kv_xfer_finished = heard_finished
+    # Each request's KV rows as it ends (before vLLM frees or trims its blocks).
+    kv_blocks: dict[str, dict[str, dict[str, str]]] = {}
+    if os.environ.get("KVBRIDGE_TEST_KV_BLOCKS") and TP == 1:
+        runner = core.model_executor.driver_worker.worker.model_runner
+        free_request = scheduler._free_request
+
+        def free_and_hash(request: Any, *args: Any, **kwargs: Any) -> Any:
+            kv_blocks[request.request_id.split("-")[0]] = _kv_blocks(runner, scheduler, request)
+            return free_request(request, *args, **kwargs)
+
+        scheduler._free_request = free_and_hash
 
     def add(command: dict[str, Any]) -> list[str]:
         ids = []
@@ -141,6 +161,7 @@ def main() -> None:
                 "kv_transfer_params": output.kv_transfer_params,
                 "ttft_s": first - added if first is not None else None,
                 "kv_ready_s": ready - added if ready is not None else None,
+                "kv_blocks": kv_blocks.pop(request_id, None),
             })  # fmt: skip
         return outputs
 
@@ -198,6 +219,42 @@ def _commands(busy: Any, step: Any) -> Any:
             line, buffered = buffered.split("\n", 1)
             if line.strip():
                 yield line
+
+
+def _kv_blocks(runner: Any, scheduler: Any, request: Any) -> dict[str, dict[str, str]]:
+    """Per KV cache group, block position → a hash of that block's bytes in every attention
+    layer of the group (on this instance, whatever its block id), for the blocks the prompt
+    fills before its last token (decode computes that one again and writes its output after
+    it; vLLM's CPU attention packs a block's tokens together, so a partly written block is
+    not compared). Blocks the group no longer holds (out of a sliding window) are left out;
+    a recurrent state is not hashed."""
+    import hashlib
+
+    import torch
+
+    context = runner.compilation_config.static_forward_context
+    groups = runner.kv_cache_config.kv_cache_groups
+    block_ids = scheduler.kv_cache_manager.get_block_ids(request.request_id)
+    hashes: dict[str, dict[str, str]] = {}
+    for index, (group, ids) in enumerate(zip(groups, block_ids, strict=True)):
+        caches = [context[name].kv_cache for name in group.layer_names]
+        caches = [c for c in caches if isinstance(c, torch.Tensor) and c.dim() in (3, 4)]
+        if not caches:
+            continue
+        block_size = group.kv_cache_spec.block_size
+        per_block = block_size // caches[0].shape[-2]  # an attention kernel's smaller blocks
+        whole = (request.num_prompt_tokens - 1) // block_size
+        group_hashes = {}
+        for position, block in enumerate(ids[:whole]):
+            if block == 0:
+                continue
+            digest = hashlib.sha256()
+            for cache in caches:
+                pages = cache[block * per_block : (block + 1) * per_block]
+                digest.update(pages.contiguous().view(torch.uint8).numpy().tobytes())
+            group_hashes[str(position)] = digest.hexdigest()[:16]
+        hashes[str(index)] = group_hashes
+    return hashes
 
 
 def _stats(scheduler: Any) -> dict[str, Any]:

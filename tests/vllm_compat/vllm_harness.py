@@ -25,19 +25,69 @@ INSTANCE = HERE / "instance.py"
 BLOCK_SIZE = 32
 
 
-def make_model(folder: Path, layers: int = 2) -> Path:
-    """A random-weight Llama with Llama-3-8B's per-layer KV geometry (8 KV heads × 128)."""
+def make_model(folder: Path, layers: int = 2, family: str = "llama") -> Path:
+    """A random-weight model of one family, small enough to start in seconds here:
+    - llama: Llama-3-8B's per-layer KV geometry (8 KV heads × 128);
+    - mla: DeepSeek-V2-shaped MLA (kv_lora_rank 512 + rope 64: the head size vLLM's CPU MLA
+      takes), dense layers;
+    - sliding: Gemma-3-shaped, three sliding-window layers (a 64-token window) to one full;
+    - mamba: Granite-4-hybrid-shaped, Mamba-2 and attention layers in turn.
+    Untied embeddings: a random model with tied ones repeats one token; the MLA model's larger
+    initial weights keep its greedy choices clear of near ties (at 0.02 they flipped between
+    TP sizes in float32)."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers as hf
 
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=1024, hidden_size=1024, intermediate_size=1024, num_hidden_layers=layers,
-        num_attention_heads=8, num_key_value_heads=8, head_dim=128,
-        max_position_embeddings=16384, torch_dtype="bfloat16",
-    )  # fmt: skip
-    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(folder)
+    common = {"vocab_size": 1024, "hidden_size": 1024, "intermediate_size": 1024,
+              "max_position_embeddings": 16384, "torch_dtype": "bfloat16",
+              "tie_word_embeddings": False}  # fmt: skip
+    if family == "llama":
+        config = hf.LlamaConfig(**common, num_hidden_layers=layers, num_attention_heads=8,
+                                num_key_value_heads=8, head_dim=128)  # fmt: skip
+        model = hf.LlamaForCausalLM(config)
+    elif family == "mla":
+        config = hf.DeepseekV2Config(
+            **{**common, "hidden_size": 512}, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=4, kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64,
+            qk_nope_head_dim=64, v_head_dim=64, first_k_dense_replace=4, n_routed_experts=4,
+            n_shared_experts=1, moe_intermediate_size=256, num_experts_per_tok=2,
+            rope_scaling=None, initializer_range=0.3,
+        )  # fmt: skip
+        model = hf.DeepseekV2ForCausalLM(config)
+    elif family == "sliding":
+        config = hf.Gemma3TextConfig(
+            **{**common, "hidden_size": 512}, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=4, head_dim=128, sliding_window=64,
+            layer_types=["sliding_attention"] * 3 + ["full_attention"],
+            query_pre_attn_scalar=128,
+        )  # fmt: skip
+        model = hf.Gemma3ForCausalLM(config)
+    elif family == "mamba":
+        config = hf.GraniteMoeHybridConfig(
+            **{**common, "hidden_size": 512}, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=4, layer_types=["mamba", "attention"] * 2, mamba_n_heads=8,
+            mamba_d_head=64, mamba_d_state=64, mamba_n_groups=1, mamba_d_conv=4,
+            mamba_expand=1, mamba_chunk_size=4096, num_local_experts=0,
+            shared_intermediate_size=1024,
+        )  # fmt: skip
+        model = hf.GraniteMoeHybridForCausalLM(config)
+    else:
+        raise ValueError(f"no model family {family!r}")
+    model.to(torch.bfloat16).save_pretrained(folder)
     return folder
+
+
+# What each family's instances need on vLLM's CPU build (instance.py's environment): MLA and
+# the hybrids take the block size vLLM picks (16 for CPU MLA; the Mamba page's for the
+# hybrid); vLLM's CPU Mamba-2 mixer fails with prefix caching (its state checkpoints), so the
+# Mamba hybrid runs without.
+FAMILY_ENV = {
+    "llama": {},
+    "mla": {"KVBRIDGE_TEST_BLOCK_SIZE": "auto"},
+    "sliding": {},
+    "mamba": {"KVBRIDGE_TEST_BLOCK_SIZE": "auto", "KVBRIDGE_TEST_PREFIX_CACHING": "0"},
+}
 
 
 def free_port() -> int:
@@ -178,11 +228,7 @@ class Server:
             "--dtype", "bfloat16", "--enforce-eager", "--seed", "0",
         ]  # fmt: skip
         if transfer is not None:
-            command += [
-                "--kv-transfer-config",
-                json.dumps(transfer),
-                "--disable-hybrid-kv-cache-manager",
-            ]
+            command += ["--kv-transfer-config", json.dumps(transfer)]
         self._temp = PrivateTemp()
         self.process = subprocess.Popen(
             command, stdout=self._log, stderr=subprocess.STDOUT,

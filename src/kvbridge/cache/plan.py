@@ -423,9 +423,9 @@ def plan_tokens(
     Per buffer, one block per token, merged wherever both sides are contiguous.
     """
     check_same_model(src, dst)
-    if src.kv_layout == KVLayout.MHA_HEAD_MAJOR:
+    if not src.kv_layout.token_major:
         raise PlanError(
-            "MHA_HEAD_MAJOR pages move by whole pages or head slices (plan_head_pages): "
+            f"{src.kv_layout.name} pages move whole (or by head slices: plan_head_pages): "
             "plan_tokens cannot split their tokens"
         )
     if token_start % src.page_size:
@@ -506,7 +506,7 @@ def plan_slots(
 def check_state_slicing(src: KVArgs, dst: KVArgs) -> None:
     """State can move between different TP sizes when both sides describe each buffer's
     sharded dimension and the shards add up to the same tensor."""
-    if src.kv_layout == KVLayout.MLA:
+    if src.kv_layout.replicated:
         raise PlanError("state buffers with MLA move only between equal TP sizes")
     if len(src.state_buffers) != len(dst.state_buffers):
         raise PlanError(
@@ -631,6 +631,12 @@ def pair(src: KVArgs, dst: KVArgs) -> Pairing:
         and dst.dcp_size == 1
         and source.heads.count == src.kv_heads == dst.kv_heads
     )
+    if source is not None and not whole and src.kv_layout == KVLayout.PAGES:
+        raise PlanError(
+            "opaque pages (a hybrid model's KV and state) move only whole: both sides need "
+            f"the same TP size and no DCP, got TP {src.attn_tp_size} → {dst.attn_tp_size}, "
+            f"DCP {dst.dcp_size}"
+        )
     if (
         source is not None
         and not whole

@@ -56,8 +56,8 @@ def kv_heads_on_rank(total_kv_heads: int, attn_tp_size: int) -> int:
 
 
 def _rank_heads(kv_layout: KVLayout, total_kv_heads: int, attn_tp_size: int) -> int:
-    # MLA's latent is identical on every rank: no head split.
-    if kv_layout == KVLayout.MLA:
+    # MLA's latent is identical on every rank: no head split; opaque pages are per rank.
+    if not kv_layout.head_sliceable:
         return total_kv_heads
     return kv_heads_on_rank(total_kv_heads, attn_tp_size)
 
@@ -174,7 +174,12 @@ class KVArgs:
             )
         if self.kv_layout == KVLayout.MLA and self.total_kv_heads != 1:
             raise GeometryError(f"MLA has one latent head, got {self.total_kv_heads} heads")
-        if self.kv_layout != KVLayout.MLA:
+        if self.kv_layout == KVLayout.PAGES and (self.total_kv_heads, self.page_size) != (1, 1):
+            raise GeometryError(
+                "PAGES describes a page as one item: total_kv_heads and page_size must be 1, "
+                f"got {self.total_kv_heads} and {self.page_size}"
+            )
+        if self.kv_layout.head_sliceable:
             heads, tp = self.total_kv_heads, self.attn_tp_size
             if (heads % tp if tp <= heads else tp % heads) != 0:
                 raise GeometryError(

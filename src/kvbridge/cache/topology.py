@@ -106,7 +106,14 @@ def topology(prefill_tp: int, decode_tp: int, total_heads: int, kv_layout: KVLay
     if prefill_tp < 1 or decode_tp < 1 or total_heads < 1:
         raise TopologyError("TP sizes and head counts must be at least 1")
     sources: list[tuple[Source, ...]]
-    if kv_layout == KVLayout.MLA:
+    if kv_layout == KVLayout.PAGES:
+        if prefill_tp != decode_tp:
+            raise TopologyError(
+                f"opaque pages (a hybrid model's KV and state in shared pages) move only "
+                f"between equal TP sizes, got prefill TP {prefill_tp} and decode TP {decode_tp}"
+            )
+        sources = [(Source(d, HeadRange(0, total_heads), 0, 0),) for d in range(decode_tp)]
+    elif kv_layout.replicated:
         sources = [
             (Source(d * prefill_tp // decode_tp, HeadRange(0, total_heads), 0, 0),)
             for d in range(decode_tp)

@@ -1,29 +1,29 @@
 """The vLLM connector's pure part: its options, the request parameters it exchanges through
-vLLM's PD flow, the per-step metadata, which pages a decode request loads, and vLLM's KV
-tensors described as `KVArgs`. No vLLM import, no sockets: `kvbridge.integrations.vllm` is
-the shell that vLLM loads.
+vLLM's PD flow and the per-step metadata (`vllm_cache`: vLLM's KV tensors as `KVArgs`, which
+blocks move). No vLLM import, no sockets: `kvbridge.integrations.vllm` is the shell that vLLM
+loads.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
-import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, TypeVar
 
-from kvbridge.cache.spec import GeometryError, KVArgs
 from kvbridge.config import DEFAULT_STAGING_BYTES, ManagerConfig
 from kvbridge.engines import DEFAULT_ENGINE, PROCESS_ENGINES, EngineError, engine_spec
 from kvbridge.wire.auth import secret_from_env
-from kvbridge.wire.messages import KVLayout
+
+T = TypeVar("T")
 
 # The vLLM releases whose connector API this integration follows.
 SUPPORTED_VLLM = "0.32"
 # Keys kvbridge adds to vLLM's kv_transfer_params (the rest are vLLM's PD keys).
 BOOTSTRAP_KEY = "kvbridge_bootstrap_url"
-ROOM_KEY = "kvbridge_room"
+ROOMS_KEY = "kvbridge_rooms"
+BLOCKS_KEY = "kvbridge_blocks"
+BLOCK_SIZES_KEY = "kvbridge_block_sizes"
 
 
 class OptionsError(ValueError):
@@ -197,13 +197,17 @@ def _option_value(name: str, annotation: object, value: object) -> object:
 @dataclass(frozen=True)
 class RemotePrefill:
     """What a decode instance needs to load a request's KV from the prefill instance: it
-    travels in vLLM's ``kv_transfer_params``, from the prefill output to the decode request."""
+    travels in vLLM's ``kv_transfer_params``, from the prefill output to the decode request.
+    Per KV cache group: its room (None: the group sends nothing), the blocks prefill holds
+    for it (first block position, count) and its block size."""
 
     bootstrap_url: str
-    room: int
+    rooms: tuple[int | None, ...]
     num_tokens: int
     engine_id: str
     request_id: str
+    blocks: tuple[tuple[int, int], ...] = ((0, 0),)
+    block_sizes: tuple[int, ...] = (0,)
 
     def to_params(self) -> dict[str, Any]:
         host, _, port = self.bootstrap_url.removeprefix("http://").rpartition(":")
@@ -216,7 +220,9 @@ class RemotePrefill:
             "remote_port": int(port),
             "remote_num_tokens": self.num_tokens,
             BOOTSTRAP_KEY: self.bootstrap_url,
-            ROOM_KEY: self.room,
+            ROOMS_KEY: list(self.rooms),
+            BLOCKS_KEY: [list(pair) for pair in self.blocks],
+            BLOCK_SIZES_KEY: list(self.block_sizes),
         }
 
     @staticmethod
@@ -225,22 +231,42 @@ class RemotePrefill:
         for another connector, or a plain one). Malformed kvbridge keys raise OptionsError."""
         if not isinstance(params, Mapping) or BOOTSTRAP_KEY not in params:
             return None
-        url, room = params.get(BOOTSTRAP_KEY), params.get(ROOM_KEY)
-        tokens = params.get("remote_num_tokens")
+        url = params.get(BOOTSTRAP_KEY)
         if not isinstance(url, str) or not url.startswith("http://"):
             raise OptionsError(f"kv_transfer_params.{BOOTSTRAP_KEY}: {url!r} is not an http URL")
-        for key, value in ((ROOM_KEY, room), ("remote_num_tokens", tokens)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise OptionsError(f"kv_transfer_params.{key}: {value!r} is not an integer ≥ 0")
-        assert isinstance(room, int)
-        assert isinstance(tokens, int)
+        tokens = _count(params, "remote_num_tokens", params.get("remote_num_tokens"))
+        rooms = _listed(params, ROOMS_KEY, lambda key, v: None if v is None else _count(
+            params, key, v))  # fmt: skip
+        blocks = _listed(params, BLOCKS_KEY, _block_range)
+        sizes = _listed(params, BLOCK_SIZES_KEY, lambda key, v: _count(params, key, v))
+        if not len(rooms) == len(blocks) == len(sizes) or not rooms:
+            raise OptionsError(
+                f"kv_transfer_params: {ROOMS_KEY}, {BLOCKS_KEY} and {BLOCK_SIZES_KEY} need one "
+                f"entry per KV cache group, got {len(rooms)}, {len(blocks)}, {len(sizes)}"
+            )
         return RemotePrefill(
-            url,
-            room,
-            tokens,
-            str(params.get("remote_engine_id", "")),
-            str(params.get("remote_request_id", "")),
-        )
+            url, tuple(rooms), tokens, str(params.get("remote_engine_id", "")),
+            str(params.get("remote_request_id", "")), tuple(blocks), tuple(sizes),
+        )  # fmt: skip
+
+
+def _count(params: Mapping[str, Any], key: str, value: object) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise OptionsError(f"kv_transfer_params.{key}: {value!r} is not an integer ≥ 0")
+    return value
+
+
+def _block_range(key: str, value: object) -> tuple[int, int]:
+    if not (isinstance(value, list) and len(value) == 2):
+        raise OptionsError(f"kv_transfer_params.{key}: {value!r} is not [first, count]")
+    return _count({}, key, value[0]), _count({}, key, value[1])
+
+
+def _listed(params: Mapping[str, Any], key: str, item: Callable[[str, Any], T]) -> list[T]:
+    values = params.get(key)
+    if not isinstance(values, list):
+        raise OptionsError(f"kv_transfer_params.{key}: {values!r} is not a list")
+    return [item(f"{key}[{index}]", value) for index, value in enumerate(values)]
 
 
 # What a PD proxy adds to a request for the prefill instance (vLLM's PD flow).
@@ -277,23 +303,30 @@ def decode_request(body: Mapping[str, Any], prefill_answer: Mapping[str, Any]) -
 
 @dataclass(frozen=True)
 class SendSpec:
-    """Prefill: a finished request whose pages decode will ask for."""
+    """Prefill: a finished request whose blocks decode will ask for, one room per KV cache
+    group (None: nothing to send for that group)."""
 
     request_id: str
-    room: int
-    pages: tuple[int, ...]
+    rooms: tuple[int | None, ...]
+    blocks: tuple[tuple[int, ...], ...]
 
 
 @dataclass(frozen=True)
 class LoadSpec:
-    """Decode: load a request's KV into these pages (its pages after the local prefix)."""
+    """Decode: load a request's KV into these blocks, per KV cache group (its blocks after
+    the local prefix; `skips`: how many of the blocks prefill sends for the group come
+    before them)."""
 
     request_id: str
     remote: RemotePrefill
-    pages: tuple[int, ...]
-    prefix_tokens: int
-    # Why the scheduler could not plan the load (its blocks then count as failed loads).
+    blocks: tuple[tuple[int, ...], ...]
+    skips: tuple[int, ...]
+    # Why the scheduler could not plan the load (it then fails at once).
     error: str | None = None
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(len(blocks) for blocks in self.blocks)
 
 
 @dataclass
@@ -335,75 +368,6 @@ def tokens_to_load(remote: RemotePrefill, num_prompt_tokens: int, num_computed: 
     """How many tokens decode loads: the prompt tokens prefill computed beyond the ones this
     instance already has in its own prefix cache."""
     return max(0, min(remote.num_tokens, num_prompt_tokens) - num_computed)
-
-
-def pages_to_load(
-    block_ids: list[int], block_size: int, prefix_tokens: int, num_tokens: int
-) -> tuple[int, ...]:
-    """The request's blocks that the load fills: after the cached prefix (whole blocks),
-    up to the block holding its last loaded token."""
-    if prefix_tokens % block_size:
-        raise ValueError(f"a prefix of {prefix_tokens} tokens is not whole blocks of {block_size}")
-    first = prefix_tokens // block_size
-    last = math.ceil((prefix_tokens + num_tokens) / block_size)
-    if last > len(block_ids):
-        raise ValueError(f"{num_tokens} tokens after {prefix_tokens} need {last} blocks")
-    return tuple(block_ids[first:last])
-
-
-def pages_to_send(block_ids: Sequence[Any], block_size: int, num_tokens: int) -> tuple[int, ...]:
-    """Prefill's blocks that hold a finished request's computed tokens. vLLM passes one list
-    of block ids, or one list per KV-cache group (the attention group comes first)."""
-    if block_ids and not isinstance(block_ids[0], int):
-        block_ids = block_ids[0]
-    return tuple(int(block) for block in block_ids[: math.ceil(num_tokens / block_size)])
-
-
-def layer_index(name: str) -> int:
-    """The layer number in a vLLM layer name ("model.layers.12.self_attn.attn" → 12)."""
-    numbers = re.findall(r"\.(\d+)\.", f".{name}.")
-    if not numbers:
-        raise GeometryError(f"vLLM layer {name!r} has no layer number in its name")
-    return int(numbers[-1])
-
-
-def kv_args_from_vllm(
-    kv_caches: Mapping[str, Any], *, total_kv_heads: int, attn_tp_rank: int, attn_tp_size: int
-) -> KVArgs:
-    """vLLM's per-layer KV tensors as `KVArgs`, pairing layers by their number.
-
-    vLLM's CPU attention keeps ``[blocks, heads, block_size, 2 * head_dim]`` per layer (K and V
-    of each head side by side: `KVLayout.MHA_HEAD_MAJOR`); its CUDA backends with the NHD
-    layout ``[2, blocks, block_size, heads, head_dim]`` (K then V: `KVLayout.MHA`).
-    """
-    if not kv_caches:
-        raise GeometryError("vLLM registered no KV caches")
-    layers = sorted(kv_caches.items(), key=lambda item: layer_index(item[0]))
-    layer_ids = [layer_index(name) for name, _ in layers]
-    tensors = [tensor for _, tensor in layers]
-    first = tensors[0]
-
-    def describe(buffers: list[Any], kv_layout: KVLayout) -> KVArgs:
-        return KVArgs.from_torch(
-            buffers, kv_layout=kv_layout, layer_ids=layer_ids, total_kv_heads=total_kv_heads,
-            attn_tp_rank=attn_tp_rank, attn_tp_size=attn_tp_size,
-        )  # fmt: skip
-
-    if first.dim() == 4:
-        return describe(tensors, KVLayout.MHA_HEAD_MAJOR)
-    if first.dim() == 5 and first.shape[0] == 2:
-        if not all(tensor.is_contiguous() for tensor in tensors):
-            raise GeometryError(
-                "vLLM's KV tensors are not contiguous [2, blocks, block_size, heads, head_dim] "
-                "(kvbridge needs the NHD layout: VLLM_KV_CACHE_LAYOUT=NHD)"
-            )
-        keys = [tensor[0] for tensor in tensors]
-        values = [tensor[1] for tensor in tensors]
-        return describe([*keys, *values], KVLayout.MHA)
-    raise GeometryError(
-        f"vLLM KV tensors of shape {tuple(first.shape)} are neither the CPU layout [blocks, "
-        "heads, block_size, 2 * head_dim] nor NHD [2, blocks, block_size, heads, head_dim]"
-    )
 
 
 def cpu_list(text: str) -> set[int]:

@@ -63,16 +63,23 @@ class FailureKind(enum.IntEnum):
 class KVLayout(enum.IntEnum):
     """How a rank stores KV.
 
-    MHA: a K buffer and a V buffer per layer, each page ``[token][head][dim]`` (SGLang; vLLM's
-    CUDA backends with the NHD layout). MLA: one latent buffer per layer. MHA_HEAD_MAJOR: one
-    buffer per layer, each page ``[head][K, V][token][dim]`` (vLLM's CPU attention backend):
-    a head's tokens are contiguous within a page, so pages move whole or by head slices
-    (different TP sizes), between equal page sizes.
+    MHA: a K buffer and a V buffer per layer, each page ``[token][head][dim]`` (SGLang). MLA:
+    one latent buffer per layer. MHA_HEAD_MAJOR: one buffer per layer, each page
+    ``[head][K, V][token][dim]`` (vLLM's LBHNC layout, "HND": its CPU attention and what the
+    connector asks of its CUDA backends): a head's tokens are contiguous within a page, so
+    pages move whole or by head slices (different TP sizes), between equal page sizes.
+    MHA_KV_PACKED: one buffer per layer, each page ``[token][head][K dim, V dim]`` (vLLM's
+    LBNHC layout, "NHD"): token rows as in MHA, with `head_dim` counting a head's K and V
+    together. PAGES: one buffer per memory slot, its pages opaque (vLLM's hybrid KV cache,
+    where attention KV and Mamba state share pages): pages move whole between equal TP
+    sizes; `page_size` is 1 and a page is one "head" of `head_dim` bytes.
     """
 
     MHA = 1
     MLA = 2
     MHA_HEAD_MAJOR = 3
+    MHA_KV_PACKED = 4
+    PAGES = 5
 
     @property
     def buffers_per_layer(self) -> int:
@@ -82,6 +89,21 @@ class KVLayout(enum.IntEnum):
     def kv_in_page(self) -> int:
         """How many of K and V one page of a buffer holds."""
         return 2 if self == KVLayout.MHA_HEAD_MAJOR else 1
+
+    @property
+    def replicated(self) -> bool:
+        """Every attention-TP rank holds the same bytes (MLA's latent): no head split."""
+        return self == KVLayout.MLA
+
+    @property
+    def head_sliceable(self) -> bool:
+        """Pages may move by head slices (different TP sizes)."""
+        return self not in (KVLayout.MLA, KVLayout.PAGES)
+
+    @property
+    def token_major(self) -> bool:
+        """Pages are token rows, so tokens map between different page sizes and DCP."""
+        return self in (KVLayout.MHA, KVLayout.MLA, KVLayout.MHA_KV_PACKED)
 
 
 class MemoryKind(enum.IntEnum):

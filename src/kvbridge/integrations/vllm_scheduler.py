@@ -1,0 +1,200 @@
+"""The scheduler side of kvbridge's vLLM connector: book-keeping only (which requests send,
+load or were given up), handed to the workers in each step's metadata. It reads vLLM's
+request objects but imports nothing from vLLM; `kvbridge.integrations.vllm` builds it."""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvbridge.integrations.vllm_cache import (
+    Group,
+    GroupKind,
+    LoadPlanError,
+    blocks_to_load,
+    blocks_to_send,
+)
+from kvbridge.integrations.vllm_core import (
+    LoadSpec,
+    OptionsError,
+    RemotePrefill,
+    SendSpec,
+    StepMetadata,
+    tokens_to_load,
+)
+
+log = logging.getLogger("kvbridge.vllm")
+
+# The request states after which a prefill request's KV is complete (vLLM's
+# FINISHED_LENGTH_CAPPED and FINISHED_STOPPED, by name: no vLLM import here).
+SENDABLE = frozenset({"FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED"})
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """What the scheduler side knows of its instance: its role, its KV cache groups (those
+    that take part in transfers) and its engine id."""
+
+    engine_id: str
+    produces: bool
+    groups: tuple[Group, ...]
+
+    @property
+    def backoff(self) -> int:
+        """Prompt tokens prefill leaves for decode to compute: with a recurrent state, decode
+        must compute the last token on the state after the others, not on a state that
+        already holds it."""
+        return 1 if any(group.kind == GroupKind.STATE for group in self.groups) else 0
+
+
+class SchedulerSide:
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.bootstrap_url: str | None = None
+        self._step = StepMetadata()
+        self._computed: dict[str, int] = {}  # decode request → tokens in the local prefix
+        self._sending: set[str] = set()
+        self._loading: set[str] = set()
+        self._refused: set[str] = set()  # requests whose parameters were malformed (logged)
+
+    @property
+    def pending(self) -> bool:
+        return bool(self._sending or self._loading)
+
+    def _remote(self, request: Any) -> RemotePrefill | None:
+        """The remote prefill a request names; None for none, or for malformed parameters
+        (a client's input: the request is then computed here, the engine goes on)."""
+        try:
+            return RemotePrefill.from_params(request.kv_transfer_params)
+        except OptionsError as exc:
+            if request.request_id not in self._refused:
+                self._refused.add(request.request_id)
+                log.warning("request %s: computed locally: %s", request.request_id, exc)
+            return None
+
+    def on_new_request(self, request: Any) -> None:
+        """Prefill: a request for a remote decode stops `backoff` tokens short of its prompt
+        (decode computes those), and makes one token."""
+        params = request.kv_transfer_params
+        backoff = self.config.backoff
+        if (
+            not backoff
+            or not self.config.produces
+            or not isinstance(params, dict)
+            or not params.get("do_remote_decode")
+            or params.get("kvbridge_truncated")
+            or request.num_prompt_tokens <= backoff
+            or request.prompt_token_ids is None
+        ):
+            return
+        del request.prompt_token_ids[-backoff:]
+        del request._all_token_ids[-backoff:]
+        request.num_prompt_tokens -= backoff
+        request.max_tokens = 1
+        params["kvbridge_truncated"] = True  # once, whatever rescheduling follows
+
+    def matched_tokens(self, request: Any, num_computed: int) -> tuple[int, bool]:
+        params = request.kv_transfer_params
+        remote = self._remote(request)
+        if remote is None or not params.get("do_remote_prefill"):
+            return 0, False
+        count = tokens_to_load(remote, request.num_prompt_tokens, num_computed)
+        self._computed[request.request_id] = num_computed
+        return (count, True) if count > 0 else (0, False)
+
+    def after_alloc(self, request: Any, block_ids: Sequence[Sequence[int]],
+                    num_external_tokens: int) -> None:  # fmt: skip
+        """Decode: the request's blocks are allocated (`block_ids`: per transfer group, by
+        block position): plan the load of the `num_external_tokens` after its local prefix."""
+        params = request.kv_transfer_params
+        remote = self._remote(request)
+        if remote is None or not params.get("do_remote_prefill"):
+            return
+        params["do_remote_prefill"] = False  # one transfer per request
+        prefix = self._computed.pop(request.request_id, 0)
+        if num_external_tokens == 0:  # every token is in the local prefix cache
+            self._step.releases.append(remote)
+            return
+        try:
+            load = self._plan_load(request.request_id, remote, block_ids, prefix,
+                                   num_external_tokens)  # fmt: skip
+        except LoadPlanError as exc:  # a load that cannot be right fails at once
+            blocks = tuple(tuple(b for b in ids if b) for ids in block_ids)
+            load = LoadSpec(request.request_id, remote, blocks, (), str(exc))
+        self._step.loads.append(load)
+        self._loading.add(request.request_id)
+
+    def _plan_load(
+        self, request_id: str, remote: RemotePrefill, block_ids: Sequence[Sequence[int]],
+        prefix: int, count: int,
+    ) -> LoadSpec:  # fmt: skip
+        groups = self.config.groups
+        if len(remote.rooms) != len(groups):
+            raise LoadPlanError(
+                f"prefill sends {len(remote.rooms)} KV cache group(s), this instance has "
+                f"{len(groups)}: both must run the same model"
+            )
+        theirs = tuple(remote.block_sizes)
+        ours = tuple(group.block_size for group in groups)
+        one_full = len(groups) == 1 and groups[0].kind == GroupKind.FULL
+        if theirs != ours and not one_full:
+            raise LoadPlanError(
+                f"block sizes differ: prefill {list(theirs)}, decode {list(ours)}; a model "
+                "with several KV cache groups needs the same block size on both instances"
+            )
+        loads = blocks_to_load(groups, block_ids, prefix, count, remote.blocks,
+                               same_block_size=theirs == ours)  # fmt: skip
+        for index, load in enumerate(loads):
+            if load.blocks and remote.rooms[index] is None:
+                raise LoadPlanError(f"group {index}: prefill sends nothing for it")
+        return LoadSpec(request_id, remote, tuple(load.blocks for load in loads),
+                        tuple(load.skip for load in loads))  # fmt: skip
+
+    def finished(self, request: Any, block_ids: Sequence[Sequence[int]]
+                 ) -> tuple[bool, dict[str, Any] | None]:  # fmt: skip
+        """A request ended (`block_ids`: per transfer group); prefill keeps the blocks of one
+        that a decode instance will load, and says where in its kv_transfer_params."""
+        params = request.kv_transfer_params or {}
+        request_id = request.request_id
+        self._computed.pop(request_id, None)
+        if request_id in self._loading:
+            # Ended while its load is in flight (the client went away): the blocks stay until
+            # no prefill write can land in them.
+            self._step.aborts.append(request_id)
+            return True, None
+        remote = self._remote(request)
+        self._refused.discard(request_id)
+        if remote is not None and params.get("do_remote_prefill"):
+            self._step.releases.append(remote)  # ended before it was scheduled
+            return False, None
+        if not params.get("do_remote_decode") or not self.config.produces:
+            return False, None
+        if request.status.name not in SENDABLE:
+            return False, None
+        if self.bootstrap_url is None:
+            log.error("request %s: no bootstrap service on this instance", request_id)
+            return False, None
+        sent = blocks_to_send(self.config.groups, block_ids, request.num_computed_tokens)
+        if not any(group.blocks for group in sent):
+            return False, None
+        rooms = tuple(secrets.randbits(63) if group.blocks else None for group in sent)
+        self._step.sends.append(SendSpec(request_id, rooms, tuple(g.blocks for g in sent)))
+        self._sending.add(request_id)
+        remote = RemotePrefill(
+            self.bootstrap_url, rooms, request.num_computed_tokens, self.config.engine_id,
+            request_id, tuple((group.first, len(group.blocks)) for group in sent),
+            tuple(group.block_size for group in self.config.groups),
+        )  # fmt: skip
+        return True, remote.to_params()
+
+    def take_step(self, idle: bool) -> StepMetadata:
+        step, self._step = self._step, StepMetadata()
+        step.idle = idle and self.pending
+        return step
+
+    def on_output(self, finished_sending: set[str], finished_recving: set[str]) -> None:
+        self._sending.difference_update(finished_sending)
+        self._loading.difference_update(finished_recving)

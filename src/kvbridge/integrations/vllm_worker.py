@@ -1,0 +1,453 @@
+"""The worker side of kvbridge's vLLM connector: kvbridge's managers over this worker's KV
+cache, and the rooms in flight (one per KV cache group that moves). It imports nothing from
+vLLM; `kvbridge.integrations.vllm` builds it with what vLLM told it."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+from kvbridge.decode import DecodeManager, KVReceiver
+from kvbridge.integrations.vllm_cache import VLLMCache, describe_kv_caches
+from kvbridge.integrations.vllm_core import (
+    ConnectorCounters,
+    ConnectorOptions,
+    LoadSpec,
+    RemotePrefill,
+    StepMetadata,
+    StepTimes,
+    cpu_list,
+)
+from kvbridge.prefill import KVSender, PrefillManager
+from kvbridge.wire.messages import KVPoll
+
+log = logging.getLogger("kvbridge.vllm")
+T = TypeVar("T")
+
+
+def _unpin() -> None:
+    """Let the calling thread run on every CPU this process may use. vLLM's CPU worker binds
+    its compute threads to cores, and threads inherit the binding of the thread that starts
+    them: kvbridge's control, transfer and I/O threads would then share one core with a
+    worker that spins between steps, and starve (heartbeats late, leases running out)."""
+    try:
+        allowed = Path("/sys/fs/cgroup/cpuset.cpus.effective").read_text().strip()
+        cpus = cpu_list(allowed) if allowed else set(range(os.cpu_count() or 1))
+    except (OSError, ValueError):
+        cpus = set(range(os.cpu_count() or 1))
+    try:
+        os.sched_setaffinity(0, cpus)
+    except OSError as exc:  # a narrower cgroup than it said, or no permission
+        log.debug("kvbridge threads keep vLLM's CPU binding: %s", exc)
+
+
+def _unpinned(build: Callable[[], T]) -> T:
+    """`build()` run in a thread that `_unpin` released: every thread it starts (kvbridge's,
+    ZMQ's, the engine's) runs on any CPU."""
+    result: list[T] = []
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        _unpin()
+        try:
+            result.append(build())
+        except BaseException as exc:
+            failure.append(exc)
+
+    thread = threading.Thread(target=run, name="kvbridge-vllm-start")
+    thread.start()
+    thread.join()
+    if failure:
+        raise failure[0]
+    return result[0]
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """What a worker knows of itself and its instance."""
+
+    produces: bool
+    consumes: bool
+    tp_rank: int
+    tp_size: int
+    total_kv_heads: int
+    use_mla: bool
+    block_size: int  # of the first KV cache group
+    state_layers: frozenset[str]
+    # The prefill instance's bootstrap port (each DP rank has its own; 0: a free port).
+    bootstrap_port: int
+    multi_group: bool
+
+
+@dataclass
+class _Room:
+    """A decode-side room being opened off the engine's step (the first room toward a prefill
+    instance looks its bootstrap service up, which may take up to bootstrap_timeout_s), then
+    in flight. No pages: a release (decode tells prefill it needs nothing)."""
+
+    opening: Future[KVReceiver]
+    pages: int = 0
+    # Why this room is given up (sent to prefill once it is open); None: it goes on.
+    abort_reason: str | None = None
+    abort_sent: bool = False
+
+    def give_up(self, reason: str) -> None:
+        if self.abort_reason is None:
+            self.abort_reason = reason
+
+    @property
+    def settled(self) -> bool:
+        """Opened (or failed to) and no prefill write can land in its pages any more."""
+        receiver = self.receiver()
+        return self.opening.done() and (receiver is None or receiver.pages_safe)
+
+    def receiver(self) -> KVReceiver | None:
+        """The receiver once opened; None while opening (or if opening raised)."""
+        if not self.opening.done() or self.opening.exception() is not None:
+            return None
+        return self.opening.result()
+
+
+@dataclass
+class _Load:
+    """One request's load: a room per KV cache group that moves."""
+
+    rooms: list[_Room]
+    blocks: tuple[int, ...]  # every block it fills, for vLLM's failed-block report
+    client_aborted: bool = False  # the request ended on decode while loading
+
+    def give_up(self, reason: str) -> None:
+        for room in self.rooms:
+            room.give_up(reason)
+
+    def send_aborts(self) -> None:
+        for room in self.rooms:
+            receiver = room.receiver()
+            if room.abort_reason is not None and not room.abort_sent and receiver is not None:
+                room.abort_sent = True
+                receiver.abort(room.abort_reason)
+
+    def clear(self) -> None:
+        for room in self.rooms:
+            if (receiver := room.receiver()) is not None:
+                receiver.clear()
+
+
+@dataclass
+class _Send:
+    senders: list[KVSender]
+    blocks: int
+
+
+class WorkerSide:
+    """kvbridge's managers for this worker's KV caches, and the rooms in flight."""
+
+    def __init__(self, config: WorkerConfig, options: ConnectorOptions) -> None:
+        self.config = config
+        self.options = options
+        self.cache: VLLMCache | None = None
+        self.kv_caches: dict[str, Any] = {}
+        self.prefill: PrefillManager | None = None
+        self.decode: DecodeManager | None = None
+        self._sends: dict[str, _Send] = {}
+        self._unsendable: set[str] = set()
+        self._loads: dict[str, _Load] = {}
+        self._releases: list[_Load] = []
+        self._opener = ThreadPoolExecutor(
+            max_workers=8, thread_name_prefix="kvbridge-vllm-open", initializer=_unpin
+        )
+        self._load_errors: set[int] = set()
+        self._failed_loads: set[str] = set()
+        self._last_step_ended: float | None = None  # when get_finished last returned
+        self._step_times = StepTimes()
+        self.counters = ConnectorCounters()
+        self._reported = ConnectorCounters()  # as of the last get_kv_connector_stats
+
+    @property
+    def bootstrap_url(self) -> str | None:
+        if self.prefill is None or self.config.tp_rank != 0:
+            return None
+        return self.prefill.bootstrap_url
+
+    def register(self, kv_caches: dict[str, Any]) -> None:
+        config = self.config
+        self.kv_caches = dict(kv_caches)
+        self.cache = describe_kv_caches(
+            kv_caches, use_mla=config.use_mla, total_kv_heads=config.total_kv_heads,
+            attn_tp_rank=config.tp_rank, attn_tp_size=config.tp_size,
+            block_size=config.block_size, state_layers=config.state_layers,
+        )  # fmt: skip
+        args = self.cache.kv_args
+        if config.produces:
+            if config.tp_size > 1 and config.bootstrap_port == 0:
+                raise RuntimeError(
+                    "kvbridge with TP > 1 on a prefill instance needs "
+                    "kv_connector_extra_config.bootstrap_port: every rank registers there"
+                )
+            url = f"http://{self.options.host}:{config.bootstrap_port}"
+            manager_config = dataclasses.replace(
+                self.options.manager_config(
+                    run_bootstrap=config.tp_rank == 0,
+                    bootstrap_url=None if config.tp_rank == 0 else url,
+                ),
+                bootstrap_port=config.bootstrap_port,
+            )
+            self.prefill = _unpinned(lambda: PrefillManager(args, manager_config))
+            log.info(
+                "kvbridge prefill rank %d: %s engine, bootstrap %s, %s KV of %d buffers × %d "
+                "pages", config.tp_rank, manager_config.engine, self.prefill.bootstrap_url,
+                args.kv_layout.name, len(args.kv_buffers), args.num_pages,
+            )  # fmt: skip
+        if config.consumes:
+            decode_config = self.options.manager_config(run_bootstrap=False, bootstrap_url=None)
+            self.decode = _unpinned(lambda: DecodeManager(args, decode_config))
+        for role, manager in (("prefill", self.prefill), ("decode", self.decode)):
+            if manager is not None and manager.metrics.port is not None:
+                log.info("kvbridge %s rank %d: Prometheus metrics on http://%s:%d/metrics",
+                         role, config.tp_rank, self.options.host,
+                         manager.metrics.port)  # fmt: skip
+
+    def start(self, step: StepMetadata) -> None:
+        assert self.cache is not None or not (step.sends or step.loads)
+        for send in step.sends:
+            if self.prefill is None or self.cache is None:
+                continue
+            senders = []
+            try:
+                for room, blocks in zip(send.rooms, send.blocks, strict=True):
+                    if room is not None:
+                        senders.append(self.prefill.sender(room))
+                        senders[-1].send(list(self.cache.pages_of(blocks)), last=True)
+            except ValueError as exc:  # a room id ended here before: free the blocks
+                log.error("request %s: not sent: %s", send.request_id, exc)
+                for sender in senders:
+                    sender.abort(str(exc))
+            self._sends[send.request_id] = _Send(senders, sum(map(len, send.blocks)))
+        for load in step.loads:
+            self._start_load(load)
+        if step.sends or step.loads:
+            log.debug("step: %d send(s), %d load(s) started; %d load(s) in flight",
+                      len(step.sends), len(step.loads), len(self._loads))  # fmt: skip
+        for request_id in step.aborts:
+            ongoing = self._loads.get(request_id)
+            if ongoing is not None:
+                ongoing.client_aborted = True
+                ongoing.give_up("the request ended on decode")
+        for remote in step.releases:
+            if self.decode is not None:  # tell prefill at once rather than at its deadline
+                rooms = [_Room(self._opening(remote, room), abort_reason="decode needs no block")
+                         for room in remote.rooms if room is not None]  # fmt: skip
+                self._releases.append(_Load(rooms, ()))
+        for ongoing in (*self._loads.values(), *self._releases):
+            ongoing.send_aborts()
+
+    def _open(self, url: str, room: int, pages: tuple[int, ...] | None,
+              prefix: int) -> KVReceiver:  # fmt: skip
+        """Runs on the opener pool: look the prefill instance up, send the request."""
+        assert self.decode is not None
+        receiver = self.decode.receiver(room, url)
+        if pages is not None:
+            receiver.init(list(pages), decode_prefix_len=prefix)
+        return receiver
+
+    def _opening(self, remote: RemotePrefill, room: int, pages: tuple[int, ...] | None = None,
+                 prefix: int = 0) -> Future[KVReceiver]:  # fmt: skip
+        """The room opened here when its prefill instance is known (no blocking lookup: a
+        hop to the pool would only add thread hand-offs), else on the pool."""
+        assert self.decode is not None
+        url = remote.bootstrap_url
+        if not self.decode.knows_prefill(url):
+            return self._opener.submit(self._open, url, room, pages, prefix)
+        opened: Future[KVReceiver] = Future()
+        try:
+            opened.set_result(self._open(url, room, pages, prefix))
+        except Exception as exc:  # the load's failure, as from the pool
+            opened.set_exception(exc)
+        return opened
+
+    def _start_load(self, load: LoadSpec) -> None:
+        blocks = tuple(block for group in load.blocks for block in group)
+        if self.decode is None or self.cache is None or load.error is not None:
+            failed: Future[KVReceiver] = Future()  # fails at once: the blocks count as failed
+            failed.set_exception(
+                RuntimeError(load.error or "this instance's kv_role does not consume KV")
+            )
+            self._loads[load.request_id] = _Load([_Room(failed, len(blocks))], blocks)
+            return
+        # A page of this rank holds `page_size` tokens (1 for opaque pages): the blocks
+        # prefill sends before decode's first one, in those units.
+        unit = self.cache.pages_per_block * self.cache.kv_args.page_size
+        rooms = []
+        for room, group_blocks, skip in zip(load.remote.rooms, load.blocks, load.skips,
+                                            strict=True):  # fmt: skip
+            if room is None:
+                continue
+            if not group_blocks:  # prefill sends nothing decode has no use for
+                rooms.append(_Room(self._opening(load.remote, room),
+                                   abort_reason="decode needs no block of this group"))  # fmt: skip
+                continue
+            pages = self.cache.pages_of(group_blocks)
+            rooms.append(_Room(self._opening(load.remote, room, pages, skip * unit),
+                               len(group_blocks)))  # fmt: skip
+        self._loads[load.request_id] = _Load(rooms, blocks)
+
+    def finished(self, idle: bool) -> tuple[set[str] | None, set[str] | None]:
+        # vLLM calls this once per step, after the forward (and start_load_kv): the time since
+        # the last call is what a step that computed something costs.
+        if not idle and self._last_step_ended is not None:
+            self._step_times.record(time.monotonic() - self._last_step_ended)
+        sent, loaded = self._poll()
+        if idle:
+            sent, loaded = self._wait_while_idle(sent, loaded)
+        self._last_step_ended = time.monotonic()
+        return sent or None, loaded or None
+
+    def _wait_while_idle(self, sent: set[str], loaded: set[str]) -> tuple[set[str], set[str]]:
+        """An engine step with nothing to compute while transfers are pending. With nothing
+        ended, wait for one to end (at most idle_poll_s) rather than spin a core. Once loads
+        ended, give the loads still in flight a short window to end as well: the requests
+        then start computing in one step, where the late ones would otherwise wait a whole
+        compute step behind the early ones."""
+        activity = self._activity()
+        if not sent and not loaded:
+            activity.clear()  # cleared before polling: an end after the poll wakes the wait
+            sent, loaded = self._poll()
+            if not sent and not loaded:
+                activity.wait(self.options.idle_poll_s)
+                sent, loaded = self._poll()
+        if not loaded:
+            return sent, loaded
+        # The window is decided afresh whenever loads end (what was waited is spent; what
+        # counts is whether the ones still coming are worth more waiting), and never runs past
+        # idle_batch_s from the first end.
+        first_end = time.monotonic()
+        latest = deadline = first_end + self.options.idle_batch_s
+        more_loaded = loaded
+        while self._loads:
+            now = time.monotonic()
+            if more_loaded:
+                window = self._step_times.batch_window(
+                    self.options.idle_batch_s, ended=len(loaded), in_flight=len(self._loads),
+                    gap_s=(now - first_end) / (len(loaded) - 1) if len(loaded) > 1 else 0.0,
+                )  # fmt: skip
+                deadline = min(latest, now + window)
+            if (remaining := deadline - now) <= 0:
+                break
+            activity.clear()
+            more_sent, more_loaded = self._poll()
+            sent |= more_sent
+            loaded |= more_loaded
+            if not more_sent and not more_loaded:
+                activity.wait(remaining)
+        log.debug("idle step: %d load(s) ended, %d in flight, waited %.1f ms for them",
+                  len(loaded), len(self._loads),
+                  1000 * (time.monotonic() - first_end))  # fmt: skip
+        return sent, loaded
+
+    def _activity(self) -> threading.Event:
+        """What signals that a pending transfer may have ended: decode's loads first (an idle
+        step waits on them), else prefill's sends."""
+        if self.decode is not None and (self._loads or self._releases or self.prefill is None):
+            return self.decode.activity
+        if self.prefill is not None:
+            return self.prefill.activity
+        return threading.Event()  # neither side: the wait is a sleep
+
+    def _poll(self) -> tuple[set[str], set[str]]:
+        sent, self._unsendable = self._unsendable, set()
+        for request_id, send in list(self._sends.items()):
+            if not all(sender.pages_free for sender in send.senders):
+                continue
+            failed = [sender for sender in send.senders if sender.poll() == KVPoll.Failed]
+            if failed or not send.senders:
+                reason = f"{failed[0].failure_reason} [{failed[0].failure_kind}]" if failed else ""
+                log.warning("request %s: not sent: %s", request_id, reason)
+                self.counters.sends_failed += 1
+            else:
+                self.counters.requests_sent += 1
+                self.counters.pages_sent += send.blocks
+            for sender in send.senders:
+                sender.clear()
+            del self._sends[request_id]
+            sent.add(request_id)
+        loaded = set()
+        for request_id, load in list(self._loads.items()):
+            if self._load_done(request_id, load):
+                del self._loads[request_id]
+                loaded.add(request_id)
+        for release in list(self._releases):
+            release.send_aborts()
+            if all(room.settled for room in release.rooms):
+                release.clear()
+                self._releases.remove(release)
+                self.counters.rooms_released += 1
+        return sent, loaded
+
+    def _load_done(self, request_id: str, load: _Load) -> bool:
+        """Whether the load ended and its pages are safe; counts and logs how it ended. A
+        room that failed gives the request's other rooms up."""
+        load.send_aborts()
+        if not all(room.opening.done() for room in load.rooms):
+            return False
+        reason: str | None = None
+        succeeded = True
+        for room in load.rooms:
+            if not room.pages:
+                continue  # a group decode needs nothing from: it only has to settle
+            receiver = room.receiver()
+            poll = receiver.poll() if receiver is not None else KVPoll.Failed
+            if poll == KVPoll.Failed and reason is None:
+                reason = (repr(room.opening.exception()) if receiver is None
+                          else f"{receiver.failure_reason} [{receiver.failure_kind}]")  # fmt: skip
+            succeeded = succeeded and poll == KVPoll.Success
+        if reason is not None:
+            load.give_up(f"another KV cache group's load failed: {reason}")
+            load.send_aborts()
+        elif not succeeded:
+            return False
+        if not all(room.settled for room in load.rooms):
+            return False
+        load.clear()
+        if reason is None:
+            self.counters.requests_loaded += 1
+            self.counters.pages_loaded += len(load.blocks)
+        elif load.client_aborted:
+            self.counters.loads_aborted += 1
+        else:
+            log.warning("request %s: KV load failed: %s", request_id, reason)
+            self._load_errors.update(load.blocks)
+            self._failed_loads.add(request_id)
+            self.counters.loads_failed += 1
+        return True
+
+    def take_interval(self) -> dict[str, int]:
+        """The counters that moved since the last call."""
+        changed = self.counters.since(self._reported)
+        self._reported = dataclasses.replace(self.counters)
+        return changed
+
+    def take_load_errors(self) -> set[int]:
+        """Blocks of failed loads (vLLM's report for one KV cache group)."""
+        errors, self._load_errors = self._load_errors, set()
+        if self.config.multi_group:
+            return set()  # reported by request instead: take_failed_loads
+        return errors
+
+    def take_failed_loads(self) -> set[str]:
+        failed, self._failed_loads = self._failed_loads, set()
+        return failed if self.config.multi_group else set()
+
+    def close(self) -> None:
+        self._opener.shutdown(wait=True, cancel_futures=True)
+        for manager in (self.decode, self.prefill):
+            if manager is not None:
+                manager.close()
+        self.decode = self.prefill = None

@@ -1,0 +1,152 @@
+"""The KV views vLLM 0.32's own allocator makes (`allocate_kv_cache`, the code every backend's
+cache comes from, CUDA's included), described by kvbridge (`vllm_cache`): the attention
+layouts vLLM can choose, MLA's latent cache, and a hybrid model's groups sharing memory. The
+plain-torch views of tests/helpers/vllm_views.py, which the unit tests move byte by byte (on
+a GPU too), must be the same views."""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+import numpy as np
+import pytest
+
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip("vLLM is not installed here (make test runs this in .venv-vllm)",
+                allow_module_level=True)  # fmt: skip
+
+import torch
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheTensor,
+    MambaSpec,
+    MLAAttentionSpec,
+    compute_layout_strides,
+)
+from vllm.v1.kv_cache_layout import KVCacheLayout
+from vllm.v1.worker.utils import allocate_kv_cache
+from vllm_views import execute, layer_views
+
+from kvbridge.cache import GeometryError
+from kvbridge.cache.plan import pair
+from kvbridge.integrations.vllm import KVBridgeConnector
+from kvbridge.integrations.vllm_cache import REQUIRED_LAYOUT, describe_kv_caches
+from kvbridge.wire import KVLayout
+
+LAYERS, BLOCKS = 3, 6
+
+
+def allocated(spec: Any, layout: KVCacheLayout, layers: int = LAYERS) -> dict[str, torch.Tensor]:
+    """What `register_kv_caches` gets for one group of `layers` layers laid out as `layout`."""
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
+    page = spec.page_size_bytes
+    block_stride = layers * page if layout.is_block_outermost else None
+    layer_stride, block_stride, *_ = compute_layout_strides(
+        spec, BLOCKS, layers, layout, fixed_strides=(None, block_stride, None, None, None)
+    )
+    tensor = KVCacheTensor(size=layers * page * BLOCKS, layers=names, layer_stride=layer_stride,
+                           block_stride=block_stride)  # fmt: skip
+    config = KVCacheConfig(num_blocks=BLOCKS, kv_cache_tensors=[tensor],
+                           kv_cache_groups=[KVCacheGroupSpec(names, spec)],
+                           kv_cache_layout=layout.name)  # fmt: skip
+    views: dict[str, torch.Tensor] = allocate_kv_cache(config, torch.device("cpu"), layout)
+    for view in views.values():  # distinct bytes to move
+        view.view(torch.uint8).copy_(torch.randint(0, 256, view.view(torch.uint8).shape,
+                                                   dtype=torch.uint8))  # fmt: skip
+    return views
+
+
+def test_the_connector_asks_for_head_major_pages_and_leaves_mla_alone() -> None:
+    class Model:
+        use_mla = False
+
+    class Config:
+        model_config = Model()
+
+    assert KVBridgeConnector.get_required_kvcache_layout(Config()) == REQUIRED_LAYOUT == "LBHNC"
+    Model.use_mla = True
+    assert KVBridgeConnector.get_required_kvcache_layout(Config()) is None
+    assert KVCacheLayout[REQUIRED_LAYOUT] == KVCacheLayout.LBHNC
+
+
+@pytest.mark.parametrize(
+    ("layout", "expected"),
+    [("LBHNC", KVLayout.MHA_HEAD_MAJOR), ("LBNHC", KVLayout.MHA_KV_PACKED)],
+)
+def test_vllms_attention_views_are_the_ones_the_unit_tests_move(
+    layout: str, expected: KVLayout
+) -> None:
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.bfloat16)
+    views = allocated(spec, KVCacheLayout[layout])
+    ours = layer_views(LAYERS, BLOCKS, 2, 16, 16, torch.bfloat16, layout)
+    for theirs, mine in zip(views.values(), ours.values(), strict=True):
+        assert (theirs.shape, theirs.stride(), theirs.dtype) == (mine.shape, mine.stride(),
+                                                                  mine.dtype)  # fmt: skip
+    cache = describe_kv_caches(views, use_mla=False, total_kv_heads=4, attn_tp_rank=1,
+                               attn_tp_size=2, block_size=16)  # fmt: skip
+    assert cache.kv_args.kv_layout == expected
+    assert (cache.kv_args.kv_heads, cache.kv_args.page_size) == (2, 16)
+
+
+@pytest.mark.parametrize("layout", ["LBHNC", "LBNHC"])
+def test_blocks_of_vllms_views_move_between_tp_sizes(layout: str) -> None:
+    """Prefill at TP 1 (4 heads), decode rank 1 of TP 2 (heads 2 and 3): decode's view of the
+    moved blocks equals prefill's heads 2 and 3."""
+    whole = FullAttentionSpec(block_size=16, num_kv_heads=4, head_size=8, dtype=torch.bfloat16)
+    half = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.bfloat16)
+    src_views = allocated(whole, KVCacheLayout[layout])
+    dst_views = allocated(half, KVCacheLayout[layout])
+    src = describe_kv_caches(src_views, use_mla=False, total_kv_heads=4, attn_tp_rank=0,
+                             attn_tp_size=1, block_size=16).kv_args  # fmt: skip
+    dst = describe_kv_caches(dst_views, use_mla=False, total_kv_heads=4, attn_tp_rank=1,
+                             attn_tp_size=2, block_size=16).kv_args  # fmt: skip
+    execute(pair(src, dst).plan(src, dst, np.array([4, 1]), 0, [0, 5]), src, dst)
+    for name, view in dst_views.items():
+        assert torch.equal(view[[0, 5]].view(torch.uint8),
+                           src_views[name][[4, 1], 2:4].contiguous().view(torch.uint8))  # fmt: skip
+
+
+def test_mla_latent_and_a_block_outermost_layout() -> None:
+    mla = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
+    views = allocated(mla, KVCacheLayout.LBNHC)
+    cache = describe_kv_caches(views, use_mla=True, total_kv_heads=1, attn_tp_rank=0,
+                               attn_tp_size=2, block_size=16)  # fmt: skip
+    assert (cache.kv_args.kv_layout, cache.kv_args.head_dim) == (KVLayout.MLA, 576)
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.bfloat16)
+    with pytest.raises(GeometryError, match="block-outermost layout"):
+        describe_kv_caches(allocated(spec, KVCacheLayout.BLHNC), use_mla=False,
+                           total_kv_heads=2, attn_tp_rank=0, attn_tp_size=1,
+                           block_size=16)  # fmt: skip
+
+
+def test_a_hybrid_models_groups_share_pages_and_move_whole() -> None:
+    """Two groups over shared memory, as vLLM allocates a hybrid model: attention layers and
+    Mamba layers (raw bytes, their page padded to the attention page)."""
+    attention = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8,
+                                  dtype=torch.bfloat16)  # fmt: skip
+    page = attention.page_size_bytes
+    mamba = MambaSpec(shapes=((3, 16), (2, 4, 8)), dtypes=(torch.bfloat16, torch.float32),
+                      block_size=16, page_size_padded=page)  # fmt: skip
+    attention_names = ["model.layers.1.self_attn.attn", "model.layers.3.self_attn.attn"]
+    mamba_names = ["model.layers.0.mixer", "model.layers.2.mixer"]
+    tensors, groups = [], []
+    for spec, names in ((attention, attention_names), (mamba, mamba_names)):
+        layer_stride, block_stride, *_ = compute_layout_strides(
+            spec, BLOCKS, 2, KVCacheLayout.LBHNC, fixed_strides=(None, page, None, None, None)
+        )
+        tensors.append(KVCacheTensor(size=2 * page * BLOCKS, layers=names,
+                                     layer_stride=layer_stride,
+                                     block_stride=block_stride))  # fmt: skip
+        groups.append(KVCacheGroupSpec(names, spec))
+    config = KVCacheConfig(num_blocks=BLOCKS, kv_cache_tensors=tensors, kv_cache_groups=groups,
+                           kv_cache_layout="LBHNC")  # fmt: skip
+    views = allocate_kv_cache(config, torch.device("cpu"), KVCacheLayout.LBHNC)
+    cache = describe_kv_caches(views, use_mla=False, total_kv_heads=2, attn_tp_rank=0,
+                               attn_tp_size=1, block_size=16,
+                               state_layers=frozenset(mamba_names))  # fmt: skip
+    assert cache.kv_args.kv_layout == KVLayout.PAGES
+    assert cache.kv_args.layer_ids == (0, 2)  # one buffer per shared slot
+    assert cache.kv_args.kv_buffers[0].item_len == page
