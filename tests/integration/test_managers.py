@@ -84,6 +84,43 @@ def test_chunks_aux_and_state_arrive() -> None:
     assert np.array_equal(dst.state[1][0], src.state[1][2])
 
 
+def test_each_pipeline_stage_writes_its_layers_into_one_decode_rank() -> None:
+    """A pipeline-parallel prefill (vLLM's connector): each stage is a prefill group of its
+    own (its layers, bootstrap service and room) and one decode rank holding every layer
+    opens a room with each stage; every layer arrives from the stage that holds it."""
+    from kvbridge.integrations.vllm_core import stage_room
+
+    geometry = {**GEOMETRY, "aux_slots": 0, "aux_item_bytes": (), "state_slots": 0,
+                "state_item_bytes": ()}  # fmt: skip
+    stages = [rank_cache(num_pages=16, seed=20 + s, **{**geometry, "layer_ids": layers})
+              for s, layers in enumerate([(0, 1), (2, 3)])]  # fmt: skip
+    dst = rank_cache(num_pages=16, seed=None, **{**geometry, "layer_ids": (0, 1, 2, 3)})
+    prefills = [PrefillManager(stage.args, ManagerConfig(engine=ENGINE, run_bootstrap=True))
+                for stage in stages]  # fmt: skip
+    decode = DecodeManager(dst.args, ManagerConfig(engine=ENGINE))
+    try:
+        src_pages, dst_pages = np.array([3, 9, 4]), np.array([7, 0, 12])
+        rooms = []
+        for stage, prefill in enumerate(prefills):
+            room = stage_room(41, stage)
+            receiver = decode.receiver(room, prefill.bootstrap_url)
+            receiver.init(dst_pages)
+            sender = prefill.sender(room)
+            sender.send(src_pages, last=True)
+            rooms += [sender, receiver]
+        wait_for(finished(*rooms))
+        assert all(room.poll() == KVPoll.Success for room in rooms)
+    finally:
+        decode.close()
+        for prefill in prefills:
+            prefill.close()
+    # Decode's buffers: K of layers 0-3, then V of layers 0-3; each stage's K then V.
+    for index, got in enumerate(dst.kv):
+        part, layer = divmod(index, 4)
+        want = stages[layer // 2].kv[part * 2 + layer % 2]
+        assert np.array_equal(got[dst_pages], want[src_pages]), index
+
+
 def test_a_rooms_complete_notification_is_its_success_report() -> None:
     src, dst = rank_cache(seed=5, **GEOMETRY), rank_cache(seed=None, **GEOMETRY)
     with pair(src, dst) as (prefill, decode):

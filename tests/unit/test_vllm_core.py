@@ -10,6 +10,7 @@ from kvbridge.integrations.vllm_core import (
     BLOCKS_KEY,
     BOOTSTRAP_KEY,
     ROOMS_KEY,
+    STAGES_KEY,
     ConnectorCounters,
     ConnectorOptions,
     OptionsError,
@@ -17,6 +18,7 @@ from kvbridge.integrations.vllm_core import (
     StepTimes,
     check_vllm_version,
     cpu_list,
+    stage_room,
     tokens_to_load,
 )
 
@@ -65,6 +67,26 @@ def test_remote_prefill_travels_in_kv_transfer_params() -> None:
         RemotePrefill.from_params({**params, BLOCKS_KEY: [[0], [0, 0]]})
     with pytest.raises(OptionsError, match="one entry per KV cache group, got 2, 2, 1"):
         RemotePrefill.from_params({**params, BLOCK_SIZES_KEY: [32]})
+
+
+def test_each_pipeline_stage_has_its_bootstrap_and_rooms() -> None:
+    stages = ("http://10.0.0.1:9000", "http://10.0.0.1:9001")
+    remote = RemotePrefill(stages[0], (41, 8), 64, "e", "r", ((0, 2), (0, 1)), (32, 32), stages)
+    params = remote.to_params()
+    assert params[STAGES_KEY] == list(stages)
+    assert RemotePrefill.from_params(params) == remote
+    one = RemotePrefill.from_params({**params, STAGES_KEY: [stages[0]]})
+    assert one is not None
+    assert one.stages == stages[:1]
+    with pytest.raises(OptionsError, match="does not begin with kvbridge_bootstrap_url"):
+        RemotePrefill.from_params({**params, STAGES_KEY: list(reversed(stages))})
+    with pytest.raises(OptionsError, match=rf"{STAGES_KEY}\[1\]: 'x' is not an http URL"):
+        RemotePrefill.from_params({**params, STAGES_KEY: [stages[0], "x"]})
+    # Distinct rooms per stage, stage 0's the group's own, never past 63 bits.
+    rooms = {stage_room(room, stage) for room in (41, 2**63 - 1) for stage in range(4)}
+    assert len(rooms) == 8
+    assert stage_room(41, 0) == 41
+    assert max(rooms) < 2**63
 
 
 def test_decode_loads_only_what_its_prefix_cache_lacks() -> None:

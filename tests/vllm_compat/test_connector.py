@@ -29,6 +29,7 @@ if importlib.util.find_spec("vllm") is None:
 from vllm_harness import (
     BLOCK_SIZE,
     Instance,
+    InstanceError,
     Server,
     free_port,
     kvbridge_config,
@@ -385,4 +386,50 @@ def test_instances_of_different_block_sizes_are_refused_when_they_meet(
         finally:
             decode.close()
     finally:
+        prefill.close()
+
+
+def test_a_pipeline_parallel_decode_is_refused_at_start(model: Path, tmp_path: Path) -> None:
+    """kvbridge moves a pipeline-parallel prefill's KV (each stage its own rank, bootstrap
+    service and rooms, decode loading every stage's layers) to a decode without pipeline
+    parallelism; a decode instance with it is refused when vLLM starts. (vLLM 0.32's CPU
+    build does not run pipeline parallelism itself: a plain instance at
+    pipeline_parallel_size 2 fails its first step in the second stage's worker, `assert
+    self.intermediate_tensors is not None`, so the prefill side is not run here.)"""
+    env = {"KVBRIDGE_TEST_PP": "2", "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    with pytest.raises(InstanceError, match="decode instances without pipeline parallelism"):
+        Instance(model, kvbridge_config("kv_consumer", "nixl"), tmp_path / "decode-pp2.log",
+                 env=env)  # fmt: skip
+
+
+def test_a_data_parallel_prefill_serves_each_request_from_its_own_rank(
+    model: Path, tmp_path: Path, reference: dict[Any, Any]
+) -> None:
+    """`vllm serve --data-parallel-size 2` for prefill (two engine cores behind one API
+    server): each DP rank runs its own kvbridge bootstrap service at bootstrap_port + its DP
+    index, and decode loads each request from the rank that served it."""
+    port = free_port()
+    prefill = Server(model, kvbridge_config("kv_producer", "nixl", bootstrap_port=port),
+                     tmp_path / "prefill-dp2.log", arguments=("--data-parallel-size", "2"),
+                     environment={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})  # fmt: skip
+    try:
+        decode = Server(model, kvbridge_config("kv_consumer", "nixl"), tmp_path / "decode.log")
+    except BaseException:
+        prefill.close()
+        raise
+    proxy = PDProxy([prefill.url], [decode.url])
+    threading.Thread(target=proxy.serve_forever, daemon=True).start()
+    try:
+        prompts = PROMPTS * 2
+        with ThreadPoolExecutor(len(prompts)) as pool:  # concurrent clients
+            answers = list(pool.map(lambda p: complete(proxy.url, model, p), prompts))
+        tokens = [answer["choices"][0]["token_ids"] for answer in answers]
+        assert tokens == [reference[tuple(p)] for p in prompts]
+        log = prefill.log(tail=None)
+        for rank in (0, 1):
+            assert f"bootstrap http://127.0.0.1:{port + rank}" in log, log[-3000:]
+        assert "KV load failed" not in decode.log()
+    finally:
+        proxy.shutdown()
+        decode.close()
         prefill.close()

@@ -22,7 +22,6 @@ if importlib.util.find_spec("vllm") is None:
 from vllm_harness import (
     FAMILY_ENV,
     Instance,
-    InstanceError,
     free_port,
     kvbridge_config,
     make_model,
@@ -189,12 +188,3 @@ def test_mamba_hybrid_moves_the_state_with_the_attention_kv(
                for p, n in zip(prefilled, LENGTHS, strict=True))  # fmt: skip
     assert stats["connector"]["requests_loaded"] == len(PROMPTS)
     assert assert_blocks_arrived(prefilled, outputs) >= 0
-
-
-def test_a_pipeline_parallel_instance_is_refused_at_start(
-    models: dict[str, Path], tmp_path: Path
-) -> None:
-    with pytest.raises(InstanceError, match="does not move KV of pipeline-parallel instances"):
-        Instance(models["mla"], kvbridge_config("kv_producer", "nixl"), tmp_path / "pp.log",
-                 env={**FAMILY_ENV["mla"], "KVBRIDGE_TEST_PP": "2",
-                      "VLLM_CPU_OMP_THREADS_BIND": "0|1"})  # fmt: skip

@@ -215,6 +215,7 @@ class Server:
     def __init__(
         self, model: Path, transfer: dict[str, Any] | None, log_path: Path,
         startup_timeout_s: float = 300.0, environment: dict[str, str] | None = None,
+        arguments: tuple[str, ...] = (),
     ) -> None:  # fmt: skip
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -225,7 +226,7 @@ class Server:
             "--host", "127.0.0.1",
             "--port", str(self.port), "--skip-tokenizer-init", "--block-size", str(BLOCK_SIZE),
             "--max-model-len", "8192", "--kv-cache-memory-bytes", str(256 << 20),
-            "--dtype", "bfloat16", "--enforce-eager", "--seed", "0",
+            "--dtype", "bfloat16", "--enforce-eager", "--seed", "0", *arguments,
         ]  # fmt: skip
         if transfer is not None:
             command += ["--kv-transfer-config", json.dumps(transfer)]

@@ -143,33 +143,40 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         transfer = vllm_config.kv_transfer_config
         parallel = vllm_config.parallel_config
         self.options = ConnectorOptions.from_extra_config(transfer.kv_connector_extra_config)
-        if parallel.pipeline_parallel_size > 1:
-            raise RuntimeError(
-                "kvbridge's vLLM connector does not move KV of pipeline-parallel instances "
-                f"(pipeline_parallel_size {parallel.pipeline_parallel_size})"
-            )
         groups, state_layers = transfer_groups(kv_cache_config, vllm_config.cache_config.block_size)
         produces, consumes = bool(transfer.is_kv_producer), bool(transfer.is_kv_consumer)
+        stages = int(parallel.pipeline_parallel_size)
+        if stages > 1 and (consumes or len(groups) > 1):
+            raise RuntimeError(
+                "kvbridge moves the KV of a pipeline-parallel prefill instance (kv_producer, "
+                "one KV cache group) to decode instances without pipeline parallelism; this "
+                f"one has pipeline_parallel_size {stages}, kv_role {transfer.kv_role}, "
+                f"{len(groups)} KV cache group(s)"
+            )
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(
-                SchedulerConfig(str(transfer.engine_id), produces, groups)
+                SchedulerConfig(str(transfer.engine_id), produces, groups, stages)
             )
             return
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+        from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
 
-        # Each data-parallel rank of a prefill instance serves its own bootstrap service.
+        # Each data-parallel rank and pipeline stage of a prefill instance serves its own
+        # bootstrap service.
+        stage = int(get_pp_group().rank_in_group)
         port = self.options.bootstrap_port
+        if port:
+            port += int(parallel.data_parallel_index) * stages + stage
         self._worker = WorkerSide(
             WorkerConfig(
                 produces=produces, consumes=consumes,
                 tp_rank=int(get_tensor_model_parallel_rank()),
-                tp_size=int(parallel.tensor_parallel_size),
+                tp_size=int(parallel.tensor_parallel_size), pp_rank=stage,
                 total_kv_heads=int(vllm_config.model_config.get_total_num_kv_heads()),
                 use_mla=bool(vllm_config.model_config.use_mla),
                 block_size=groups[0].block_size, state_layers=state_layers,
-                bootstrap_port=port + int(parallel.data_parallel_index) if port else 0,
+                bootstrap_port=port,
                 multi_group=len(groups) > 1,
             ),
             self.options,
@@ -245,9 +252,15 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     # --- scheduler side --------------------------------------------------------------------
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
-        handshake = metadata.get(0)
-        if isinstance(handshake, KVBridgeHandshake):
-            self._scheduler_side.bootstrap_url = handshake.bootstrap_url
+        self.set_xfer_handshake_metadata_pp_aware(
+            {(0, rank): meta for rank, meta in metadata.items()}
+        )
+
+    def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, int], Any]) -> None:
+        # Each pipeline stage's first TP rank serves the stage's bootstrap service.
+        for (stage, tp_rank), handshake in metadata.items():
+            if tp_rank == 0 and isinstance(handshake, KVBridgeHandshake):
+                self._scheduler_side.bootstrap_urls[stage] = handshake.bootstrap_url
 
     def on_new_request(self, request: Any) -> None:
         self._scheduler_side.on_new_request(request)

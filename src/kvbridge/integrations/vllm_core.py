@@ -21,6 +21,7 @@ T = TypeVar("T")
 SUPPORTED_VLLM = "0.32"
 # Keys kvbridge adds to vLLM's kv_transfer_params (the rest are vLLM's PD keys).
 BOOTSTRAP_KEY = "kvbridge_bootstrap_url"
+STAGES_KEY = "kvbridge_stage_urls"
 ROOMS_KEY = "kvbridge_rooms"
 BLOCKS_KEY = "kvbridge_blocks"
 BLOCK_SIZES_KEY = "kvbridge_block_sizes"
@@ -199,7 +200,9 @@ class RemotePrefill:
     """What a decode instance needs to load a request's KV from the prefill instance: it
     travels in vLLM's ``kv_transfer_params``, from the prefill output to the decode request.
     Per KV cache group: its room (None: the group sends nothing), the blocks prefill holds
-    for it (first block position, count) and its block size."""
+    for it (first block position, count) and its block size. Per pipeline stage of the
+    prefill instance: its bootstrap service (`bootstrap_url` is the first stage's); a stage's
+    room for a group is `stage_room(room, stage)`."""
 
     bootstrap_url: str
     rooms: tuple[int | None, ...]
@@ -208,6 +211,12 @@ class RemotePrefill:
     request_id: str
     blocks: tuple[tuple[int, int], ...] = ((0, 0),)
     block_sizes: tuple[int, ...] = (0,)
+    stage_urls: tuple[str, ...] = ()
+
+    @property
+    def stages(self) -> tuple[str, ...]:
+        """Each pipeline stage's bootstrap URL."""
+        return self.stage_urls or (self.bootstrap_url,)
 
     def to_params(self) -> dict[str, Any]:
         host, _, port = self.bootstrap_url.removeprefix("http://").rpartition(":")
@@ -223,6 +232,7 @@ class RemotePrefill:
             ROOMS_KEY: list(self.rooms),
             BLOCKS_KEY: [list(pair) for pair in self.blocks],
             BLOCK_SIZES_KEY: list(self.block_sizes),
+            STAGES_KEY: list(self.stages),
         }
 
     @staticmethod
@@ -231,9 +241,11 @@ class RemotePrefill:
         for another connector, or a plain one). Malformed kvbridge keys raise OptionsError."""
         if not isinstance(params, Mapping) or BOOTSTRAP_KEY not in params:
             return None
-        url = params.get(BOOTSTRAP_KEY)
-        if not isinstance(url, str) or not url.startswith("http://"):
-            raise OptionsError(f"kv_transfer_params.{BOOTSTRAP_KEY}: {url!r} is not an http URL")
+        url = _url(BOOTSTRAP_KEY, params.get(BOOTSTRAP_KEY))
+        stages = _listed(params, STAGES_KEY, _url) if STAGES_KEY in params else [url]
+        if not stages or stages[0] != url:
+            raise OptionsError(f"kv_transfer_params.{STAGES_KEY}: {stages!r} does not begin "
+                               f"with {BOOTSTRAP_KEY}")  # fmt: skip
         tokens = _count(params, "remote_num_tokens", params.get("remote_num_tokens"))
         rooms = _listed(params, ROOMS_KEY, lambda key, v: None if v is None else _count(
             params, key, v))  # fmt: skip
@@ -247,7 +259,19 @@ class RemotePrefill:
         return RemotePrefill(
             url, tuple(rooms), tokens, str(params.get("remote_engine_id", "")),
             str(params.get("remote_request_id", "")), tuple(blocks), tuple(sizes),
+            tuple(stages) if len(stages) > 1 else (),
         )  # fmt: skip
+
+
+def stage_room(room: int, stage: int) -> int:
+    """A pipeline stage's room for a group's room (stage 0: the room itself)."""
+    return room ^ stage
+
+
+def _url(key: str, value: object) -> str:
+    if not isinstance(value, str) or not value.startswith("http://"):
+        raise OptionsError(f"kv_transfer_params.{key}: {value!r} is not an http URL")
+    return value
 
 
 def _count(params: Mapping[str, Any], key: str, value: object) -> int:

@@ -41,6 +41,7 @@ class SchedulerConfig:
     engine_id: str
     produces: bool
     groups: tuple[Group, ...]
+    pipeline_stages: int = 1
 
     @property
     def backoff(self) -> int:
@@ -53,7 +54,8 @@ class SchedulerConfig:
 class SchedulerSide:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
-        self.bootstrap_url: str | None = None
+        # Each pipeline stage's bootstrap service, from its first TP rank's handshake.
+        self.bootstrap_urls: dict[int, str] = {}
         self._step = StepMetadata()
         self._computed: dict[str, int] = {}  # decode request → tokens in the local prefix
         self._sending: set[str] = set()
@@ -174,9 +176,11 @@ class SchedulerSide:
             return False, None
         if request.status.name not in SENDABLE:
             return False, None
-        if self.bootstrap_url is None:
+        stages = [self.bootstrap_urls.get(stage) for stage in range(self.config.pipeline_stages)]
+        if None in stages:
             log.error("request %s: no bootstrap service on this instance", request_id)
             return False, None
+        urls = tuple(url for url in stages if url is not None)
         sent = blocks_to_send(self.config.groups, block_ids, request.num_computed_tokens)
         if not any(group.blocks for group in sent):
             return False, None
@@ -184,9 +188,9 @@ class SchedulerSide:
         self._step.sends.append(SendSpec(request_id, rooms, tuple(g.blocks for g in sent)))
         self._sending.add(request_id)
         remote = RemotePrefill(
-            self.bootstrap_url, rooms, request.num_computed_tokens, self.config.engine_id,
-            request_id, tuple((group.first, len(group.blocks)) for group in sent),
-            tuple(group.block_size for group in self.config.groups),
+            urls[0], rooms, request.num_computed_tokens, self.config.engine_id, request_id,
+            tuple((group.first, len(group.blocks)) for group in sent),
+            tuple(group.block_size for group in self.config.groups), urls,
         )  # fmt: skip
         return True, remote.to_params()
 

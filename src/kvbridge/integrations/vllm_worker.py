@@ -21,10 +21,10 @@ from kvbridge.integrations.vllm_core import (
     ConnectorCounters,
     ConnectorOptions,
     LoadSpec,
-    RemotePrefill,
     StepMetadata,
     StepTimes,
     cpu_list,
+    stage_room,
 )
 from kvbridge.prefill import KVSender, PrefillManager
 from kvbridge.wire.messages import KVPoll
@@ -78,6 +78,7 @@ class WorkerConfig:
     consumes: bool
     tp_rank: int
     tp_size: int
+    pp_rank: int
     total_kv_heads: int
     use_mla: bool
     block_size: int  # of the first KV cache group
@@ -202,9 +203,10 @@ class WorkerSide:
             )
             self.prefill = _unpinned(lambda: PrefillManager(args, manager_config))
             log.info(
-                "kvbridge prefill rank %d: %s engine, bootstrap %s, %s KV of %d buffers × %d "
-                "pages", config.tp_rank, manager_config.engine, self.prefill.bootstrap_url,
-                args.kv_layout.name, len(args.kv_buffers), args.num_pages,
+                "kvbridge prefill rank %d (pipeline stage %d): %s engine, bootstrap %s, %s KV "
+                "of %d buffers × %d pages (layers %s)", config.tp_rank, config.pp_rank,
+                manager_config.engine, self.prefill.bootstrap_url, args.kv_layout.name,
+                len(args.kv_buffers), args.num_pages, list(args.layer_ids),
             )  # fmt: skip
         if config.consumes:
             decode_config = self.options.manager_config(run_bootstrap=False, bootstrap_url=None)
@@ -223,8 +225,8 @@ class WorkerSide:
             senders = []
             try:
                 for room, blocks in zip(send.rooms, send.blocks, strict=True):
-                    if room is not None:
-                        senders.append(self.prefill.sender(room))
+                    if room is not None:  # this pipeline stage's room: its layers
+                        senders.append(self.prefill.sender(stage_room(room, self.config.pp_rank)))
                         senders[-1].send(list(self.cache.pages_of(blocks)), last=True)
             except ValueError as exc:  # a room id ended here before: free the blocks
                 log.error("request %s: not sent: %s", send.request_id, exc)
@@ -243,7 +245,9 @@ class WorkerSide:
                 ongoing.give_up("the request ended on decode")
         for remote in step.releases:
             if self.decode is not None:  # tell prefill at once rather than at its deadline
-                rooms = [_Room(self._opening(remote, room), abort_reason="decode needs no block")
+                rooms = [_Room(self._opening(url, stage_room(room, stage)),
+                               abort_reason="decode needs no block")
+                         for stage, url in enumerate(remote.stages)
                          for room in remote.rooms if room is not None]  # fmt: skip
                 self._releases.append(_Load(rooms, ()))
         for ongoing in (*self._loads.values(), *self._releases):
@@ -258,12 +262,11 @@ class WorkerSide:
             receiver.init(list(pages), decode_prefix_len=prefix)
         return receiver
 
-    def _opening(self, remote: RemotePrefill, room: int, pages: tuple[int, ...] | None = None,
+    def _opening(self, url: str, room: int, pages: tuple[int, ...] | None = None,
                  prefix: int = 0) -> Future[KVReceiver]:  # fmt: skip
         """The room opened here when its prefill instance is known (no blocking lookup: a
         hop to the pool would only add thread hand-offs), else on the pool."""
         assert self.decode is not None
-        url = remote.bootstrap_url
         if not self.decode.knows_prefill(url):
             return self._opener.submit(self._open, url, room, pages, prefix)
         opened: Future[KVReceiver] = Future()
@@ -286,17 +289,21 @@ class WorkerSide:
         # prefill sends before decode's first one, in those units.
         unit = self.cache.pages_per_block * self.cache.kv_args.page_size
         rooms = []
-        for room, group_blocks, skip in zip(load.remote.rooms, load.blocks, load.skips,
-                                            strict=True):  # fmt: skip
-            if room is None:
-                continue
-            if not group_blocks:  # prefill sends nothing decode has no use for
-                rooms.append(_Room(self._opening(load.remote, room),
-                                   abort_reason="decode needs no block of this group"))  # fmt: skip
-                continue
-            pages = self.cache.pages_of(group_blocks)
-            rooms.append(_Room(self._opening(load.remote, room, pages, skip * unit),
-                               len(group_blocks)))  # fmt: skip
+        # A room per KV cache group and pipeline stage of the prefill instance (each stage
+        # writes the layers it holds into decode's pages).
+        for stage, url in enumerate(load.remote.stages):
+            for room, group_blocks, skip in zip(load.remote.rooms, load.blocks, load.skips,
+                                                strict=True):  # fmt: skip
+                if room is None:
+                    continue
+                room = stage_room(room, stage)
+                if not group_blocks:  # prefill sends nothing decode has no use for
+                    reason = "decode needs no block of this group"
+                    rooms.append(_Room(self._opening(url, room), abort_reason=reason))
+                    continue
+                pages = self.cache.pages_of(group_blocks)
+                rooms.append(_Room(self._opening(url, room, pages, skip * unit),
+                                   len(group_blocks)))  # fmt: skip
         self._loads[load.request_id] = _Load(rooms, blocks)
 
     def finished(self, idle: bool) -> tuple[set[str] | None, set[str] | None]:
