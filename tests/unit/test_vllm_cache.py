@@ -42,6 +42,7 @@ LAYERS, BLOCKS, HEAD_SIZE = 3, 12, 8
 def test_layer_numbers_come_from_vllm_layer_names() -> None:
     assert layer_index("model.layers.12.self_attn.attn") == 12
     assert layer_index("layers.0.attn") == 0
+    assert layer_index("model.layers.1.self_attn.0.attn") == 1  # the first, as vLLM reads it
     with pytest.raises(GeometryError, match="no layer number"):
         layer_index("lm_head")
 
@@ -296,3 +297,29 @@ def test_every_token_decode_loads_comes_from_the_block_prefill_computed_it_in(
         pairs = zip(group.blocks[load.skip :], load.blocks, strict=False)
         for src, dst in pairs:  # the same block position on both sides
             assert src % 100 == dst % 100
+
+
+@needs_torch
+def test_pages_that_are_not_one_block_each_are_refused() -> None:
+    """State-only pages laid out block-outermost (each layer's page one page apart within a
+    block of every layer) would overlap as buffers; a hybrid's blocks split into kernel
+    blocks are not one page a block."""
+    import torch
+
+    raw = torch.zeros(4 * 2 * 256, dtype=torch.int8)
+    shape = (4, 1, 1, 200)
+    interleaved = {f"model.layers.{layer}.mixer": raw[layer * 256 :].as_strided(
+        shape, (512, 200, 200, 1)) for layer in range(2)}  # fmt: skip
+    names = frozenset(interleaved)
+    with pytest.raises(GeometryError, match="overlap"):
+        describe_kv_caches(interleaved, use_mla=False, total_kv_heads=1, attn_tp_rank=0,
+                           attn_tp_size=1, block_size=16, state_layers=names)  # fmt: skip
+    apart = {f"model.layers.{layer}.mixer": raw[layer * 1024 :].as_strided(
+        shape, (256, 200, 200, 1)) for layer in range(2)}  # fmt: skip
+    cache = describe_kv_caches(apart, use_mla=False, total_kv_heads=1, attn_tp_rank=0,
+                               attn_tp_size=1, block_size=16, state_layers=names)  # fmt: skip
+    assert cache.kv_args.kv_layout == KVLayout.PAGES
+    with pytest.raises(GeometryError, match="splits its 2 blocks into \\[4\\] kernel blocks"):
+        describe_kv_caches(apart, use_mla=False, total_kv_heads=1, attn_tp_rank=0,
+                           attn_tp_size=1, block_size=16, state_layers=names,
+                           num_blocks=2)  # fmt: skip

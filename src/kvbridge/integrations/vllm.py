@@ -168,6 +168,7 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         port = self.options.bootstrap_port
         if port:
             port += int(parallel.data_parallel_index) * stages + stage
+        vllm_groups = kv_cache_config.kv_cache_groups if kv_cache_config is not None else [None]
         self._worker = WorkerSide(
             WorkerConfig(
                 produces=produces, consumes=consumes,
@@ -176,8 +177,10 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                 total_kv_heads=int(vllm_config.model_config.get_total_num_kv_heads()),
                 use_mla=bool(vllm_config.model_config.use_mla),
                 block_size=groups[0].block_size, state_layers=state_layers,
+                num_blocks=kv_cache_config.num_blocks if kv_cache_config is not None else None,
                 bootstrap_port=port,
-                multi_group=len(groups) > 1,
+                # vLLM takes failed loads by block only from a model of one KV cache group.
+                multi_group=len(vllm_groups) > 1,
             ),
             self.options,
         )  # fmt: skip

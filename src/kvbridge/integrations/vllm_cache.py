@@ -16,6 +16,7 @@ bytes) and each group has its own block ids; a Mamba layer's view is raw bytes
 from __future__ import annotations
 
 import enum
+import itertools
 import math
 import re
 from collections.abc import Mapping, Sequence
@@ -40,11 +41,12 @@ NULL_BLOCK = 0
 
 
 def layer_index(name: str) -> int:
-    """The layer number in a vLLM layer name ("model.layers.12.self_attn.attn" → 12)."""
+    """The layer number in a vLLM layer name ("model.layers.12.self_attn.attn" → 12): its
+    first number, as vLLM's `extract_layer_index` reads it."""
     numbers = re.findall(r"\.(\d+)\.", f".{name}.")
     if not numbers:
         raise GeometryError(f"vLLM layer {name!r} has no layer number in its name")
-    return int(numbers[-1])
+    return int(numbers[0])
 
 
 @dataclass(frozen=True)
@@ -121,6 +123,7 @@ def describe_kv_caches(
     attn_tp_size: int,
     block_size: int,
     state_layers: frozenset[str] = frozenset(),
+    num_blocks: int | None = None,
 ) -> VLLMCache:
     """vLLM's per-layer KV tensors (`register_kv_caches`) as `KVArgs`.
 
@@ -148,6 +151,14 @@ def describe_kv_caches(
     keepalive = tuple(tensor for views in slots for _, _, tensor in views)
     first = slots[0][0][2]
     on_gpu = first.device.type == "cuda"
+
+    buffers = sorted((_buffer(views[0][2]) for views in slots), key=lambda buffer: buffer.ptr)
+    for low, high in itertools.pairwise(buffers):
+        if low.end > high.ptr:  # a block-outermost layout interleaves the layers' pages
+            raise GeometryError(
+                "vLLM's KV buffers overlap (layers' pages interleaved, as in a block-outermost "
+                f"layout such as BLHNC): kvbridge moves the {REQUIRED_LAYOUT} and LBNHC layouts"
+            )
 
     def kv_args(layout: KVLayout, heads: int, head_dim: int, dtype: str, page_size: int) -> KVArgs:
         return KVArgs(
@@ -186,6 +197,11 @@ def describe_kv_caches(
             "model's pages whole, one page per block of every group"
         )
     page = pages.pop()
+    if num_blocks is not None and counts != {num_blocks}:
+        raise GeometryError(
+            f"vLLM splits its {num_blocks} blocks into {sorted(counts)} kernel blocks: "
+            "kvbridge moves a hybrid model's pages whole, one page a block"
+        )
     for _, name, tensor in views:
         if name not in state_layers:
             _attention_layout(tensor, use_mla)  # one block after another, or refused

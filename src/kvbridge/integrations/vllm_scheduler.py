@@ -61,6 +61,7 @@ class SchedulerSide:
         self._sending: set[str] = set()
         self._loading: set[str] = set()
         self._refused: set[str] = set()  # requests whose parameters were malformed (logged)
+        self._truncated: set[str] = set()  # prefill requests cut `backoff` tokens short
 
     @property
     def pending(self) -> bool:
@@ -87,16 +88,16 @@ class SchedulerSide:
             or not self.config.produces
             or not isinstance(params, dict)
             or not params.get("do_remote_decode")
-            or params.get("kvbridge_truncated")
+            or request.request_id in self._truncated
             or request.num_prompt_tokens <= backoff
             or request.prompt_token_ids is None
         ):
-            return
+            return  # decode refuses a load whose prefill did not stop short (_plan_load)
         del request.prompt_token_ids[-backoff:]
         del request._all_token_ids[-backoff:]
         request.num_prompt_tokens -= backoff
         request.max_tokens = 1
-        params["kvbridge_truncated"] = True  # once, whatever rescheduling follows
+        self._truncated.add(request.request_id)  # once, whatever rescheduling follows
 
     def matched_tokens(self, request: Any, num_computed: int) -> tuple[int, bool]:
         params = request.kv_transfer_params
@@ -104,6 +105,8 @@ class SchedulerSide:
         if remote is None or not params.get("do_remote_prefill"):
             return 0, False
         count = tokens_to_load(remote, request.num_prompt_tokens, num_computed)
+        if request.num_prompt_tokens <= self.config.backoff:
+            count = 0  # too short for prefill to stop short: computed here
         self._computed[request.request_id] = num_computed
         return (count, True) if count > 0 else (0, False)
 
@@ -121,19 +124,36 @@ class SchedulerSide:
             self._step.releases.append(remote)
             return
         try:
-            load = self._plan_load(request.request_id, remote, block_ids, prefix,
-                                   num_external_tokens)  # fmt: skip
+            load = self._plan_load(request, remote, block_ids, prefix, num_external_tokens)
         except LoadPlanError as exc:  # a load that cannot be right fails at once
-            blocks = tuple(tuple(b for b in ids if b) for ids in block_ids)
-            load = LoadSpec(request.request_id, remote, blocks, (), str(exc))
+            load = LoadSpec(request.request_id, remote, self._unloaded(block_ids, prefix), (),
+                            str(exc))  # fmt: skip
         self._step.loads.append(load)
         self._loading.add(request.request_id)
 
+    def _unloaded(
+        self, block_ids: Sequence[Sequence[int]], prefix: int
+    ) -> tuple[tuple[int, ...], ...]:
+        """The blocks a failed load leaves unfilled: past the local prefix (those stay valid,
+        and other requests may share them)."""
+        return tuple(
+            tuple(b for b in ids[prefix // group.block_size if group.kind == GroupKind.FULL
+                                 else 0:] if b)
+            for group, ids in zip(self.config.groups, block_ids, strict=False)
+        )  # fmt: skip
+
     def _plan_load(
-        self, request_id: str, remote: RemotePrefill, block_ids: Sequence[Sequence[int]],
+        self, request: Any, remote: RemotePrefill, block_ids: Sequence[Sequence[int]],
         prefix: int, count: int,
     ) -> LoadSpec:  # fmt: skip
         groups = self.config.groups
+        backoff = self.config.backoff
+        if backoff and remote.num_tokens != request.num_prompt_tokens - backoff:
+            raise LoadPlanError(
+                f"prefill computed {remote.num_tokens} of {request.num_prompt_tokens} prompt "
+                f"tokens; with a recurrent state it must stop {backoff} short (the state would "
+                "take a token twice)"
+            )
         if len(remote.rooms) != len(groups):
             raise LoadPlanError(
                 f"prefill sends {len(remote.rooms)} KV cache group(s), this instance has "
@@ -152,7 +172,7 @@ class SchedulerSide:
         for index, load in enumerate(loads):
             if load.blocks and remote.rooms[index] is None:
                 raise LoadPlanError(f"group {index}: prefill sends nothing for it")
-        return LoadSpec(request_id, remote, tuple(load.blocks for load in loads),
+        return LoadSpec(request.request_id, remote, tuple(load.blocks for load in loads),
                         tuple(load.skip for load in loads))  # fmt: skip
 
     def finished(self, request: Any, block_ids: Sequence[Sequence[int]]
@@ -162,6 +182,7 @@ class SchedulerSide:
         params = request.kv_transfer_params or {}
         request_id = request.request_id
         self._computed.pop(request_id, None)
+        self._truncated.discard(request_id)
         if request_id in self._loading:
             # Ended while its load is in flight (the client went away): the blocks stay until
             # no prefill write can land in them.
@@ -181,7 +202,11 @@ class SchedulerSide:
             log.error("request %s: no bootstrap service on this instance", request_id)
             return False, None
         urls = tuple(url for url in stages if url is not None)
-        sent = blocks_to_send(self.config.groups, block_ids, request.num_computed_tokens)
+        try:
+            sent = blocks_to_send(self.config.groups, block_ids, request.num_computed_tokens)
+        except ValueError as exc:  # vLLM's block table is not what kvbridge expects
+            log.error("request %s: not sent: %s", request_id, exc)
+            return False, None
         if not any(group.blocks for group in sent):
             return False, None
         rooms = tuple(secrets.randbits(63) if group.blocks else None for group in sent)

@@ -21,6 +21,7 @@ from kvbridge.integrations.vllm_core import (
     ConnectorCounters,
     ConnectorOptions,
     LoadSpec,
+    RemotePrefill,
     StepMetadata,
     StepTimes,
     cpu_list,
@@ -83,6 +84,7 @@ class WorkerConfig:
     use_mla: bool
     block_size: int  # of the first KV cache group
     state_layers: frozenset[str]
+    num_blocks: int | None  # vLLM's blocks (its kernels may split each into smaller ones)
     # The prefill instance's bootstrap port (each DP rank has its own; 0: a free port).
     bootstrap_port: int
     multi_group: bool
@@ -185,6 +187,7 @@ class WorkerSide:
             kv_caches, use_mla=config.use_mla, total_kv_heads=config.total_kv_heads,
             attn_tp_rank=config.tp_rank, attn_tp_size=config.tp_size,
             block_size=config.block_size, state_layers=config.state_layers,
+            num_blocks=config.num_blocks,
         )  # fmt: skip
         args = self.cache.kv_args
         if config.produces:
@@ -245,13 +248,21 @@ class WorkerSide:
                 ongoing.give_up("the request ended on decode")
         for remote in step.releases:
             if self.decode is not None:  # tell prefill at once rather than at its deadline
-                rooms = [_Room(self._opening(url, stage_room(room, stage)),
-                               abort_reason="decode needs no block")
-                         for stage, url in enumerate(remote.stages)
-                         for room in remote.rooms if room is not None]  # fmt: skip
-                self._releases.append(_Load(rooms, ()))
+                self._release(remote)
         for ongoing in (*self._loads.values(), *self._releases):
             ongoing.send_aborts()
+
+    def _release(self, remote: RemotePrefill) -> None:
+        """Tell every room of a request's prefill that decode needs nothing from it."""
+        rooms = [_Room(self._opening(url, room), abort_reason="decode needs no block")
+                 for url, room in self._stage_rooms(remote)]  # fmt: skip
+        self._releases.append(_Load(rooms, ()))
+
+    @staticmethod
+    def _stage_rooms(remote: RemotePrefill) -> list[tuple[str, int]]:
+        """(bootstrap URL, room) of each KV cache group's room at each pipeline stage."""
+        return [(url, stage_room(room, stage)) for stage, url in enumerate(remote.stages)
+                for room in remote.rooms if room is not None]  # fmt: skip
 
     def _open(self, url: str, room: int, pages: tuple[int, ...] | None,
               prefix: int) -> KVReceiver:  # fmt: skip
@@ -284,6 +295,8 @@ class WorkerSide:
                 RuntimeError(load.error or "this instance's kv_role does not consume KV")
             )
             self._loads[load.request_id] = _Load([_Room(failed, len(blocks))], blocks)
+            if self.decode is not None:  # prefill frees its blocks now, not at its deadline
+                self._release(load.remote)
             return
         # A page of this rank holds `page_size` tokens (1 for opaque pages): the blocks
         # prefill sends before decode's first one, in those units.
