@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import numpy as np
+import numpy.typing as npt
 import pytest
 import zmq
 from kv_cache import RankCache, as_torch, rank_cache
@@ -59,6 +60,30 @@ def finished(*rooms: KVSender | KVReceiver) -> Callable[[], bool]:
     return lambda: all(room.poll() in (KVPoll.Success, KVPoll.Failed) for room in rooms)
 
 
+def move_from_groups(
+    sources: list[RankCache], dst: RankCache, rooms: list[tuple[int, npt.ArrayLike, npt.ArrayLike]]
+) -> None:
+    """One prefill group (bootstrap service) per source and one decode rank; per group one
+    room: (room, source pages, decode pages). Every room must succeed."""
+    prefills = [PrefillManager(src.args, ManagerConfig(engine=ENGINE, run_bootstrap=True))
+                for src in sources]  # fmt: skip
+    decode = DecodeManager(dst.args, ManagerConfig(engine=ENGINE))
+    try:
+        ends: list[KVSender | KVReceiver] = []
+        for prefill, (room, src_pages, dst_pages) in zip(prefills, rooms, strict=True):
+            receiver = decode.receiver(room, prefill.bootstrap_url)
+            receiver.init(dst_pages)
+            sender = prefill.sender(room)
+            sender.send(src_pages, last=True)
+            ends += [sender, receiver]
+        wait_for(finished(*ends))
+        assert all(end.poll() == KVPoll.Success for end in ends)
+    finally:
+        decode.close()
+        for prefill in prefills:
+            prefill.close()
+
+
 def test_chunks_aux_and_state_arrive() -> None:
     src, dst = (
         rank_cache(num_pages=32, seed=11, **GEOMETRY),
@@ -95,25 +120,8 @@ def test_each_pipeline_stage_writes_its_layers_into_one_decode_rank() -> None:
     stages = [rank_cache(num_pages=16, seed=20 + s, **{**geometry, "layer_ids": layers})
               for s, layers in enumerate([(0, 1), (2, 3)])]  # fmt: skip
     dst = rank_cache(num_pages=16, seed=None, **{**geometry, "layer_ids": (0, 1, 2, 3)})
-    prefills = [PrefillManager(stage.args, ManagerConfig(engine=ENGINE, run_bootstrap=True))
-                for stage in stages]  # fmt: skip
-    decode = DecodeManager(dst.args, ManagerConfig(engine=ENGINE))
-    try:
-        src_pages, dst_pages = np.array([3, 9, 4]), np.array([7, 0, 12])
-        rooms = []
-        for stage, prefill in enumerate(prefills):
-            room = stage_room(41, stage)
-            receiver = decode.receiver(room, prefill.bootstrap_url)
-            receiver.init(dst_pages)
-            sender = prefill.sender(room)
-            sender.send(src_pages, last=True)
-            rooms += [sender, receiver]
-        wait_for(finished(*rooms))
-        assert all(room.poll() == KVPoll.Success for room in rooms)
-    finally:
-        decode.close()
-        for prefill in prefills:
-            prefill.close()
+    src_pages, dst_pages = np.array([3, 9, 4]), np.array([7, 0, 12])
+    move_from_groups(stages, dst, [(stage_room(41, s), src_pages, dst_pages) for s in (0, 1)])
     # Decode's buffers: K of layers 0-3, then V of layers 0-3; each stage's K then V.
     for index, got in enumerate(dst.kv):
         part, layer = divmod(index, 4)
@@ -216,25 +224,8 @@ def test_two_prefill_groups_feed_one_decode_rank() -> None:
     """xPyD: rooms of one decode rank come from different prefill groups (bootstraps)."""
     sources = [rank_cache(num_pages=16, seed=seed, **GEOMETRY) for seed in (21, 22)]
     dst = rank_cache(num_pages=32, seed=None, **GEOMETRY)
-    prefills = [
-        PrefillManager(src.args, ManagerConfig(engine=ENGINE, run_bootstrap=True))
-        for src in sources
-    ]
-    decode = DecodeManager(dst.args, ManagerConfig(engine=ENGINE))
-    try:
-        rooms = []
-        for room, prefill in enumerate(prefills):
-            receiver = decode.receiver(room, prefill.bootstrap_url)
-            receiver.init(np.arange(room * 8, room * 8 + 4))
-            sender = prefill.sender(room)
-            sender.send(np.arange(4, 8), last=True)
-            rooms += [sender, receiver]
-        wait_for(finished(*rooms))
-        assert all(room.poll() == KVPoll.Success for room in rooms)
-    finally:
-        decode.close()
-        for prefill in prefills:
-            prefill.close()
+    move_from_groups(sources, dst, [(room, np.arange(4, 8), np.arange(room * 8, room * 8 + 4))
+                                    for room in (0, 1)])  # fmt: skip
     for room, src in enumerate(sources):
         for got, want in zip(dst.kv, src.kv, strict=True):
             assert np.array_equal(got[room * 8 : room * 8 + 4], want[4:8])

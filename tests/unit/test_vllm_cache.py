@@ -20,6 +20,7 @@ from kvbridge.integrations.vllm_cache import (
     GroupBlocks,
     GroupKind,
     LoadPlanError,
+    VLLMCache,
     blocks_to_load,
     blocks_to_send,
     describe_kv_caches,
@@ -132,6 +133,7 @@ def test_mla_latent_moves_from_one_prefill_rank_to_each_decode_rank(
 def test_mla_moves_between_block_sizes_by_token() -> None:
     """MLA's token rows map between vLLM blocks of 16 and 64 tokens (the CPU and a CUDA
     backend's sizes)."""
+    import torch
     from vllm_views import execute
 
     _, src = instance("LBNHC", 1, 1, 0, 16, "cpu", mla=True)
@@ -142,15 +144,9 @@ def test_mla_moves_between_block_sizes_by_token() -> None:
     plan = pairing.plan(src.kv_args, dst.kv_args, np.array([5, 2, 8, 0, 3]), 0, [4, 1])
     execute(plan, src.kv_args, dst.kv_args)
     for layer, view in enumerate(views.values()):
-        tokens = torch_cat([src_views[layer][b, 0] for b in (5, 2, 8, 0, 3)])  # 80 tokens
-        got = torch_cat([view[b, 0] for b in (4, 1)])[:80]
+        tokens = torch.cat([src_views[layer][b, 0] for b in (5, 2, 8, 0, 3)])  # 80 tokens
+        got = torch.cat([view[b, 0] for b in (4, 1)])[:80]
         assert torch_equal(got, tokens)
-
-
-def torch_cat(parts: list[object]) -> object:
-    import torch
-
-    return torch.cat(parts)  # type: ignore[arg-type]
 
 
 @needs_torch
@@ -197,12 +193,13 @@ def test_a_hybrid_models_shared_pages_move_whole(device: str) -> None:
     layer (raw bytes, one page apart) per slot. Whole pages move at equal TP; other TP sizes
     are refused with the reason."""
     import torch
-    from vllm_views import execute
+    from vllm_views import execute, layer_views
 
-    def hybrid(rank: int, tp: int) -> tuple[dict[str, torch.Tensor], object]:
+    def hybrid(rank: int, tp: int) -> tuple[dict[str, torch.Tensor], VLLMCache]:
         views = {}
         for slot in range(2):
-            attention = next(iter(layer_views_one(device).values()))
+            one = layer_views(1, BLOCKS, 4, 16, 2 * HEAD_SIZE, torch.bfloat16, "LBHNC", device)
+            attention = next(iter(one.values()))
             page = attention.stride(0) * attention.element_size()
             raw = torch.empty(0, dtype=torch.int8, device=device).set_(
                 attention.untyped_storage(), attention.storage_offset() * 2, (BLOCKS, 1, 1, 100),
@@ -216,23 +213,16 @@ def test_a_hybrid_models_shared_pages_move_whole(device: str) -> None:
 
     src_views, src = hybrid(0, 1)
     dst_views, dst = hybrid(0, 1)
-    assert src.kv_args.kv_layout == KVLayout.PAGES  # type: ignore[attr-defined]
-    assert src.kv_args.layer_ids == (0, 2)  # type: ignore[attr-defined]
-    pairing = pair(src.kv_args, dst.kv_args)  # type: ignore[attr-defined]
-    execute(pairing.plan(src.kv_args, dst.kv_args, np.array([1, 5]), 0, [7, 2]),  # type: ignore[attr-defined]
-            src.kv_args, dst.kv_args)  # type: ignore[attr-defined]  # fmt: skip
+    assert src.kv_args.kv_layout == KVLayout.PAGES
+    assert src.kv_args.layer_ids == (0, 2)
+    pairing = pair(src.kv_args, dst.kv_args)
+    execute(pairing.plan(src.kv_args, dst.kv_args, np.array([1, 5]), 0, [7, 2]),
+            src.kv_args, dst.kv_args)  # fmt: skip
     for name, view in dst_views.items():
         assert torch_equal(view[[7, 2]], src_views[name][[1, 5]])
     _, other = hybrid(0, 2)
     with pytest.raises(PlanError, match="equal TP sizes"):
-        pair(src.kv_args, other.kv_args)  # type: ignore[attr-defined]
-
-
-def layer_views_one(device: str) -> dict[str, object]:
-    import torch
-    from vllm_views import layer_views
-
-    return layer_views(1, BLOCKS, 4, 16, 2 * HEAD_SIZE, torch.bfloat16, "LBHNC", device)  # type: ignore[return-value]
+        pair(src.kv_args, other.kv_args)
 
 
 FULL, SLIDING = Group(GroupKind.FULL, 4), Group(GroupKind.SLIDING, 4)

@@ -15,8 +15,9 @@ import signal
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -325,25 +326,47 @@ def complete(url: str, model: Path, prompt_ids: list[int]) -> dict[str, Any]:
         connection.close()
 
 
+@contextmanager
+def behind_proxy(
+    prefill: Callable[[], Server], decode: Callable[[], Server]
+) -> Iterator[tuple[Server, Server, PDProxy]]:
+    """A prefill and a decode server (started in that order) with kvbridge's PD proxy in
+    front, all stopped at the end."""
+    first = prefill()
+    try:
+        second = decode()
+    except BaseException:
+        first.close()
+        raise
+    proxy = PDProxy([first.url], [second.url])
+    threading.Thread(target=proxy.serve_forever, daemon=True).start()
+    try:
+        yield first, second, proxy
+    finally:
+        proxy.shutdown()
+        second.close()
+        first.close()
+
+
+def complete_all(url: str, model: Path, prompts: list[list[int]]) -> list[list[int]]:
+    """Each prompt's greedy tokens, from as many concurrent clients as prompts."""
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        answers = list(pool.map(lambda p: complete(url, model, p), prompts))
+    return [answer["choices"][0]["token_ids"] for answer in answers]
+
+
 def test_through_vllm_serve_and_the_pd_proxy(
     model: Path, tmp_path: Path, reference: dict[Any, Any]
 ) -> None:
     """The way users deploy: two `vllm serve` instances and kvbridge's PD proxy in front."""
-    prefill = Server(model, kvbridge_config("kv_producer", "nixl"), tmp_path / "prefill.log")
-    try:
-        decode = Server(
+    with behind_proxy(
+        lambda: Server(model, kvbridge_config("kv_producer", "nixl"), tmp_path / "prefill.log"),
+        lambda: Server(
             model, kvbridge_config("kv_consumer", "nixl", metrics_port=0), tmp_path / "decode.log",
             environment=stats_lines_at_every_level(tmp_path),
-        )  # fmt: skip
-    except BaseException:
-        prefill.close()
-        raise
-    proxy = PDProxy([prefill.url], [decode.url])
-    threading.Thread(target=proxy.serve_forever, daemon=True).start()
-    try:
-        with ThreadPoolExecutor(len(PROMPTS)) as pool:  # concurrent clients
-            answers = list(pool.map(lambda p: complete(proxy.url, model, p), PROMPTS))
-        tokens = [answer["choices"][0]["token_ids"] for answer in answers]
+        ),
+    ) as (_, decode, proxy):  # fmt: skip
+        tokens = complete_all(proxy.url, model, PROMPTS)
         assert tokens == [reference[tuple(p)] for p in PROMPTS]
         assert "KV load failed" not in decode.log()
         # kvbridge's Prometheus metrics from inside vLLM, and vLLM's connector stats line.
@@ -361,10 +384,6 @@ def test_through_vllm_serve_and_the_pd_proxy(
         while logged() < len(PROMPTS) and time.monotonic() < deadline:
             time.sleep(0.5)
         assert logged() == len(PROMPTS), decode.log()[-3000:]
-    finally:
-        proxy.shutdown()
-        decode.close()
-        prefill.close()
 
 
 def test_instances_of_different_block_sizes_are_refused_when_they_meet(
@@ -409,27 +428,15 @@ def test_a_data_parallel_prefill_serves_each_request_from_its_own_rank(
     server): each DP rank runs its own kvbridge bootstrap service at bootstrap_port + its DP
     index, and decode loads each request from the rank that served it."""
     port = free_port()
-    prefill = Server(model, kvbridge_config("kv_producer", "nixl", bootstrap_port=port),
-                     tmp_path / "prefill-dp2.log", arguments=("--data-parallel-size", "2"),
-                     environment={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})  # fmt: skip
-    try:
-        decode = Server(model, kvbridge_config("kv_consumer", "nixl"), tmp_path / "decode.log")
-    except BaseException:
-        prefill.close()
-        raise
-    proxy = PDProxy([prefill.url], [decode.url])
-    threading.Thread(target=proxy.serve_forever, daemon=True).start()
-    try:
+    with behind_proxy(
+        lambda: Server(model, kvbridge_config("kv_producer", "nixl", bootstrap_port=port),
+                       tmp_path / "prefill-dp2.log", arguments=("--data-parallel-size", "2"),
+                       environment={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}),
+        lambda: Server(model, kvbridge_config("kv_consumer", "nixl"), tmp_path / "decode.log"),
+    ) as (prefill, decode, proxy):  # fmt: skip
         prompts = PROMPTS * 2
-        with ThreadPoolExecutor(len(prompts)) as pool:  # concurrent clients
-            answers = list(pool.map(lambda p: complete(proxy.url, model, p), prompts))
-        tokens = [answer["choices"][0]["token_ids"] for answer in answers]
-        assert tokens == [reference[tuple(p)] for p in prompts]
+        assert complete_all(proxy.url, model, prompts) == [reference[tuple(p)] for p in prompts]
         log = prefill.log(tail=None)
         for rank in (0, 1):
             assert f"bootstrap http://127.0.0.1:{port + rank}" in log, log[-3000:]
         assert "KV load failed" not in decode.log()
-    finally:
-        proxy.shutdown()
-        decode.close()
-        prefill.close()

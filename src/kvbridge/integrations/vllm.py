@@ -33,7 +33,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
-from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    MambaSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+)
 
 from kvbridge.integrations.vllm_cache import REQUIRED_LAYOUT, Group, GroupKind
 from kvbridge.integrations.vllm_core import (
@@ -81,7 +86,7 @@ def transfer_groups(
         elif isinstance(spec, MambaSpec):
             groups.append(Group(GroupKind.STATE, spec.block_size, spec.num_speculative_blocks))
             state_layers.update(group.layer_names)
-        elif type(spec) in FULL_SPECS:
+        elif type(spec) in (FullAttentionSpec, MLAAttentionSpec):
             groups.append(Group(GroupKind.FULL, spec.block_size))
         else:
             raise RuntimeError(
@@ -90,15 +95,6 @@ def transfer_groups(
                 f"{type(spec).__name__}"
             )
     return tuple(groups), frozenset(state_layers)
-
-
-def _full_specs() -> tuple[type, ...]:
-    from vllm.v1.kv_cache_interface import MLAAttentionSpec
-
-    return (FullAttentionSpec, MLAAttentionSpec)
-
-
-FULL_SPECS = _full_specs()
 
 
 class KVBridgeMetadata(KVConnectorMetadata):  # type: ignore[misc]

@@ -161,7 +161,6 @@ class WorkerSide:
         self.prefill: PrefillManager | None = None
         self.decode: DecodeManager | None = None
         self._sends: dict[str, _Send] = {}
-        self._unsendable: set[str] = set()
         self._loads: dict[str, _Load] = {}
         self._releases: list[_Load] = []
         self._opener = ThreadPoolExecutor(
@@ -382,7 +381,7 @@ class WorkerSide:
         return threading.Event()  # neither side: the wait is a sleep
 
     def _poll(self) -> tuple[set[str], set[str]]:
-        sent, self._unsendable = self._unsendable, set()
+        sent: set[str] = set()
         for request_id, send in list(self._sends.items()):
             if not all(sender.pages_free for sender in send.senders):
                 continue
