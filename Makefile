@@ -102,6 +102,8 @@ bench: $(STAMP)
 	$(BIN)/kvbridge bench --preset quick
 	$(MAKE) --no-print-directory $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/python benchmarks/vllm_pd.py --quick
+	for family in mla sliding mamba; do \
+		$(VLLM_VENV)/bin/python benchmarks/vllm_pd.py --quick --family $$family || exit 1; done
 
 docs: $(STAMP)
 	$(BIN)/kvbridge protocol-doc --output docs/PROTOCOL.md

@@ -113,7 +113,7 @@ def test_each_pipeline_stage_writes_its_layers_into_one_decode_rank() -> None:
     """A pipeline-parallel prefill (vLLM's connector): each stage is a prefill group of its
     own (its layers, bootstrap service and room) and one decode rank holding every layer
     opens a room with each stage; every layer arrives from the stage that holds it."""
-    from kvbridge.integrations.vllm_core import stage_room
+    from kvbridge.integrations.vllm_requests import stage_room
 
     geometry = {**GEOMETRY, "aux_slots": 0, "aux_item_bytes": (), "state_slots": 0,
                 "state_item_bytes": ()}  # fmt: skip

@@ -6,18 +6,20 @@ from __future__ import annotations
 import pytest
 
 from kvbridge.integrations.vllm_core import (
+    ConnectorOptions,
+    OptionsError,
+    StepTimes,
+    check_vllm_version,
+    cpu_list,
+)
+from kvbridge.integrations.vllm_requests import (
     BLOCK_SIZES_KEY,
     BLOCKS_KEY,
     BOOTSTRAP_KEY,
     ROOMS_KEY,
     STAGES_KEY,
     ConnectorCounters,
-    ConnectorOptions,
-    OptionsError,
     RemotePrefill,
-    StepTimes,
-    check_vllm_version,
-    cpu_list,
     stage_room,
     tokens_to_load,
 )

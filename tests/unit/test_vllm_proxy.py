@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from kvbridge.integrations.vllm_core import PREFILL_PARAMS, decode_request, prefill_request
 from kvbridge.integrations.vllm_proxy import PDProxy
+from kvbridge.integrations.vllm_requests import PREFILL_PARAMS, decode_request, prefill_request
 
 REMOTE = {"do_remote_prefill": True, "kvbridge_room": 7, "kvbridge_bootstrap_url": "http://x:1"}
 

@@ -10,7 +10,7 @@ KVBRIDGE_TEST_BLOCK_SIZE (default 32; "auto": vLLM's choice), KVBRIDGE_TEST_PREF
 (prefix caching off), KVBRIDGE_TEST_LOG_LEVEL
 (kvbridge's log level), KVBRIDGE_TEST_KV_BLOCKS=1 (each output carries `kv_blocks`: per KV cache
 group, a hash of each block the prompt fills over the group's attention layers, read when the
-request ends).
+request ends, on rank 0; `kv_blocks_by_rank`: the same on every TP rank).
 
 Commands on stdin, one JSON object per line; each answer is one line on stdout starting with
 ``@@`` (vLLM and kvbridge log to stderr):
@@ -105,14 +105,16 @@ def main() -> None:
         hear_finished(output)
 
     scheduler._update_from_kv_xfer_finished = heard_finished
-    # Each request's KV rows as it ends (before vLLM frees or trims its blocks).
-    kv_blocks: dict[str, dict[str, dict[str, str]]] = {}
-    if os.environ.get("KVBRIDGE_TEST_KV_BLOCKS") and TP == 1:
-        runner = core.model_executor.driver_worker.worker.model_runner
+    # Each request's KV rows as it ends (before vLLM frees or trims its blocks), on every rank.
+    kv_blocks: dict[str, list[dict[str, dict[str, dict[str, str]]]]] = {}
+    if os.environ.get("KVBRIDGE_TEST_KV_BLOCKS"):
         free_request = scheduler._free_request
 
         def free_and_hash(request: Any, *args: Any, **kwargs: Any) -> Any:
-            kv_blocks[request.request_id.split("-")[0]] = _kv_blocks(runner, scheduler, request)
+            block_ids = scheduler.kv_cache_manager.get_block_ids(request.request_id)
+            kv_blocks[request.request_id.split("-")[0]] = core.model_executor.collective_rpc(
+                _hash_blocks, args=([list(ids) for ids in block_ids], request.num_prompt_tokens)
+            )
             return free_request(request, *args, **kwargs)
 
         scheduler._free_request = free_and_hash
@@ -155,13 +157,16 @@ def main() -> None:
             first = first_token_at.pop(request_id, None)
             ready = kv_ready_at.pop(request_id, None)
             added = added_at.pop(request_id)
+            ranks = kv_blocks.pop(request_id, None) or []
             outputs.append({
                 "tokens": list(completion.token_ids) if completion else [],
                 "finish_reason": completion.finish_reason if completion else None,
                 "kv_transfer_params": output.kv_transfer_params,
                 "ttft_s": first - added if first is not None else None,
                 "kv_ready_s": ready - added if ready is not None else None,
-                "kv_blocks": kv_blocks.pop(request_id, None),
+                "kv_blocks": ranks[0]["blocks"] if ranks else None,
+                "kv_blocks_by_rank": [rank["blocks"] for rank in ranks],
+                "kv_heads_by_rank": [rank["heads"] for rank in ranks],
             })  # fmt: skip
         return outputs
 
@@ -221,21 +226,27 @@ def _commands(busy: Any, step: Any) -> Any:
                 yield line
 
 
-def _kv_blocks(runner: Any, scheduler: Any, request: Any) -> dict[str, dict[str, str]]:
-    """Per KV cache group, block position → a hash of that block's bytes in every attention
-    layer of the group (on this instance, whatever its block id), for the blocks the prompt
-    fills before its last token (decode computes that one again and writes its output after
-    it; vLLM's CPU attention packs a block's tokens together, so a partly written block is
-    not compared). Blocks the group no longer holds (out of a sliding window) are left out;
-    a recurrent state is not hashed."""
-    import hashlib
+def _hash_blocks(
+    worker: Any, block_ids: list[list[int]], num_prompt_tokens: int
+) -> dict[str, dict[str, dict[str, str]]]:
+    """Run on each rank (vLLM's collective_rpc). "blocks": per KV cache group, block position
+    → a hash of that block's bytes in every attention layer of the group on this rank
+    (whatever its block id); "heads": per group, "position/head" → the same for one KV head,
+    the head numbered model-wide (this rank's first head + its index here; MLA's latent is
+    head 0 on every rank), so that ranks of different TP sizes compare. For the blocks the
+    prompt fills before its last token (decode computes that one again and writes its output
+    after it; vLLM's CPU attention packs a block's tokens together, so a partly written block
+    is not compared). Blocks the group no longer holds (out of a sliding window) are left
+    out; a recurrent state is not hashed."""
 
     import torch
+    from vllm.distributed import get_tensor_model_parallel_rank
 
+    runner = worker.model_runner
     context = runner.compilation_config.static_forward_context
     groups = runner.kv_cache_config.kv_cache_groups
-    block_ids = scheduler.kv_cache_manager.get_block_ids(request.request_id)
-    hashes: dict[str, dict[str, str]] = {}
+    replicated = runner.model_config.use_mla
+    hashes: dict[str, dict[str, dict[str, str]]] = {"blocks": {}, "heads": {}}
     for index, (group, ids) in enumerate(zip(groups, block_ids, strict=True)):
         caches = [context[name].kv_cache for name in group.layer_names]
         caches = [c for c in caches if isinstance(c, torch.Tensor) and c.dim() in (3, 4)]
@@ -243,18 +254,34 @@ def _kv_blocks(runner: Any, scheduler: Any, request: Any) -> dict[str, dict[str,
             continue
         block_size = group.kv_cache_spec.block_size
         per_block = block_size // caches[0].shape[-2]  # an attention kernel's smaller blocks
-        whole = (request.num_prompt_tokens - 1) // block_size
-        group_hashes = {}
+        heads = caches[0].shape[1] if caches[0].dim() == 4 else 1
+        first_head = 0 if replicated else get_tensor_model_parallel_rank() * heads
+        whole = (num_prompt_tokens - 1) // block_size
+        blocks, by_head = {}, {}
         for position, block in enumerate(ids[:whole]):
             if block == 0:
                 continue
-            digest = hashlib.sha256()
-            for cache in caches:
-                pages = cache[block * per_block : (block + 1) * per_block]
-                digest.update(pages.contiguous().view(torch.uint8).numpy().tobytes())
-            group_hashes[str(position)] = digest.hexdigest()[:16]
-        hashes[str(index)] = group_hashes
+            pages = [cache[block * per_block : (block + 1) * per_block] for cache in caches]
+            blocks[str(position)] = _digest(pages)
+            if heads > 1:
+                for head in range(heads):
+                    by_head[f"{position}/{first_head + head}"] = _digest(
+                        [page[:, head] for page in pages]
+                    )
+        hashes["blocks"][str(index)] = blocks
+        hashes["heads"][str(index)] = by_head
     return hashes
+
+
+def _digest(tensors: list[Any]) -> str:
+    import hashlib
+
+    import torch
+
+    digest = hashlib.sha256()
+    for tensor in tensors:
+        digest.update(tensor.contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:16]
 
 
 def _stats(scheduler: Any) -> dict[str, Any]:

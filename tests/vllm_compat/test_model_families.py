@@ -119,41 +119,77 @@ def test_mla_latent_arrives_byte_exact_and_decodes_as_nixl_connectors(
     assert connector["pages_loaded"] == sum(-(-n // 16) for n in LENGTHS)
 
 
-def test_mla_between_tp_sizes_feeds_each_decode_rank_from_one_prefill_rank(
-    models: dict[str, Path], tmp_path: Path
-) -> None:
-    """MLA's latent is the same on every TP rank: each decode rank loads it from one prefill
-    rank (kvbridge's MLA rule), at TP 1 → 2 and 2 → 1: every load ends with the KV in place,
-    none fails, and prefill frees every block. (Tokens are not compared across TP sizes:
-    vLLM's CPU MLA gives this random model other tokens at TP 2 than at TP 1 in plain runs,
-    float32 included; the bytes of the rule are checked in tests/unit/test_vllm_cache.py.)"""
-    env = {**FAMILY_ENV["mla"], "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+TP_PAIRS = [(1, 2), (2, 1)]
+
+
+def run_tp_pairs(
+    model: Path, logs: Path, family: str, connector: str, dtype: str = "bfloat16"
+) -> dict[tuple[int, int], tuple[Outputs, Outputs]]:
+    """Prefill and decode instances of one family at TP 1 and 2, kvbridge's or
+    NixlConnector's; per TP pair of TP_PAIRS, prefill's outputs and decode's (each prompt
+    decoded alone), with every rank's block hashes. Prefill frees every block once decode has
+    it."""
+    env = {**FAMILY_ENV[family], **KV_BLOCKS, "VLLM_CPU_OMP_THREADS_BIND": "0|1",
+           "KVBRIDGE_TEST_DTYPE": dtype}  # fmt: skip
     instances: dict[tuple[str, int], Instance] = {}
+    results: dict[tuple[int, int], tuple[Outputs, Outputs]] = {}
     try:
         for role, tp in [("kv_producer", 2), ("kv_consumer", 2), ("kv_producer", 1),
                          ("kv_consumer", 1)]:  # fmt: skip
-            options = {"bootstrap_port": free_port()} if role == "kv_producer" else {}
+            if connector == "vllm-nixl":
+                config = nixl_config("kv_both")
+            else:  # prefill ranks register with rank 0's bootstrap service
+                options = {"bootstrap_port": free_port()} if role == "kv_producer" else {}
+                config = kvbridge_config(role, "nixl", **options)
             instances[role, tp] = Instance(
-                models["mla"], kvbridge_config(role, "nixl", **options),
-                tmp_path / f"mla-{role}-tp{tp}.log", env={**env, "KVBRIDGE_TEST_TP": str(tp)},
+                model, config, logs / f"{family}-{connector}-{role}-tp{tp}.log",
+                env={**env, "KVBRIDGE_TEST_TP": str(tp)},
             )  # fmt: skip
         free = {tp: instances["kv_producer", tp].call("stats")["free_blocks"] for tp in (1, 2)}
-        for prefill_tp, decode_tp in [(1, 2), (2, 1)]:
+        for prefill_tp, decode_tp in TP_PAIRS:
             prefill = instances["kv_producer", prefill_tp]
             decode = instances["kv_consumer", decode_tp]
             prefilled = prefill.generate(PROMPTS, 1, [PREFILL_ONLY] * len(PROMPTS))["outputs"]
             params = [output["kv_transfer_params"] for output in prefilled]
-            outputs = decode.generate(PROMPTS, MAX_TOKENS, params)["outputs"]
+            outputs = [decode.generate([p], MAX_TOKENS, [q])["outputs"][0]
+                       for p, q in zip(PROMPTS, params, strict=True)]  # fmt: skip
             assert all(output["kv_ready_s"] is not None for output in outputs)
-            assert all(len(output["tokens"]) == MAX_TOKENS for output in outputs)
             after = prefill.wait_for(lambda s, tp=prefill_tp: s["free_blocks"] == free[tp])
-            assert after["free_blocks"] == free[prefill_tp], (prefill_tp, decode_tp)
+            assert after["free_blocks"] == free[prefill_tp], (connector, prefill_tp, decode_tp)
+            results[prefill_tp, decode_tp] = (prefilled, outputs)
         for instance in instances.values():
             assert "KV load failed" not in instance.log()
-        assert "kvbridge prefill rank 1" in instances["kv_producer", 2].log()
     finally:
         for instance in instances.values():
             instance.close()
+    return results
+
+
+# Eight instances, four of them at TP 2 (three processes each), start one after another.
+@pytest.mark.timeout(900)
+def test_mla_between_tp_sizes_feeds_each_decode_rank_from_one_prefill_rank(
+    models: dict[str, Path], tmp_path: Path
+) -> None:
+    """MLA's latent is the same on every TP rank: each decode rank loads it from one prefill
+    rank (kvbridge's MLA rule), at TP 1 → 2 and 2 → 1. Every block each decode rank holds
+    equals prefill's, byte for byte, and each prompt decoded alone gives NixlConnector's tokens
+    at the same TP pair. (Not a plain run's: vLLM's CPU MLA gives this random model other
+    tokens at TP 2 than at TP 1 in plain runs, float32 included.)"""
+    kvbridge = run_tp_pairs(models["mla"], tmp_path, "mla", "kvbridge")
+    nixl = run_tp_pairs(models["mla"], tmp_path, "mla", "vllm-nixl")
+    for pair in TP_PAIRS:
+        prefilled, outputs = kvbridge[pair]
+        assert [o["tokens"] for o in outputs] == [o["tokens"] for o in nixl[pair][1]], pair
+        compared = 0
+        for sent, received in zip(prefilled, outputs, strict=True):
+            # The latent is replicated: every prefill rank's blocks are the same bytes.
+            assert all(rank == sent["kv_blocks"] for rank in sent["kv_blocks_by_rank"]), pair
+            assert len(received["kv_blocks_by_rank"]) == pair[1]
+            for rank in received["kv_blocks_by_rank"]:
+                assert rank == sent["kv_blocks"], pair
+                compared += len(rank["0"])
+        # Blocks of 16: every whole one before each prompt's last token, on each decode rank.
+        assert compared == pair[1] * sum((n - 1) // 16 for n in LENGTHS), pair
 
 
 def test_sliding_window_hybrid_moves_only_the_window(
@@ -188,3 +224,36 @@ def test_mamba_hybrid_moves_the_state_with_the_attention_kv(
                for p, n in zip(prefilled, LENGTHS, strict=True))  # fmt: skip
     assert stats["connector"]["requests_loaded"] == len(PROMPTS)
     assert assert_blocks_arrived(prefilled, outputs) >= 0
+
+
+@pytest.mark.timeout(900)
+def test_sliding_window_hybrid_between_tp_sizes_moves_head_slices(
+    models: dict[str, Path], tmp_path: Path
+) -> None:
+    """The sliding-window hybrid's pages keep their attention geometry, so between TP 1 and 2
+    each decode rank gets its heads of every block, windowed groups included: each prompt
+    decoded alone gives a plain run's tokens (float32: TP 2 sums in another order than TP 1),
+    and every head of every block each decode rank holds equals that head of prefill's, byte
+    for byte."""
+    plain = Instance(models["sliding"], None, tmp_path / "sliding-plain-float32.log",
+                     env={**FAMILY_ENV["sliding"], "KVBRIDGE_TEST_DTYPE": "float32"})  # fmt: skip
+    try:
+        expected = [output["tokens"] for output in plain.generate(PROMPTS, MAX_TOKENS)["outputs"]]
+    finally:
+        plain.close()
+    results = run_tp_pairs(models["sliding"], tmp_path, "sliding", "kvbridge", dtype="float32")
+    for pair, (prefilled, outputs) in results.items():
+        assert [o["tokens"] for o in outputs] == expected, pair
+        compared = 0
+        for sent, received in zip(prefilled, outputs, strict=True):
+            theirs: dict[str, dict[str, str]] = {}
+            for rank in sent["kv_heads_by_rank"]:
+                for group, heads in rank.items():
+                    theirs.setdefault(group, {}).update(heads)
+            for rank in received["kv_heads_by_rank"]:
+                for group, heads in rank.items():
+                    for key, digest in heads.items():
+                        assert theirs[group].get(key) == digest, (pair, group, key)
+                        compared += 1
+        # Each decode rank's heads of the blocks it holds: 4 heads in all, every group.
+        assert compared >= 4 * sum((n - 1) // 32 for n in LENGTHS), pair

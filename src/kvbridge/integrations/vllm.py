@@ -14,7 +14,8 @@ them, aborted, or `request_timeout_s` passed.
 vLLM makes one connector object per role. The scheduler side only keeps books (which requests
 send, load, or were aborted) and hands them to the workers in each step's metadata; the
 worker side owns kvbridge's managers (engine, control channel, bootstrap service) and reports
-finished transfers back through `get_finished`. The pure part is `vllm_core`.
+finished transfers back through `get_finished`. The pure parts are `vllm_core` (options),
+`vllm_requests` (request parameters, step metadata) and `vllm_cache` (KV tensors, blocks).
 """
 
 from __future__ import annotations
@@ -41,12 +42,8 @@ from vllm.v1.kv_cache_interface import (
 )
 
 from kvbridge.integrations.vllm_cache import REQUIRED_LAYOUT, Group, GroupKind
-from kvbridge.integrations.vllm_core import (
-    ConnectorCounters,
-    ConnectorOptions,
-    StepMetadata,
-    check_vllm_version,
-)
+from kvbridge.integrations.vllm_core import ConnectorOptions, check_vllm_version
+from kvbridge.integrations.vllm_requests import ConnectorCounters, StepMetadata
 from kvbridge.integrations.vllm_scheduler import SchedulerConfig, SchedulerSide
 from kvbridge.integrations.vllm_worker import WorkerConfig, WorkerSide
 

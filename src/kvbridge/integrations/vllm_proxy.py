@@ -18,7 +18,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import urlsplit
 
-from kvbridge.integrations.vllm_core import OptionsError, decode_request, prefill_request
+from kvbridge.integrations.vllm_core import OptionsError
+from kvbridge.integrations.vllm_requests import decode_request, prefill_request
 
 log = logging.getLogger("kvbridge.proxy")
 ROUTES = ("/v1/completions", "/v1/chat/completions")

@@ -17,9 +17,9 @@ from kvbridge.integrations.vllm_cache import (
     blocks_to_load,
     blocks_to_send,
 )
-from kvbridge.integrations.vllm_core import (
+from kvbridge.integrations.vllm_core import OptionsError
+from kvbridge.integrations.vllm_requests import (
     LoadSpec,
-    OptionsError,
     RemotePrefill,
     SendSpec,
     StepMetadata,

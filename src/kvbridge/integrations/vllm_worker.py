@@ -1,6 +1,7 @@
 """The worker side of kvbridge's vLLM connector: kvbridge's managers over this worker's KV
-cache, and the rooms in flight (one per KV cache group that moves). It imports nothing from
-vLLM; `kvbridge.integrations.vllm` builds it with what vLLM told it."""
+cache, prefill's sends in flight, and how long an idle engine step waits for transfers to end
+(decode's loads are kept by `vllm_loads.Loads`). It imports nothing from vLLM;
+`kvbridge.integrations.vllm` builds it with what vLLM told it."""
 
 from __future__ import annotations
 
@@ -10,23 +11,16 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from kvbridge.decode import DecodeManager, KVReceiver
+from kvbridge.decode import DecodeManager
 from kvbridge.integrations.vllm_cache import VLLMCache, describe_kv_caches
-from kvbridge.integrations.vllm_core import (
-    ConnectorCounters,
-    ConnectorOptions,
-    LoadSpec,
-    RemotePrefill,
-    StepMetadata,
-    StepTimes,
-    cpu_list,
-    stage_room,
-)
+from kvbridge.integrations.vllm_core import ConnectorOptions, StepTimes, cpu_list
+from kvbridge.integrations.vllm_loads import Loads
+from kvbridge.integrations.vllm_requests import ConnectorCounters, StepMetadata, stage_room
 from kvbridge.prefill import KVSender, PrefillManager
 from kvbridge.wire.messages import KVPoll
 
@@ -91,67 +85,16 @@ class WorkerConfig:
 
 
 @dataclass
-class _Room:
-    """A decode-side room being opened off the engine's step (the first room toward a prefill
-    instance looks its bootstrap service up, which may take up to bootstrap_timeout_s), then
-    in flight. No pages: a release (decode tells prefill it needs nothing)."""
-
-    opening: Future[KVReceiver]
-    pages: int = 0
-    # Why this room is given up (sent to prefill once it is open); None: it goes on.
-    abort_reason: str | None = None
-    abort_sent: bool = False
-
-    def give_up(self, reason: str) -> None:
-        if self.abort_reason is None:
-            self.abort_reason = reason
-
-    @property
-    def settled(self) -> bool:
-        """Opened (or failed to) and no prefill write can land in its pages any more."""
-        receiver = self.receiver()
-        return self.opening.done() and (receiver is None or receiver.pages_safe)
-
-    def receiver(self) -> KVReceiver | None:
-        """The receiver once opened; None while opening (or if opening raised)."""
-        if not self.opening.done() or self.opening.exception() is not None:
-            return None
-        return self.opening.result()
-
-
-@dataclass
-class _Load:
-    """One request's load: a room per KV cache group that moves."""
-
-    rooms: list[_Room]
-    blocks: tuple[int, ...]  # every block it fills, for vLLM's failed-block report
-    client_aborted: bool = False  # the request ended on decode while loading
-
-    def give_up(self, reason: str) -> None:
-        for room in self.rooms:
-            room.give_up(reason)
-
-    def send_aborts(self) -> None:
-        for room in self.rooms:
-            receiver = room.receiver()
-            if room.abort_reason is not None and not room.abort_sent and receiver is not None:
-                room.abort_sent = True
-                receiver.abort(room.abort_reason)
-
-    def clear(self) -> None:
-        for room in self.rooms:
-            if (receiver := room.receiver()) is not None:
-                receiver.clear()
-
-
-@dataclass
 class _Send:
+    """One request's send: a sender per room of this pipeline stage, and its block count."""
+
     senders: list[KVSender]
     blocks: int
 
 
 class WorkerSide:
-    """kvbridge's managers for this worker's KV caches, and the rooms in flight."""
+    """kvbridge's managers for this worker's KV caches and the transfers in flight through
+    them: sends here, decode's loads in `Loads`."""
 
     def __init__(self, config: WorkerConfig, options: ConnectorOptions) -> None:
         self.config = config
@@ -161,17 +104,15 @@ class WorkerSide:
         self.prefill: PrefillManager | None = None
         self.decode: DecodeManager | None = None
         self._sends: dict[str, _Send] = {}
-        self._loads: dict[str, _Load] = {}
-        self._releases: list[_Load] = []
+        # Owned here, beside the managers it opens rooms on, so that close() stops it first.
         self._opener = ThreadPoolExecutor(
             max_workers=8, thread_name_prefix="kvbridge-vllm-open", initializer=_unpin
         )
-        self._load_errors: set[int] = set()
-        self._failed_loads: set[str] = set()
         self._last_step_ended: float | None = None  # when get_finished last returned
         self._step_times = StepTimes()
         self.counters = ConnectorCounters()
         self._reported = ConnectorCounters()  # as of the last get_kv_connector_stats
+        self._loads = Loads(self.counters, self._opener)
 
     @property
     def bootstrap_url(self) -> str | None:
@@ -236,87 +177,16 @@ class WorkerSide:
                     sender.abort(str(exc))
             self._sends[send.request_id] = _Send(senders, sum(map(len, send.blocks)))
         for load in step.loads:
-            self._start_load(load)
+            self._loads.start(load, self.decode, self.cache)
         if step.sends or step.loads:
             log.debug("step: %d send(s), %d load(s) started; %d load(s) in flight",
-                      len(step.sends), len(step.loads), len(self._loads))  # fmt: skip
+                      len(step.sends), len(step.loads), self._loads.in_flight)  # fmt: skip
         for request_id in step.aborts:
-            ongoing = self._loads.get(request_id)
-            if ongoing is not None:
-                ongoing.client_aborted = True
-                ongoing.give_up("the request ended on decode")
+            self._loads.abort(request_id)
         for remote in step.releases:
             if self.decode is not None:  # tell prefill at once rather than at its deadline
-                self._release(remote)
-        for ongoing in (*self._loads.values(), *self._releases):
-            ongoing.send_aborts()
-
-    def _release(self, remote: RemotePrefill) -> None:
-        """Tell every room of a request's prefill that decode needs nothing from it."""
-        rooms = [_Room(self._opening(url, room), abort_reason="decode needs no block")
-                 for url, room in self._stage_rooms(remote)]  # fmt: skip
-        self._releases.append(_Load(rooms, ()))
-
-    @staticmethod
-    def _stage_rooms(remote: RemotePrefill) -> list[tuple[str, int]]:
-        """(bootstrap URL, room) of each KV cache group's room at each pipeline stage."""
-        return [(url, stage_room(room, stage)) for stage, url in enumerate(remote.stages)
-                for room in remote.rooms if room is not None]  # fmt: skip
-
-    def _open(self, url: str, room: int, pages: tuple[int, ...] | None,
-              prefix: int) -> KVReceiver:  # fmt: skip
-        """Runs on the opener pool: look the prefill instance up, send the request."""
-        assert self.decode is not None
-        receiver = self.decode.receiver(room, url)
-        if pages is not None:
-            receiver.init(list(pages), decode_prefix_len=prefix)
-        return receiver
-
-    def _opening(self, url: str, room: int, pages: tuple[int, ...] | None = None,
-                 prefix: int = 0) -> Future[KVReceiver]:  # fmt: skip
-        """The room opened here when its prefill instance is known (no blocking lookup: a
-        hop to the pool would only add thread hand-offs), else on the pool."""
-        assert self.decode is not None
-        if not self.decode.knows_prefill(url):
-            return self._opener.submit(self._open, url, room, pages, prefix)
-        opened: Future[KVReceiver] = Future()
-        try:
-            opened.set_result(self._open(url, room, pages, prefix))
-        except Exception as exc:  # the load's failure, as from the pool
-            opened.set_exception(exc)
-        return opened
-
-    def _start_load(self, load: LoadSpec) -> None:
-        blocks = tuple(block for group in load.blocks for block in group)
-        if self.decode is None or self.cache is None or load.error is not None:
-            failed: Future[KVReceiver] = Future()  # fails at once: the blocks count as failed
-            failed.set_exception(
-                RuntimeError(load.error or "this instance's kv_role does not consume KV")
-            )
-            self._loads[load.request_id] = _Load([_Room(failed, len(blocks))], blocks)
-            if self.decode is not None:  # prefill frees its blocks now, not at its deadline
-                self._release(load.remote)
-            return
-        # A page of this rank holds `page_size` tokens (1 for opaque pages): the blocks
-        # prefill sends before decode's first one, in those units.
-        unit = self.cache.pages_per_block * self.cache.kv_args.page_size
-        rooms = []
-        # A room per KV cache group and pipeline stage of the prefill instance (each stage
-        # writes the layers it holds into decode's pages).
-        for stage, url in enumerate(load.remote.stages):
-            for room, group_blocks, skip in zip(load.remote.rooms, load.blocks, load.skips,
-                                                strict=True):  # fmt: skip
-                if room is None:
-                    continue
-                room = stage_room(room, stage)
-                if not group_blocks:  # prefill sends nothing decode has no use for
-                    reason = "decode needs no block of this group"
-                    rooms.append(_Room(self._opening(url, room), abort_reason=reason))
-                    continue
-                pages = self.cache.pages_of(group_blocks)
-                rooms.append(_Room(self._opening(url, room, pages, skip * unit),
-                                   len(group_blocks)))  # fmt: skip
-        self._loads[load.request_id] = _Load(rooms, blocks)
+                self._loads.release(remote, self.decode)
+        self._loads.send_aborts()
 
     def finished(self, idle: bool) -> tuple[set[str] | None, set[str] | None]:
         # vLLM calls this once per step, after the forward (and start_load_kv): the time since
@@ -350,11 +220,11 @@ class WorkerSide:
         first_end = time.monotonic()
         latest = deadline = first_end + self.options.idle_batch_s
         more_loaded = loaded
-        while self._loads:
+        while self._loads.in_flight:
             now = time.monotonic()
             if more_loaded:
                 window = self._step_times.batch_window(
-                    self.options.idle_batch_s, ended=len(loaded), in_flight=len(self._loads),
+                    self.options.idle_batch_s, ended=len(loaded), in_flight=self._loads.in_flight,
                     gap_s=(now - first_end) / (len(loaded) - 1) if len(loaded) > 1 else 0.0,
                 )  # fmt: skip
                 deadline = min(latest, now + window)
@@ -367,20 +237,21 @@ class WorkerSide:
             if not more_sent and not more_loaded:
                 activity.wait(remaining)
         log.debug("idle step: %d load(s) ended, %d in flight, waited %.1f ms for them",
-                  len(loaded), len(self._loads),
+                  len(loaded), self._loads.in_flight,
                   1000 * (time.monotonic() - first_end))  # fmt: skip
         return sent, loaded
 
     def _activity(self) -> threading.Event:
         """What signals that a pending transfer may have ended: decode's loads first (an idle
         step waits on them), else prefill's sends."""
-        if self.decode is not None and (self._loads or self._releases or self.prefill is None):
+        if self.decode is not None and (self._loads.pending or self.prefill is None):
             return self.decode.activity
         if self.prefill is not None:
             return self.prefill.activity
         return threading.Event()  # neither side: the wait is a sleep
 
     def _poll(self) -> tuple[set[str], set[str]]:
+        """The requests whose send, and whose load, ended since the last poll."""
         sent: set[str] = set()
         for request_id, send in list(self._sends.items()):
             if not all(sender.pages_free for sender in send.senders):
@@ -397,55 +268,7 @@ class WorkerSide:
                 sender.clear()
             del self._sends[request_id]
             sent.add(request_id)
-        loaded = set()
-        for request_id, load in list(self._loads.items()):
-            if self._load_done(request_id, load):
-                del self._loads[request_id]
-                loaded.add(request_id)
-        for release in list(self._releases):
-            release.send_aborts()
-            if all(room.settled for room in release.rooms):
-                release.clear()
-                self._releases.remove(release)
-                self.counters.rooms_released += 1
-        return sent, loaded
-
-    def _load_done(self, request_id: str, load: _Load) -> bool:
-        """Whether the load ended and its pages are safe; counts and logs how it ended. A
-        room that failed gives the request's other rooms up."""
-        load.send_aborts()
-        if not all(room.opening.done() for room in load.rooms):
-            return False
-        reason: str | None = None
-        succeeded = True
-        for room in load.rooms:
-            if not room.pages:
-                continue  # a group decode needs nothing from: it only has to settle
-            receiver = room.receiver()
-            poll = receiver.poll() if receiver is not None else KVPoll.Failed
-            if poll == KVPoll.Failed and reason is None:
-                reason = (repr(room.opening.exception()) if receiver is None
-                          else f"{receiver.failure_reason} [{receiver.failure_kind}]")  # fmt: skip
-            succeeded = succeeded and poll == KVPoll.Success
-        if reason is not None:
-            load.give_up(f"another KV cache group's load failed: {reason}")
-            load.send_aborts()
-        elif not succeeded:
-            return False
-        if not all(room.settled for room in load.rooms):
-            return False
-        load.clear()
-        if reason is None:
-            self.counters.requests_loaded += 1
-            self.counters.pages_loaded += len(load.blocks)
-        elif load.client_aborted:
-            self.counters.loads_aborted += 1
-        else:
-            log.warning("request %s: KV load failed: %s", request_id, reason)
-            self._load_errors.update(load.blocks)
-            self._failed_loads.add(request_id)
-            self.counters.loads_failed += 1
-        return True
+        return sent, self._loads.poll()
 
     def take_interval(self) -> dict[str, int]:
         """The counters that moved since the last call."""
@@ -455,13 +278,13 @@ class WorkerSide:
 
     def take_load_errors(self) -> set[int]:
         """Blocks of failed loads (vLLM's report for one KV cache group)."""
-        errors, self._load_errors = self._load_errors, set()
+        errors = self._loads.take_failed_blocks()
         if self.config.multi_group:
             return set()  # reported by request instead: take_failed_loads
         return errors
 
     def take_failed_loads(self) -> set[str]:
-        failed, self._failed_loads = self._failed_loads, set()
+        failed = self._loads.take_failed_requests()
         return failed if self.config.multi_group else set()
 
     def close(self) -> None:

@@ -1,0 +1,222 @@
+"""The vLLM connector's request parameters and per-step metadata, pure: what travels in vLLM's
+``kv_transfer_params`` from a prefill output to a decode request (RemotePrefill, checked as it
+is read), what a PD proxy adds on the way, and what the scheduler side tells the workers in a
+step. No vLLM import, no sockets.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from kvbridge.integrations.vllm_core import OptionsError
+
+T = TypeVar("T")
+
+# Keys kvbridge adds to vLLM's kv_transfer_params (the rest are vLLM's PD keys).
+BOOTSTRAP_KEY = "kvbridge_bootstrap_url"
+STAGES_KEY = "kvbridge_stage_urls"
+ROOMS_KEY = "kvbridge_rooms"
+BLOCKS_KEY = "kvbridge_blocks"
+BLOCK_SIZES_KEY = "kvbridge_block_sizes"
+
+
+@dataclass(frozen=True)
+class RemotePrefill:
+    """What a decode instance needs to load a request's KV from the prefill instance: it
+    travels in vLLM's ``kv_transfer_params``, from the prefill output to the decode request.
+    Per KV cache group: its room (None: the group sends nothing), the blocks prefill holds
+    for it (first block position, count) and its block size. Per pipeline stage of the
+    prefill instance: its bootstrap service (`bootstrap_url` is the first stage's); a stage's
+    room for a group is `stage_room(room, stage)`."""
+
+    bootstrap_url: str
+    rooms: tuple[int | None, ...]
+    num_tokens: int
+    engine_id: str
+    request_id: str
+    blocks: tuple[tuple[int, int], ...] = ((0, 0),)
+    block_sizes: tuple[int, ...] = (0,)
+    stage_urls: tuple[str, ...] = ()
+
+    @property
+    def stages(self) -> tuple[str, ...]:
+        """Each pipeline stage's bootstrap URL."""
+        return self.stage_urls or (self.bootstrap_url,)
+
+    def to_params(self) -> dict[str, Any]:
+        host, _, port = self.bootstrap_url.removeprefix("http://").rpartition(":")
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": self.engine_id,
+            "remote_request_id": self.request_id,
+            "remote_host": host,
+            "remote_port": int(port),
+            "remote_num_tokens": self.num_tokens,
+            BOOTSTRAP_KEY: self.bootstrap_url,
+            ROOMS_KEY: list(self.rooms),
+            BLOCKS_KEY: [list(pair) for pair in self.blocks],
+            BLOCK_SIZES_KEY: list(self.block_sizes),
+            STAGES_KEY: list(self.stages),
+        }
+
+    @staticmethod
+    def from_params(params: Mapping[str, Any] | None) -> RemotePrefill | None:
+        """The remote prefill a request's parameters name; None if they name none (a request
+        for another connector, or a plain one). Malformed kvbridge keys raise OptionsError."""
+        if not isinstance(params, Mapping) or BOOTSTRAP_KEY not in params:
+            return None
+        url = _url(BOOTSTRAP_KEY, params.get(BOOTSTRAP_KEY))
+        stages = _listed(params, STAGES_KEY, _url) if STAGES_KEY in params else [url]
+        if not stages or stages[0] != url:
+            raise OptionsError(f"kv_transfer_params.{STAGES_KEY}: {stages!r} does not begin "
+                               f"with {BOOTSTRAP_KEY}")  # fmt: skip
+        tokens = _count(params, "remote_num_tokens", params.get("remote_num_tokens"))
+        rooms = _listed(params, ROOMS_KEY, lambda key, v: None if v is None else _count(
+            params, key, v))  # fmt: skip
+        blocks = _listed(params, BLOCKS_KEY, _block_range)
+        sizes = _listed(params, BLOCK_SIZES_KEY, lambda key, v: _count(params, key, v))
+        if not len(rooms) == len(blocks) == len(sizes) or not rooms:
+            raise OptionsError(
+                f"kv_transfer_params: {ROOMS_KEY}, {BLOCKS_KEY} and {BLOCK_SIZES_KEY} need one "
+                f"entry per KV cache group, got {len(rooms)}, {len(blocks)}, {len(sizes)}"
+            )
+        return RemotePrefill(
+            url, tuple(rooms), tokens, str(params.get("remote_engine_id", "")),
+            str(params.get("remote_request_id", "")), tuple(blocks), tuple(sizes),
+            tuple(stages) if len(stages) > 1 else (),
+        )  # fmt: skip
+
+
+def stage_room(room: int, stage: int) -> int:
+    """A pipeline stage's room for a group's room (stage 0: the room itself)."""
+    return room ^ stage
+
+
+def _url(key: str, value: object) -> str:
+    if not isinstance(value, str) or not value.startswith("http://"):
+        raise OptionsError(f"kv_transfer_params.{key}: {value!r} is not an http URL")
+    return value
+
+
+def _count(params: Mapping[str, Any], key: str, value: object) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise OptionsError(f"kv_transfer_params.{key}: {value!r} is not an integer ≥ 0")
+    return value
+
+
+def _block_range(key: str, value: object) -> tuple[int, int]:
+    if not (isinstance(value, list) and len(value) == 2):
+        raise OptionsError(f"kv_transfer_params.{key}: {value!r} is not [first, count]")
+    return _count({}, key, value[0]), _count({}, key, value[1])
+
+
+def _listed(params: Mapping[str, Any], key: str, item: Callable[[str, Any], T]) -> list[T]:
+    values = params.get(key)
+    if not isinstance(values, list):
+        raise OptionsError(f"kv_transfer_params.{key}: {values!r} is not a list")
+    return [item(f"{key}[{index}]", value) for index, value in enumerate(values)]
+
+
+# What a PD proxy adds to a request for the prefill instance (vLLM's PD flow).
+PREFILL_PARAMS: dict[str, Any] = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+
+def prefill_request(body: Mapping[str, Any]) -> dict[str, Any]:
+    """An OpenAI completion or chat request, as a PD proxy sends it to prefill: one token,
+    not streamed, asking prefill to keep the KV for a remote decode."""
+    request = {key: value for key, value in body.items() if key != "stream_options"}
+    request.update(kv_transfer_params=dict(PREFILL_PARAMS), max_tokens=1, stream=False)
+    if "max_completion_tokens" in request:
+        request["max_completion_tokens"] = 1
+    return request
+
+
+def decode_request(body: Mapping[str, Any], prefill_answer: Mapping[str, Any]) -> dict[str, Any]:
+    """The same request for decode, with the kv_transfer_params of prefill's answer."""
+    params = prefill_answer.get("kv_transfer_params")
+    if not isinstance(params, dict):
+        raise OptionsError(
+            "the prefill instance answered without kv_transfer_params: is it running with a "
+            "KV connector and kv_role kv_producer or kv_both?"
+        )
+    return {**body, "kv_transfer_params": params}
+
+
+@dataclass(frozen=True)
+class SendSpec:
+    """Prefill: a finished request whose blocks decode will ask for, one room per KV cache
+    group (None: nothing to send for that group)."""
+
+    request_id: str
+    rooms: tuple[int | None, ...]
+    blocks: tuple[tuple[int, ...], ...]
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """Decode: load a request's KV into these blocks, per KV cache group (its blocks after
+    the local prefix; `skips`: how many of the blocks prefill sends for the group come
+    before them)."""
+
+    request_id: str
+    remote: RemotePrefill
+    blocks: tuple[tuple[int, ...], ...]
+    skips: tuple[int, ...]
+    # Why the scheduler could not plan the load (it then fails at once).
+    error: str | None = None
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(len(blocks) for blocks in self.blocks)
+
+
+@dataclass
+class StepMetadata:
+    """What the scheduler side tells the workers in one step (vLLM pickles it across)."""
+
+    sends: list[SendSpec] = dataclasses.field(default_factory=list)
+    loads: list[LoadSpec] = dataclasses.field(default_factory=list)
+    # Decode requests that ended while their load was in flight (a client went away).
+    aborts: list[str] = dataclasses.field(default_factory=list)
+    # Rooms a decode instance will never ask for (a full local prefix hit, or a request that
+    # ended before it was scheduled): prefill can free their blocks now.
+    releases: list[RemotePrefill] = dataclasses.field(default_factory=list)
+    # Nothing is computed in this step: the worker may wait a little for transfers.
+    idle: bool = False
+
+
+@dataclass
+class ConnectorCounters:
+    """What one worker's connector moved, since it started (kvbridge's own managers keep the
+    transfer-level metrics)."""
+
+    requests_sent: int = 0
+    sends_failed: int = 0
+    pages_sent: int = 0
+    requests_loaded: int = 0
+    loads_failed: int = 0
+    loads_aborted: int = 0
+    pages_loaded: int = 0
+    rooms_released: int = 0
+
+    def since(self, earlier: ConnectorCounters) -> dict[str, int]:
+        """What changed since `earlier`, the counters that moved only."""
+        now, then = dataclasses.asdict(self), dataclasses.asdict(earlier)
+        return {name: now[name] - then[name] for name in now if now[name] != then[name]}
+
+
+def tokens_to_load(remote: RemotePrefill, num_prompt_tokens: int, num_computed: int) -> int:
+    """How many tokens decode loads: the prompt tokens prefill computed beyond the ones this
+    instance already has in its own prefix cache."""
+    return max(0, min(remote.num_tokens, num_prompt_tokens) - num_computed)
