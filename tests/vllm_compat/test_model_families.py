@@ -125,43 +125,45 @@ TP_PAIRS = [(1, 2), (2, 1)]
 def run_tp_pairs(
     model: Path, logs: Path, family: str, connector: str, dtype: str = "bfloat16"
 ) -> dict[tuple[int, int], tuple[Outputs, Outputs]]:
-    """Prefill and decode instances of one family at TP 1 and 2, kvbridge's or
-    NixlConnector's; per TP pair of TP_PAIRS, prefill's outputs and decode's (each prompt
-    decoded alone), with every rank's block hashes. Prefill frees every block once decode has
-    it."""
+    """Per TP pair of TP_PAIRS, a prefill and a decode instance of one family, kvbridge's or
+    NixlConnector's: prefill's outputs and decode's (each prompt decoded alone), with every
+    rank's block hashes; prefill frees every block once decode has it. Two instances at a
+    time, the one at TP 1 started first: an idle NixlConnector worker keeps a thread busy,
+    and on two cores three instances' threads starved a fourth one's start-up for minutes."""
     env = {**FAMILY_ENV[family], **KV_BLOCKS, "VLLM_CPU_OMP_THREADS_BIND": "0|1",
            "KVBRIDGE_TEST_DTYPE": dtype}  # fmt: skip
-    instances: dict[tuple[str, int], Instance] = {}
+
+    def start(role: str, tp: int) -> Instance:
+        if connector == "vllm-nixl":
+            config = nixl_config("kv_both")
+        else:  # prefill ranks register with rank 0's bootstrap service
+            options = {"bootstrap_port": free_port()} if role == "kv_producer" else {}
+            config = kvbridge_config(role, "nixl", **options)
+        return Instance(model, config, logs / f"{family}-{connector}-{role}-tp{tp}.log",
+                        env={**env, "KVBRIDGE_TEST_TP": str(tp)})  # fmt: skip
+
     results: dict[tuple[int, int], tuple[Outputs, Outputs]] = {}
-    try:
-        for role, tp in [("kv_producer", 2), ("kv_consumer", 2), ("kv_producer", 1),
-                         ("kv_consumer", 1)]:  # fmt: skip
-            if connector == "vllm-nixl":
-                config = nixl_config("kv_both")
-            else:  # prefill ranks register with rank 0's bootstrap service
-                options = {"bootstrap_port": free_port()} if role == "kv_producer" else {}
-                config = kvbridge_config(role, "nixl", **options)
-            instances[role, tp] = Instance(
-                model, config, logs / f"{family}-{connector}-{role}-tp{tp}.log",
-                env={**env, "KVBRIDGE_TEST_TP": str(tp)},
-            )  # fmt: skip
-        free = {tp: instances["kv_producer", tp].call("stats")["free_blocks"] for tp in (1, 2)}
-        for prefill_tp, decode_tp in TP_PAIRS:
-            prefill = instances["kv_producer", prefill_tp]
-            decode = instances["kv_consumer", decode_tp]
+    for prefill_tp, decode_tp in TP_PAIRS:
+        instances: dict[str, Instance] = {}
+        try:
+            for role, tp in sorted([("kv_producer", prefill_tp), ("kv_consumer", decode_tp)],
+                                   key=lambda pair: pair[1]):  # fmt: skip
+                instances[role] = start(role, tp)
+            prefill, decode = instances["kv_producer"], instances["kv_consumer"]
+            free = prefill.call("stats")["free_blocks"]
             prefilled = prefill.generate(PROMPTS, 1, [PREFILL_ONLY] * len(PROMPTS))["outputs"]
             params = [output["kv_transfer_params"] for output in prefilled]
             outputs = [decode.generate([p], MAX_TOKENS, [q])["outputs"][0]
                        for p, q in zip(PROMPTS, params, strict=True)]  # fmt: skip
             assert all(output["kv_ready_s"] is not None for output in outputs)
-            after = prefill.wait_for(lambda s, tp=prefill_tp: s["free_blocks"] == free[tp])
-            assert after["free_blocks"] == free[prefill_tp], (connector, prefill_tp, decode_tp)
+            after = prefill.wait_for(lambda s, free=free: s["free_blocks"] == free)
+            assert after["free_blocks"] == free, (connector, prefill_tp, decode_tp)
+            for instance in instances.values():
+                assert "KV load failed" not in instance.log()
             results[prefill_tp, decode_tp] = (prefilled, outputs)
-        for instance in instances.values():
-            assert "KV load failed" not in instance.log()
-    finally:
-        for instance in instances.values():
-            instance.close()
+        finally:
+            for instance in instances.values():
+                instance.close()
     return results
 
 
