@@ -44,6 +44,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "vllm_compat"))
 
 from vllm_harness import (
+    BLOCK_SIZE,
     FAMILY_ENV,
     Instance,
     InstanceError,
@@ -102,23 +103,32 @@ RESUME_SETTLE_S = 1.0
 BF16 = 2
 
 
-def kv_bytes(family: str, length: int, concurrent: int, layers: int) -> int:
+def kv_bytes(model: Path, length: int, concurrent: int) -> int:
     """The KV (and state) bytes a batch of `concurrent` prompts of `length` tokens moves, from
-    the family's geometry (make_model's configs): the layers whose KV moves whole, the
-    sliding-window layers' window (64 tokens, in blocks of 32: three blocks at most), the
-    recurrent state (conv state of 640 channels × 3, SSM state of 8 heads × 64 × 64, per
-    Mamba layer)."""
-    if family == "llama":  # `layers` layers, 8 KV heads × 128, K and V
-        per_request = length * layers * 2 * 8 * 128 * BF16
-    elif family == "mla":  # 4 layers, one latent of 512 + 64 per token
-        per_request = length * 4 * 576 * BF16
-    elif family == "sliding":  # 1 full + 3 sliding layers, 4 KV heads × 128, K and V
-        per_token = 2 * 4 * 128 * BF16
-        per_request = per_token * (length + 3 * min(length, 3 * 32))
-    elif family == "mamba":  # 2 attention layers (4 KV heads × 128) + 2 Mamba-2 states
-        per_request = length * 2 * 2 * 4 * 128 * BF16 + 2 * (640 * 3 + 8 * 64 * 64) * BF16
-    else:
-        raise ValueError(f"no model family {family!r}")
+    the model's own config.json: MLA's latent per layer, K and V of each attention layer (a
+    sliding-window layer's window only, in whole blocks), each Mamba-2 layer's conv and SSM
+    state."""
+    config = json.loads((model / "config.json").read_text())
+    layers = config["num_hidden_layers"]
+    if "kv_lora_rank" in config:  # MLA: one latent per token and layer
+        per_token = config["kv_lora_rank"] + config["qk_rope_head_dim"]
+        return concurrent * length * layers * per_token * BF16
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    attention = 2 * config["num_key_value_heads"] * head_dim * BF16  # per token and layer
+    per_request = 0
+    for kind in config.get("layer_types") or ["full_attention"] * layers:
+        if kind in ("mamba", "linear_attention"):  # transformers names Mamba layers either way
+            inner = config["mamba_expand"] * config["hidden_size"]
+            conv = (inner + 2 * config["mamba_n_groups"] * config["mamba_d_state"]) * (
+                config["mamba_d_conv"] - 1
+            )
+            ssm = config["mamba_n_heads"] * config["mamba_d_head"] * config["mamba_d_state"]
+            per_request += (conv + ssm) * BF16
+        elif kind == "sliding_attention":  # the window's blocks, the last one partly filled
+            window = (-(-config["sliding_window"] // BLOCK_SIZE) + 1) * BLOCK_SIZE
+            per_request += attention * min(length, window)
+        else:
+            per_request += attention * length
     return concurrent * per_request
 
 
@@ -131,12 +141,13 @@ class Deployment:
     ) -> None:  # fmt: skip
         self.connector = connector
         self.logs = logs
-        self.family = family
+        self.model = model
         largest = max(length * concurrent for length, concurrent in workloads)
         longest = max(length for length, _ in workloads)
         # Room for the largest batch, with the full-length KV every layer would need (a hybrid
         # model's groups share one pool of pages), at least vLLM's default here.
-        kv_room = max(256 << 20, int(1.5 * kv_bytes("llama", largest, 1, layers)))
+        full = 2 * 8 * 128 * BF16 * layers  # per token: Llama's geometry, the largest here
+        kv_room = max(256 << 20, int(1.5 * largest * full))
         env = {**FAMILY_ENV[family], "KVBRIDGE_TEST_KV_BYTES": str(kv_room),
                "KVBRIDGE_TEST_MAX_MODEL_LEN": str(longest + 64)}  # fmt: skip
         self.prefill = Instance(model, transfer_config(connector, "kv_producer"),
@@ -207,7 +218,7 @@ class Deployment:
         self.samples["walls"].append(wall)
         self.samples["tokens_out"] += [output["tokens"] for output in decoded]
 
-    def row(self, length: int, concurrent: int, layers: int, rounds: int) -> dict[str, Any]:
+    def row(self, length: int, concurrent: int, rounds: int) -> dict[str, Any]:
         ttft, kv_ready = self.samples["ttft"], self.samples["kv_ready"]
         wall = statistics.median(self.samples["walls"])
         return {
@@ -218,7 +229,7 @@ class Deployment:
             "kv_ready_p50_ms": round(1000 * percentile(kv_ready, 0.5), 1),
             "kv_ready_p99_ms": round(1000 * percentile(kv_ready, 0.99), 1),
             "decode_wall_s": round(wall, 3),
-            "kv_gbps": round(kv_bytes(self.family, length, concurrent, layers) / wall / 1e9, 3),
+            "kv_gbps": round(kv_bytes(self.model, length, concurrent) / wall / 1e9, 3),
             "prefill_first_s": round(self.prefill_first_s, 1),
             "tokens_out": self.samples["tokens_out"],
         }  # fmt: skip
@@ -275,7 +286,7 @@ def measure(
                         if interleaved:
                             deployment.pause(True)
             for deployment in deployments:
-                rows.append(deployment.row(length, concurrent, layers, timed_rounds))
+                rows.append(deployment.row(length, concurrent, timed_rounds))
                 row = rows[-1]
                 print(f"{deployment.connector:18} {length:5} tokens × {concurrent:2}: TTFT p50 "
                       f"{row['ttft_p50_ms']:7.1f} ms, p99 {row['ttft_p99_ms']:7.1f} ms; KV in "
