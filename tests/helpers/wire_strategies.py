@@ -102,6 +102,7 @@ def _repair_registration(message: Registration) -> None:
     message.aux_lengths = [64 * 16] * len(message.aux_ptrs)
     message.state_item_lens = [[8] * len(group) for group in message.state_ptrs]
     message.state_lengths = [[8 * 4] * len(group) for group in message.state_ptrs]
+    message.state_parts = [parts[: len(parts) // 4 * 4] for parts in message.state_parts]
 
 
 def _repair_sglang_registration(message: Any) -> None:

@@ -106,7 +106,7 @@ def test_newer_minor_may_append_frames_older_minor_may_not() -> None:
     frames[0] = Header(MAJOR, MINOR + 1, 1, 0).pack()
     assert NATIVE.decode([*frames, b"a new field"]) == registration()
     frames[0] = Header(MAJOR, MINOR, 1, 0).pack()
-    with pytest.raises(WireError, match="expected at most 32 frames, got 33"):
+    with pytest.raises(WireError, match="expected at most 33 frames, got 34"):
         NATIVE.decode([*frames, b"a new field"])
 
 
@@ -114,10 +114,18 @@ def test_a_1_0_peer_without_the_1_1_frames_still_decodes() -> None:
     """1.1 appended session tokens and heartbeat acks; a 1.0 peer's messages lack them."""
     frames = NATIVE.encode(registration())
     frames[0] = Header(MAJOR, 0, 1, 0).pack()
-    assert NATIVE.decode(frames[:-1]) == registration()
+    assert NATIVE.decode(frames[:-2]) == registration()
     beat = NATIVE.encode(Heartbeat("tcp://127.0.0.1:1", 3, 1000))
     beat[0] = Header(MAJOR, 0, beat[0][6], 0).pack()
     assert NATIVE.decode(beat[:-2]) == Heartbeat("tcp://127.0.0.1:1", 3, 1000)
+
+
+def test_a_1_2_peer_without_state_parts_still_decodes() -> None:
+    """1.3 appended the state parts (a slot's TP-sharded runs); a 1.2 peer's registration
+    lacks them and reads as one without parts."""
+    frames = NATIVE.encode(registration())
+    frames[0] = Header(MAJOR, 2, 1, 0).pack()
+    assert NATIVE.decode(frames[:-1]) == registration()
 
 
 def test_registration_rules() -> None:

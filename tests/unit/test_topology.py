@@ -404,5 +404,5 @@ def test_state_without_its_sharded_dimension_is_refused_at_pairing() -> None:
                             state=state)  # fmt: skip
     kv_full = [np.zeros((2, 1, 8, 4), np.uint16) for _ in range(2)]
     dst = KVArgs.from_numpy(kv_full, kv_layout=KVLayout.MHA, total_kv_heads=8, state=state)
-    with pytest.raises(PlanError, match="without their sharded dimension"):
+    with pytest.raises(PlanError, match="without their sharded parts"):
         pair(src, dst)

@@ -7,25 +7,29 @@ from __future__ import annotations
 
 import importlib.util
 import itertools
+from typing import Any
 
 import numpy as np
 import pytest
 
 from kvbridge.cache import GeometryError, PlanError
-from kvbridge.cache.plan import pair
-from kvbridge.cache.topology import rank_heads
-from kvbridge.integrations.vllm_cache import (
+from kvbridge.cache.plan import pair, plan_slots, plan_state_slices
+from kvbridge.cache.topology import rank_heads, topology
+from kvbridge.integrations.vllm_blocks import (
     NULL_BLOCK,
     Group,
     GroupBlocks,
     GroupKind,
     LoadPlanError,
-    VLLMCache,
     blocks_to_load,
     blocks_to_send,
+    state_block,
+)
+from kvbridge.integrations.vllm_cache import (
+    MambaState,
+    VLLMCache,
     describe_kv_caches,
     layer_index,
-    state_block,
 )
 from kvbridge.wire import KVLayout
 
@@ -186,43 +190,114 @@ def test_unsupported_views_are_refused_with_the_reason() -> None:
                            block_size=16)  # fmt: skip
 
 
+# A Mamba-2 layer of the hybrid tests: 4 heads of dim 2, one B/C group of state size 3, a
+# conv kernel of 4 (3 rows of conv state kept).
+M_HEADS, M_HEAD_DIM, M_GROUPS, M_STATE, M_ROWS = 4, 2, 1, 3, 3
+
+
+def mamba_truth(seed: int) -> tuple[Any, Any]:
+    """Model-wide conv states ``[blocks, rows, x | B | C]`` (bfloat16) and SSM states
+    ``[blocks, heads, head dim, state]`` (float32) of one layer."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    channels = M_HEADS * M_HEAD_DIM + 2 * M_GROUPS * M_STATE
+    conv = torch.randn(BLOCKS, M_ROWS, channels, generator=generator).to(torch.bfloat16)
+    ssm = torch.randn(BLOCKS, M_HEADS, M_HEAD_DIM, M_STATE, generator=generator)
+    return conv, ssm
+
+
+def mamba_page(conv: Any, ssm: Any, rank: int, tp: int) -> Any:
+    """Each block's state bytes on one rank, as vLLM's Mamba-2 mixer shards and packs them."""
+    import torch
+
+    heads, groups = rank_heads(rank, tp, M_HEADS), rank_heads(rank, tp, M_GROUPS)
+    x = M_HEADS * M_HEAD_DIM
+    b, c = x, x + M_GROUPS * M_STATE
+    local = torch.cat([conv[..., heads.start * M_HEAD_DIM : heads.stop * M_HEAD_DIM],
+                       conv[..., b + groups.start * M_STATE : b + groups.stop * M_STATE],
+                       conv[..., c + groups.start * M_STATE : c + groups.stop * M_STATE]],
+                      dim=-1)  # fmt: skip
+    state = ssm[:, heads.start : heads.stop]
+    return torch.cat([local.contiguous().view(torch.uint8).flatten(1),
+                      state.contiguous().view(torch.uint8).flatten(1)], dim=1)  # fmt: skip
+
+
 @needs_torch
 @pytest.mark.parametrize("device", DEVICES)
-def test_a_hybrid_models_shared_pages_move_whole(device: str) -> None:
-    """The hybrid manager's groups view the same memory: an attention layer and a Mamba
-    layer (raw bytes, one page apart) per slot. Whole pages move at equal TP; other TP sizes
-    are refused with the reason."""
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(1, 1), (1, 2), (2, 1), (2, 2)])
+def test_a_mamba_hybrids_state_moves_as_slots_beside_its_attention(
+    device: str, prefill_tp: int, decode_tp: int
+) -> None:
+    """The hybrid manager's groups view the same memory: per slot an attention layer and a
+    Mamba-2 layer (raw bytes in the same pages). The attention keeps its geometry (head
+    slices between TP sizes); a state block moves as a state slot, its conv state's x, B and
+    C and its SSM state split as each rank holds them (B and C replicated over TP 2)."""
     import torch
     from vllm_views import execute, layer_views
 
-    def hybrid(rank: int, tp: int) -> tuple[dict[str, torch.Tensor], VLLMCache]:
+    conv, ssm = mamba_truth(7)
+
+    def hybrid(rank: int, tp: int, fill: bool) -> tuple[dict[str, torch.Tensor], VLLMCache]:
         views = {}
+        page_bytes = mamba_page(conv, ssm, rank, tp)
         for slot in range(2):
-            one = layer_views(1, BLOCKS, 4, 16, 2 * HEAD_SIZE, torch.bfloat16, "LBHNC", device)
+            one = layer_views(1, BLOCKS, 4 // tp, 16, 2 * HEAD_SIZE, torch.bfloat16, "LBHNC",
+                              device)  # fmt: skip
             attention = next(iter(one.values()))
             page = attention.stride(0) * attention.element_size()
+            used = page_bytes.shape[1]
             raw = torch.empty(0, dtype=torch.int8, device=device).set_(
-                attention.untyped_storage(), attention.storage_offset() * 2, (BLOCKS, 1, 1, 100),
-                (page, 100, 100, 1))  # fmt: skip
+                attention.untyped_storage(), attention.storage_offset() * 2,
+                (BLOCKS, 1, 1, used), (page, used, used, 1))  # fmt: skip
+            raw.view(torch.uint8)[:, 0, 0] = page_bytes.to(device) if fill else 0
             views[f"model.layers.{2 * slot}.mixer"] = raw
             views[f"model.layers.{2 * slot + 1}.self_attn.attn"] = attention
+        heads = rank_heads(rank, tp, M_HEADS).count
+        mamba = MambaState((M_ROWS, heads * M_HEAD_DIM + 2 * M_STATE),
+                           (heads, M_HEAD_DIM, M_STATE), 2, 4, M_GROUPS)  # fmt: skip
         return views, describe_kv_caches(
             views, use_mla=False, total_kv_heads=4, attn_tp_rank=rank, attn_tp_size=tp,
             block_size=16, state_layers=frozenset({"model.layers.0.mixer", "model.layers.2.mixer"}),
+            mamba=mamba,
         )  # fmt: skip
 
-    src_views, src = hybrid(0, 1)
-    dst_views, dst = hybrid(0, 1)
-    assert src.kv_args.kv_layout == KVLayout.PAGES
-    assert src.kv_args.layer_ids == (0, 2)
-    pairing = pair(src.kv_args, dst.kv_args)
-    execute(pairing.plan(src.kv_args, dst.kv_args, np.array([1, 5]), 0, [7, 2]),
-            src.kv_args, dst.kv_args)  # fmt: skip
-    for name, view in dst_views.items():
-        assert torch_equal(view[[7, 2]], src_views[name][[1, 5]])
-    _, other = hybrid(0, 2)
-    with pytest.raises(PlanError, match="equal TP sizes"):
-        pair(src.kv_args, other.kv_args)
+    prefill = [hybrid(rank, prefill_tp, fill=True) for rank in range(prefill_tp)]
+    args = prefill[0][1].kv_args
+    assert (args.kv_layout, args.layer_ids) == (KVLayout.MHA_HEAD_MAJOR, (1, 3))
+    assert prefill[0][1].room_contents([5], state=True) == ([], [5])
+    assert prefill[0][1].room_contents([5], state=False) == ([5], [])
+    mapping = topology(prefill_tp, decode_tp, 4, KVLayout.MHA_HEAD_MAJOR)
+    for rank in range(decode_tp):
+        dst_views, dst = hybrid(rank, decode_tp, fill=False)
+        senders = [source.prefill_rank for source in mapping.route(rank).sources]
+        for sender in senders:
+            src = prefill[sender][1]
+            pairing = pair(src.kv_args, dst.kv_args)
+            execute(pairing.plan(src.kv_args, dst.kv_args, np.array([1, 5]), 0, [7, 2]),
+                    src.kv_args, dst.kv_args)  # fmt: skip
+            plan = (plan_slots(src.kv_args.state_buffers, dst.kv_args.state_buffers, 4, 9,
+                               "state") if prefill_tp == decode_tp
+                    else plan_state_slices(src.kv_args, dst.kv_args, 4, 9, senders))  # fmt: skip
+            execute(plan, src.kv_args, dst.kv_args)
+        expected = mamba_page(conv, ssm, rank, decode_tp)[4]
+        heads = rank_heads(rank, decode_tp, 4)
+        for name, view in dst_views.items():
+            if "mixer" in name:
+                assert torch_equal(view.view(torch.uint8)[9, 0, 0], expected)
+                assert not view[[0, 3]].any()  # no other slot written
+                continue
+            for local, head in enumerate(range(heads.start, heads.stop)):
+                # every head decode holds, from the prefill rank that holds it
+                holder = head * prefill_tp // 4
+                offset = head - rank_heads(holder, prefill_tp, 4).start
+                assert torch_equal(view[[7, 2], local], prefill[holder][0][name][[1, 5], offset])
+
+
+def test_a_mamba_state_that_is_not_x_b_and_c_is_refused() -> None:
+    wrong = MambaState((M_ROWS, 20), (M_HEADS, M_HEAD_DIM, M_STATE), 2, 4, M_GROUPS)
+    with pytest.raises(GeometryError, match="is not x"):
+        wrong.parts(0, 1)
 
 
 FULL, SLIDING = Group(GroupKind.FULL, 4), Group(GroupKind.SLIDING, 4)

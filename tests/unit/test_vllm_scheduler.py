@@ -6,7 +6,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
-from kvbridge.integrations.vllm_cache import Group, GroupKind
+from kvbridge.integrations.vllm_blocks import Group, GroupKind
 from kvbridge.integrations.vllm_scheduler import SchedulerConfig, SchedulerSide
 
 HYBRID = (Group(GroupKind.STATE, 64), Group(GroupKind.FULL, 4))

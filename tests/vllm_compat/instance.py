@@ -99,9 +99,17 @@ def main() -> None:
     kv_ready_at: dict[str, float] = {}
     hear_finished = scheduler._update_from_kv_xfer_finished
 
+    # Each loaded request's recurrent state as its load ends, before decode computes on it.
+    loaded_states: dict[str, list[dict[str, str]]] = {}
+
     def heard_finished(output: Any) -> None:
         for request_id in output.finished_recving or ():  # vLLM's id: ours, "-", a suffix
             kv_ready_at.setdefault(request_id.split("-")[0], time.perf_counter())
+            if os.environ.get("KVBRIDGE_TEST_KV_BLOCKS") and request_id in scheduler.requests:
+                block_ids = scheduler.kv_cache_manager.get_block_ids(request_id)
+                loaded_states[request_id.split("-")[0]] = core.model_executor.collective_rpc(
+                    _hash_states, args=([list(ids) for ids in block_ids],)
+                )
         hear_finished(output)
 
     scheduler._update_from_kv_xfer_finished = heard_finished
@@ -167,6 +175,9 @@ def main() -> None:
                 "kv_blocks": ranks[0]["blocks"] if ranks else None,
                 "kv_blocks_by_rank": [rank["blocks"] for rank in ranks],
                 "kv_heads_by_rank": [rank["heads"] for rank in ranks],
+                # decode: as loaded; prefill: as it ended
+                "kv_states_by_rank": loaded_states.pop(request_id, None)
+                or [rank["states"] for rank in ranks],
             })  # fmt: skip
         return outputs
 
@@ -270,7 +281,57 @@ def _hash_blocks(
                     )
         hashes["blocks"][str(index)] = blocks
         hashes["heads"][str(index)] = by_head
+    hashes["states"] = _hash_states(worker, block_ids)
     return hashes
+
+
+def _hash_states(worker: Any, block_ids: list[list[int]]) -> dict[str, str]:
+    """Run on each rank: "group/position/layer/part/unit" → a hash of one unit of a Mamba-2
+    layer's state block, as vLLM's own mixer views it (`kv_cache`: conv state, SSM state):
+    the conv state's x by head, B and C by group, the SSM state by head, numbered model-wide
+    (a replicated group has its number on every rank) so that ranks of different TP sizes
+    compare."""
+    from vllm.distributed import (
+        get_tensor_model_parallel_rank,
+        get_tensor_model_parallel_world_size,
+    )
+    from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+
+    runner = worker.model_runner
+    context = runner.compilation_config.static_forward_context
+    rank, tp = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+    n_groups = runner.model_config.hf_text_config.mamba_n_groups
+    digests = {}
+    for index, (group, ids) in enumerate(zip(runner.kv_cache_config.kv_cache_groups, block_ids,
+                                             strict=True)):  # fmt: skip
+        for name in group.layer_names:
+            state = context[name].kv_cache
+            if not isinstance(state, tuple) or len(state) != 2:
+                continue  # not a Mamba-2 layer
+            conv, ssm = state
+            heads, head_dim, size = ssm.shape[1:]
+            dim_first = is_conv_state_dim_first()
+            channels_here = conv.shape[1 if dim_first else 2]
+            groups = (channels_here - heads * head_dim) // (2 * size)
+            first_group = rank * groups if n_groups >= tp else rank * n_groups // tp
+            for position, block in enumerate(ids):
+                if block == 0:
+                    continue
+                channels = conv[block] if dim_first else conv[block].T
+                prefix = f"{index}/{position}/{name}"
+                for head in range(heads):
+                    unit = rank * heads + head
+                    rows = channels[head * head_dim : (head + 1) * head_dim]
+                    digests[f"{prefix}/x/{unit}"] = _digest([rows])
+                    digests[f"{prefix}/ssm/{unit}"] = _digest([ssm[block, head]])
+                for part, start in (
+                    ("B", heads * head_dim),
+                    ("C", heads * head_dim + groups * size),
+                ):
+                    for local in range(groups):
+                        rows = channels[start + local * size : start + (local + 1) * size]
+                        digests[f"{prefix}/{part}/{first_group + local}"] = _digest([rows])
+    return digests
 
 
 def _digest(tensors: list[Any]) -> str:

@@ -94,6 +94,28 @@ def assert_blocks_arrived(prefilled: list[dict[str, Any]], outputs: list[dict[st
     return compared
 
 
+def assert_states_arrived(prefilled: Outputs, outputs: Outputs) -> int:
+    """Every unit of the recurrent state each decode rank loaded (a head of x or of the SSM
+    state, a group of B or C, per layer) equals that unit on a prefill rank that holds it;
+    how many were compared."""
+    compared = 0
+    for sent, received in zip(prefilled, outputs, strict=True):
+
+        def units(ranks: list[dict[str, str]]) -> dict[str, set[str]]:
+            found: dict[str, set[str]] = {}
+            for rank in ranks:  # "group/position/layer/part/unit": the block's place differs
+                for key, digest in rank.items():
+                    found.setdefault(key.split("/", 2)[2], set()).add(digest)
+            return found
+
+        theirs = units(sent["kv_states_by_rank"])
+        for rank in received["kv_states_by_rank"]:
+            for key, digest in rank.items():
+                assert theirs.get(key.split("/", 2)[2]) == {digest}, key
+                compared += 1
+    return compared
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     folder = tmp_path_factory.mktemp("families")
@@ -226,6 +248,30 @@ def test_mamba_hybrid_moves_the_state_with_the_attention_kv(
                for p, n in zip(prefilled, LENGTHS, strict=True))  # fmt: skip
     assert stats["connector"]["requests_loaded"] == len(PROMPTS)
     assert assert_blocks_arrived(prefilled, outputs) >= 0
+    # Every unit of each layer's state: 8 heads of x and SSM state, B and C's one group.
+    assert assert_states_arrived(prefilled, outputs) == len(PROMPTS) * 2 * (8 + 8 + 1 + 1)
+
+
+@pytest.mark.timeout(900)
+def test_mamba_hybrid_between_tp_sizes_splits_the_state(
+    models: dict[str, Path], tmp_path: Path
+) -> None:
+    """Between TP 1 and 2 the Mamba-2 state splits as vLLM's mixer shards it: x and the SSM
+    state by head, B and C by group (this model's one group on both TP 2 ranks). Each prompt
+    decoded alone gives a plain run's tokens (float32), and every unit of the state each
+    decode rank loaded equals prefill's, byte for byte, as vLLM's own layers view it."""
+    plain = Instance(models["mamba"], None, tmp_path / "mamba-plain-float32.log",
+                     env={**FAMILY_ENV["mamba"], "KVBRIDGE_TEST_DTYPE": "float32"})  # fmt: skip
+    try:
+        expected = [output["tokens"] for output in plain.generate(PROMPTS, MAX_TOKENS)["outputs"]]
+    finally:
+        plain.close()
+    results = run_tp_pairs(models["mamba"], tmp_path, "mamba", "kvbridge", dtype="float32")
+    for pair, (prefilled, outputs) in results.items():
+        assert [o["tokens"] for o in outputs] == expected, pair
+        # Per decode rank, of its 2 layers: its heads of x and SSM state, B and C's group.
+        per_rank = 2 * (2 * 8 // pair[1] + 2)
+        assert assert_states_arrived(prefilled, outputs) == len(PROMPTS) * pair[1] * per_rank
 
 
 @pytest.mark.timeout(900)

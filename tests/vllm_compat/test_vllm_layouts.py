@@ -7,6 +7,8 @@ a GPU too), must be the same views."""
 from __future__ import annotations
 
 import importlib.util
+import math
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -17,6 +19,7 @@ if importlib.util.find_spec("vllm") is None:
                 allow_module_level=True)  # fmt: skip
 
 import torch
+from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
@@ -34,6 +37,7 @@ from kvbridge.cache import GeometryError
 from kvbridge.cache.plan import pair
 from kvbridge.integrations.vllm import KVBridgeConnector
 from kvbridge.integrations.vllm_cache import REQUIRED_LAYOUT, describe_kv_caches
+from kvbridge.integrations.vllm_specs import mamba_state
 from kvbridge.wire import KVLayout
 
 LAYERS, BLOCKS = 3, 6
@@ -122,13 +126,18 @@ def test_mla_latent_and_a_block_outermost_layout() -> None:
                            block_size=16)  # fmt: skip
 
 
-def test_a_hybrid_models_groups_share_pages_and_move_whole() -> None:
+def test_a_hybrid_models_state_pages_are_state_slots_beside_its_attention() -> None:
     """Two groups over shared memory, as vLLM allocates a hybrid model: attention layers and
-    Mamba layers (raw bytes, their page padded to the attention page)."""
+    Mamba-2 layers (raw bytes, their page padded to the attention page). The attention keeps
+    its geometry; the Mamba pages are state slots whose parts follow vLLM's own Mamba-2 state
+    shapes (conv state then SSM state, as `MambaBase.bind_kv_cache` unpacks a page)."""
     attention = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8,
                                   dtype=torch.bfloat16)  # fmt: skip
     page = attention.page_size_bytes
-    mamba = MambaSpec(shapes=((3, 16), (2, 4, 8)), dtypes=(torch.bfloat16, torch.float32),
+    conv_shape, ssm_shape = MambaStateShapeCalculator.mamba2_state_shape(
+        tp_world_size=1, intermediate_size=8, n_groups=1, num_heads=2, head_dim=4,
+        state_size=8, conv_kernel=4)  # fmt: skip
+    mamba = MambaSpec(shapes=(conv_shape, ssm_shape), dtypes=(torch.bfloat16, torch.float32),
                       block_size=16, page_size_padded=page)  # fmt: skip
     attention_names = ["model.layers.1.self_attn.attn", "model.layers.3.self_attn.attn"]
     mamba_names = ["model.layers.0.mixer", "model.layers.2.mixer"]
@@ -144,9 +153,17 @@ def test_a_hybrid_models_groups_share_pages_and_move_whole() -> None:
     config = KVCacheConfig(num_blocks=BLOCKS, kv_cache_tensors=tensors, kv_cache_groups=groups,
                            kv_cache_layout="LBHNC")  # fmt: skip
     views = allocate_kv_cache(config, torch.device("cpu"), KVCacheLayout.LBHNC)
+    state = mamba_state(config, SimpleNamespace(mamba_n_groups=1))
+    assert state is not None
     cache = describe_kv_caches(views, use_mla=False, total_kv_heads=2, attn_tp_rank=0,
                                attn_tp_size=1, block_size=16,
-                               state_layers=frozenset(mamba_names))  # fmt: skip
-    assert cache.kv_args.kv_layout == KVLayout.PAGES
-    assert cache.kv_args.layer_ids == (0, 2)  # one buffer per shared slot
-    assert cache.kv_args.kv_buffers[0].item_len == page
+                               state_layers=frozenset(mamba_names), mamba=state)  # fmt: skip
+    args = cache.kv_args
+    assert (args.kv_layout, args.layer_ids) == (KVLayout.MHA_HEAD_MAJOR, (1, 3))
+    assert [buffer.item_len for buffer in args.state_buffers] == [page, page]
+    assert [b.ptr for b in args.state_buffers] == [b.ptr for b in args.kv_buffers]  # shared
+    conv_bytes = math.prod(conv_shape) * 2
+    (*conv, ssm) = args.state_parts[0]
+    assert sum(part.nbytes for part in conv) == conv_bytes
+    assert (ssm.offset, ssm.nbytes) == (conv_bytes, math.prod(ssm_shape) * 4)
+    assert cache.room_contents([3], state=True) == ([], [3])

@@ -4,7 +4,7 @@ mapping between `KVArgs` and `Registration`."""
 from __future__ import annotations
 
 from kvbridge.cache.regions import MemoryRegion
-from kvbridge.cache.spec import BufferSpec, KVArgs
+from kvbridge.cache.spec import BufferSpec, KVArgs, StatePart
 from kvbridge.wire.native import Registration
 
 
@@ -50,6 +50,7 @@ def registration_for(
             [[buffer.length for buffer in args.state_buffers]] if args.state_buffers else []
         ),
         state_dim_per_tensor=[list(args.state_dims)] if args.state_dims else [],
+        state_parts=[[n for part in parts for n in part.flat()] for parts in args.state_parts],
         staging_base_ptr=args.staging_buffer.ptr if args.staging_buffer else 0,
         staging_total_size=args.staging_buffer.length if args.staging_buffer else 0,
         memory_kind=args.memory_kind,
@@ -101,6 +102,10 @@ def kv_args_of(registration: Registration) -> KVArgs:
         dcp_rank=registration.dcp_rank,
         dcp_size=registration.dcp_size,
         state_dims=tuple(dim for group in registration.state_dim_per_tensor for dim in group),
+        state_parts=tuple(
+            tuple(StatePart(*flat[i : i + 4]) for i in range(0, len(flat), 4))
+            for flat in registration.state_parts
+        ),
         staging_buffer=(
             BufferSpec(registration.staging_base_ptr, registration.staging_total_size, 1)
             if registration.staging_base_ptr and registration.staging_total_size
@@ -110,9 +115,12 @@ def kv_args_of(registration: Registration) -> KVArgs:
 
 
 def memory_regions(args: KVArgs) -> list[MemoryRegion]:
-    """Every buffer of a rank as a region to register (or to bound a peer's writes)."""
+    """Every buffer of a rank as a region to register (or to bound a peer's writes), each
+    span once: buffers may view the same memory (vLLM's hybrid KV cache describes a shared
+    page as KV of one group and state of another), and an engine registers it once."""
     staging = (args.staging_buffer,) if args.staging_buffer is not None else ()
-    return [
-        MemoryRegion(buffer.ptr, buffer.length, args.memory_kind, args.device_id)
+    spans = dict.fromkeys(
+        (buffer.ptr, buffer.length)
         for buffer in (*args.kv_buffers, *args.aux_buffers, *args.state_buffers, *staging)
-    ]
+    )
+    return [MemoryRegion(ptr, length, args.memory_kind, args.device_id) for ptr, length in spans]

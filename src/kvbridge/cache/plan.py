@@ -9,13 +9,14 @@ merged into one block per buffer.
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 
 from kvbridge.cache.spec import BufferSpec, KVArgs
-from kvbridge.cache.topology import Source, Topology, TopologyError, topology
+from kvbridge.cache.topology import Source, Topology, TopologyError, rank_heads, topology
 from kvbridge.wire.messages import KVLayout
 
 U64 = np.uint64
@@ -504,8 +505,8 @@ def plan_slots(
 
 
 def check_state_slicing(src: KVArgs, dst: KVArgs) -> None:
-    """State can move between different TP sizes when both sides describe each buffer's
-    sharded dimension and the shards add up to the same tensor."""
+    """State can move between different TP sizes when both sides describe each slot's parts
+    (`KVArgs.state_layouts`) and the parts are the same tensors cut by TP."""
     if src.kv_layout.replicated:
         raise PlanError("state buffers with MLA move only between equal TP sizes")
     if len(src.state_buffers) != len(dst.state_buffers):
@@ -513,40 +514,55 @@ def check_state_slicing(src: KVArgs, dst: KVArgs) -> None:
             f"{len(src.state_buffers)} local state buffers but the peer registered "
             f"{len(dst.state_buffers)}"
         )
-    if not src.state_dims or not dst.state_dims:
+    ours, theirs = src.state_layouts, dst.state_layouts
+    if ours is None or theirs is None:
         raise PlanError(
             f"state buffers cannot move between attention TP {src.attn_tp_size} and "
-            f"{dst.attn_tp_size} without their sharded dimension (state_dims) on both sides"
+            f"{dst.attn_tp_size} without their sharded parts (state_dims or state_parts) on "
+            "both sides"
         )
-    for index, (src_dim, dst_dim, local, remote) in enumerate(
-        zip(src.state_dims, dst.state_dims, src.state_buffers, dst.state_buffers, strict=True)
-    ):
-        if src_dim * src.attn_tp_size != dst_dim * dst.attn_tp_size:
+    for index, (local, remote) in enumerate(zip(ours, theirs, strict=True)):
+        shapes = [(part.unit_bytes, part.total_units) for part in local]
+        if shapes != [(part.unit_bytes, part.total_units) for part in remote]:
             raise PlanError(
-                f"state buffer {index}: {src_dim} rows × TP {src.attn_tp_size} and {dst_dim} "
-                f"rows × TP {dst.attn_tp_size} are not the same tensor"
+                f"state buffer {index}: parts of (unit bytes, units) {shapes} here and "
+                f"{[(p.unit_bytes, p.total_units) for p in remote]} on the peer are not the "
+                "same tensors"
             )
-        if local.item_len // src_dim != remote.item_len // dst_dim:
-            raise PlanError(f"state buffer {index}: rows of different sizes on the two sides")
 
 
-def plan_state_slices(src: KVArgs, dst: KVArgs, src_slot: int, dst_slot: int) -> TransferPlan:
-    """The rows of each state slot that this prefill rank holds and the decode rank needs:
-    the overlap of their shards of the TP-sharded dimension, one block per buffer."""
+def plan_state_slices(
+    src: KVArgs, dst: KVArgs, src_slot: int, dst_slot: int, senders: Sequence[int] = ()
+) -> TransferPlan:
+    """The units of each state slot's parts that this prefill rank holds and the decode rank
+    needs, one block per part. `senders`: every prefill rank that writes to this decode rank;
+    of the ones holding the same replicated units, the lowest sends them."""
+    layouts, peer_layouts = src.state_layouts, dst.state_layouts
+    assert layouts is not None
+    assert peer_layouts is not None
     sources, targets, lengths = [], [], []
-    for local, remote, src_dim, dst_dim in zip(
-        src.state_buffers, dst.state_buffers, src.state_dims, dst.state_dims, strict=True
+    for local, remote, parts, peer_parts in zip(
+        src.state_buffers, dst.state_buffers, layouts, peer_layouts, strict=True
     ):
-        row = local.item_len // src_dim
-        src_first, dst_first = src.attn_tp_rank * src_dim, dst.attn_tp_rank * dst_dim
-        low, high = max(src_first, dst_first), min(src_first + src_dim, dst_first + dst_dim)
-        if low >= high:
-            continue
         if not (0 <= src_slot < local.num_items and 0 <= dst_slot < remote.num_items):
             raise PlanError(f"state slot {src_slot} → {dst_slot} out of range")
-        sources.append(local.ptr + src_slot * local.item_len + (low - src_first) * row)
-        targets.append(remote.ptr + dst_slot * remote.item_len + (low - dst_first) * row)
-        lengths.append((high - low) * row)
+        for part, peer_part in zip(parts, peer_parts, strict=True):
+            total = part.total_units
+            held = rank_heads(src.attn_tp_rank, src.attn_tp_size, total)
+            wanted = rank_heads(dst.attn_tp_rank, dst.attn_tp_size, total)
+            low, high = max(held.start, wanted.start), min(held.stop, wanted.stop)
+            replica_below = any(
+                rank < src.attn_tp_rank and rank_heads(rank, src.attn_tp_size, total) == held
+                for rank in senders
+            )
+            if low >= high or replica_below:
+                continue
+            unit = part.unit_bytes
+            sources.append(local.ptr + src_slot * local.item_len + part.offset
+                           + (low - held.start) * unit)  # fmt: skip
+            targets.append(remote.ptr + dst_slot * remote.item_len + peer_part.offset
+                           + (low - wanted.start) * unit)  # fmt: skip
+            lengths.append((high - low) * unit)
     return TransferPlan(
         np.array(sources, dtype=U64), np.array(targets, dtype=U64), np.array(lengths, dtype=U64)
     )

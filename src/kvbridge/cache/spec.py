@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from kvbridge.cache.topology import TopologyError, rank_heads
 from kvbridge.wire.messages import KVLayout, MemoryKind
 
 # Bytes per element of the dtypes KV caches use, by the names torch and numpy give them.
@@ -48,6 +49,27 @@ class BufferSpec:
     @property
     def end(self) -> int:
         return self.ptr + self.length
+
+
+@dataclass(frozen=True)
+class StatePart:
+    """A run of a state slot's bytes that TP shards on its own: `units` units of `unit_bytes`
+    at byte `offset` of the slot, this rank's share (as `rank_heads` deals KV heads, replicas
+    included) of `total_units` model-wide. A Mamba-2 conv state holds three (x, B, C: B and C
+    replicate when TP exceeds their groups), its SSM state one (heads)."""
+
+    offset: int
+    units: int
+    unit_bytes: int
+    total_units: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.units * self.unit_bytes
+
+    def flat(self) -> tuple[int, int, int, int]:
+        """As the native registration carries it."""
+        return (self.offset, self.units, self.unit_bytes, self.total_units)
 
 
 def kv_heads_on_rank(total_kv_heads: int, attn_tp_size: int) -> int:
@@ -102,6 +124,9 @@ class KVArgs:
     # (e.g. a Mamba state [heads, head_dim, state]: its heads on this rank). Needed to move
     # state between different TP sizes; empty: state moves only as whole slots at equal TP.
     state_dims: tuple[int, ...] = ()
+    # Per state buffer, the parts of a slot and how TP shards each (`StatePart`); overrides
+    # `state_dims` (one part of `state_dims[i]` rows) where a slot holds several sharded runs.
+    state_parts: tuple[tuple[StatePart, ...], ...] = ()
     # Decode's staging ring (heterogeneous TP): prefill writes staged chunks here.
     staging_buffer: BufferSpec | None = None
     # The torch tensors behind `kv_buffers` (from_torch only): what torch staging kernels run
@@ -138,6 +163,19 @@ class KVArgs:
     def page_bytes(self) -> int:
         """Bytes of one page in one KV buffer: every KV buffer's item_len."""
         return self.page_size * self.token_bytes
+
+    @cached_property
+    def state_layouts(self) -> tuple[tuple[StatePart, ...], ...] | None:
+        """Each state buffer's slot as parts that TP shards; None: no description, so state
+        moves only as whole slots between equal TP sizes."""
+        if self.state_parts:
+            return self.state_parts
+        if not self.state_dims:
+            return None
+        return tuple(
+            (StatePart(0, dim, buffer.item_len // dim, dim * self.attn_tp_size),)
+            for dim, buffer in zip(self.state_dims, self.state_buffers, strict=True)
+        )
 
     @property
     def buffers_per_layer(self) -> int:
@@ -216,6 +254,8 @@ class KVArgs:
                         f"state buffer {index}: a slot of {buffer.item_len} B does not split "
                         f"into {dim} rows of its sharded dimension"
                     )
+        if self.state_parts:
+            self._validate_state_parts()
         staging = (self.staging_buffer,) if self.staging_buffer is not None else ()
         for kind, buffers in (
             ("KV", self.kv_buffers),
@@ -230,6 +270,37 @@ class KVArgs:
                         f"one item of {buffer.item_len} B, got ptr {buffer.ptr:#x}, length "
                         f"{buffer.length}"
                     )
+
+    def _validate_state_parts(self) -> None:
+        if len(self.state_parts) != len(self.state_buffers):
+            raise GeometryError(
+                f"{len(self.state_parts)} state part lists for {len(self.state_buffers)} state "
+                "buffers"
+            )
+        for index, (parts, buffer) in enumerate(
+            zip(self.state_parts, self.state_buffers, strict=True)
+        ):
+            end = 0
+            for part in parts:
+                if min(part.units, part.unit_bytes, part.total_units) < 1 or part.offset < end:
+                    raise GeometryError(
+                        f"state buffer {index}: part {part} is empty or overlaps the one before"
+                    )
+                try:
+                    held = rank_heads(self.attn_tp_rank, self.attn_tp_size, part.total_units)
+                except TopologyError as exc:
+                    raise GeometryError(f"state buffer {index}: {exc}") from None
+                if held.count != part.units:
+                    raise GeometryError(
+                        f"state buffer {index}: {part.total_units} units over attention TP "
+                        f"{self.attn_tp_size} give rank {self.attn_tp_rank} {held.count}, "
+                        f"the part holds {part.units}"
+                    )
+                end = part.offset + part.nbytes
+            if end > buffer.item_len:
+                raise GeometryError(
+                    f"state buffer {index}: parts end at byte {end} of a {buffer.item_len} B slot"
+                )
 
     @staticmethod
     def from_numpy(

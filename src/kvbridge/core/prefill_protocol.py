@@ -1056,12 +1056,14 @@ def plan_write(
                 f"{len(job.dst_state_indices)}"
             )
         equal_tp = local.attn_tp_size == peer_args.attn_tp_size
+        route = write.pairing.topology.route(peer_args.attn_tp_rank)
+        senders = tuple(source.prefill_rank for source in route.sources)  # not the dummies
         for src_slot, dst_slot in zip(job.src_state_indices, job.dst_state_indices, strict=True):
             if equal_tp:  # whole slots
                 plans.append(plan_slots(local.state_buffers, peer_args.state_buffers, src_slot,
                                         dst_slot, "state"))  # fmt: skip
             else:  # this rank's shard of each slot
-                plans.append(plan_state_slices(local, peer_args, src_slot, dst_slot))
+                plans.append(plan_state_slices(local, peer_args, src_slot, dst_slot, senders))
     if len(plans) == 1:
         return kv_plan
     plan = TransferPlan.concat(*plans, memory=memory)

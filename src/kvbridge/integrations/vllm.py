@@ -34,17 +34,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
-from vllm.v1.kv_cache_interface import (
-    FullAttentionSpec,
-    MambaSpec,
-    MLAAttentionSpec,
-    SlidingWindowSpec,
-)
 
-from kvbridge.integrations.vllm_cache import REQUIRED_LAYOUT, Group, GroupKind
+from kvbridge.integrations.vllm_blocks import GroupKind
+from kvbridge.integrations.vllm_cache import REQUIRED_LAYOUT
 from kvbridge.integrations.vllm_core import ConnectorOptions, check_vllm_version
 from kvbridge.integrations.vllm_requests import ConnectorCounters, StepMetadata
 from kvbridge.integrations.vllm_scheduler import SchedulerConfig, SchedulerSide
+from kvbridge.integrations.vllm_specs import attention_block_size, mamba_state, transfer_groups
 from kvbridge.integrations.vllm_worker import WorkerConfig, WorkerSide
 
 if TYPE_CHECKING:
@@ -65,33 +61,6 @@ def _log_through_vllm() -> None:
         ours.addHandler(handler)
     ours.setLevel(theirs.level or logging.INFO)
     ours.propagate = False
-
-
-def transfer_groups(
-    kv_cache_config: Any, block_size: int
-) -> tuple[tuple[Group, ...], frozenset[str]]:
-    """The KV cache groups that take part in transfers, as kvbridge moves them, and the names
-    of the layers that hold a recurrent state; a kind of group kvbridge cannot move is
-    refused here, when vLLM starts."""
-    if kv_cache_config is None:
-        return (Group(GroupKind.FULL, block_size),), frozenset()
-    groups, state_layers = [], set()
-    for group in kv_cache_config.transfer_groups:
-        spec = group.kv_cache_spec
-        if isinstance(spec, SlidingWindowSpec):
-            groups.append(Group(GroupKind.SLIDING, spec.block_size))
-        elif isinstance(spec, MambaSpec):
-            groups.append(Group(GroupKind.STATE, spec.block_size, spec.num_speculative_blocks))
-            state_layers.update(group.layer_names)
-        elif type(spec) in (FullAttentionSpec, MLAAttentionSpec):
-            groups.append(Group(GroupKind.FULL, spec.block_size))
-        else:
-            raise RuntimeError(
-                f"kvbridge moves full-attention, MLA, sliding-window and Mamba/linear-attention "
-                f"KV cache groups; this model's layers {group.layer_names[:3]}... are "
-                f"{type(spec).__name__}"
-            )
-    return tuple(groups), frozenset(state_layers)
 
 
 class KVBridgeMetadata(KVConnectorMetadata):  # type: ignore[misc]
@@ -169,7 +138,10 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                 tp_size=int(parallel.tensor_parallel_size), pp_rank=stage,
                 total_kv_heads=int(vllm_config.model_config.get_total_num_kv_heads()),
                 use_mla=bool(vllm_config.model_config.use_mla),
-                block_size=groups[0].block_size, state_layers=state_layers,
+                block_size=attention_block_size(groups), state_layers=state_layers,
+                state_groups=frozenset(index for index, group in enumerate(groups)
+                                       if group.kind == GroupKind.STATE),
+                mamba=mamba_state(kv_cache_config, vllm_config.model_config.hf_text_config),
                 num_blocks=kv_cache_config.num_blocks if kv_cache_config is not None else None,
                 bootstrap_port=port,
                 # vLLM takes failed loads by block only from a model of one KV cache group.

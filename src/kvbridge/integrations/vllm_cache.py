@@ -15,11 +15,11 @@ bytes) and each group has its own block ids; a Mamba layer's view is raw bytes
 
 from __future__ import annotations
 
-import enum
 import itertools
 import math
 import re
 from collections.abc import Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,16 +28,15 @@ from kvbridge.cache.spec import (
     BufferSpec,
     GeometryError,
     KVArgs,
+    StatePart,
     kv_heads_on_rank,
 )
+from kvbridge.cache.topology import TopologyError, rank_heads
 from kvbridge.wire.messages import KVLayout, MemoryKind
 
 # The KV cache layout the connector asks vLLM for (`get_required_kvcache_layout`): every
 # attention backend of vLLM 0.32's CPU build and the CUDA ones that declare layouts accept it.
 REQUIRED_LAYOUT = "LBHNC"
-# vLLM's null block: a placeholder in a group's block list (a sliding window's dropped
-# blocks, an aligned Mamba group's unused positions), never data.
-NULL_BLOCK = 0
 
 
 def layer_index(name: str) -> int:
@@ -49,6 +48,10 @@ def layer_index(name: str) -> int:
     return int(numbers[0])
 
 
+# What a room moves: (KV pages, state slots).
+RoomContents = tuple[list[int], list[int]]
+
+
 @dataclass(frozen=True)
 class VLLMCache:
     """One worker's KV cache described for kvbridge: its geometry, and how many kvbridge pages
@@ -56,11 +59,21 @@ class VLLMCache:
 
     kv_args: KVArgs
     pages_per_block: int = 1
+    # A state group's block moves as a state slot (one page of every state buffer), beside
+    # the attention geometry; False: as a whole opaque page.
+    state_slots: bool = False
 
     def pages_of(self, blocks: Sequence[int]) -> tuple[int, ...]:
         """kvbridge's pages for these vLLM blocks, in order."""
         per = self.pages_per_block
         return tuple(block * per + part for block in blocks for part in range(per))
+
+    def room_contents(self, blocks: Sequence[int], state: bool) -> RoomContents:
+        """What a room of one KV cache group moves: (KV pages, state slots); `state`: the
+        group keeps a recurrent state."""
+        if state and self.state_slots:
+            return [], list(blocks)
+        return list(self.pages_of(blocks)), []
 
 
 def _byte_strides(tensor: Any) -> tuple[int, ...]:
@@ -114,6 +127,56 @@ def _attention_layout(tensor: Any, use_mla: bool) -> tuple[KVLayout, int]:
     )
 
 
+@dataclass(frozen=True)
+class MambaState:
+    """A Mamba-2 layer's state in its page, as vLLM 0.32 lays it out (`MambaSpec` shapes, this
+    rank's): the conv state, ``(kernel - 1, conv dim)`` (vLLM's default "SD") or ``(conv dim,
+    kernel - 1)`` ("DS", `dim_first`), its conv dim ``[x | B | C]`` with x by head and B, C
+    by group; then the SSM state ``(heads, head dim, state size)``. `n_groups` is the
+    model's: vLLM gives every rank a copy of the one group when TP exceeds it."""
+
+    conv_shape: tuple[int, int]
+    ssm_shape: tuple[int, int, int]
+    conv_item_bytes: int
+    ssm_item_bytes: int
+    n_groups: int
+    dim_first: bool = False
+
+    def parts(self, tp_rank: int, tp_size: int) -> tuple[StatePart, ...]:
+        """The runs of the page that TP shards, in order, on this rank."""
+        heads, head_dim, state = self.ssm_shape
+        rows, conv_dim = reversed(self.conv_shape) if self.dim_first else self.conv_shape
+        try:
+            groups = rank_heads(tp_rank, tp_size, self.n_groups).count
+        except TopologyError as exc:
+            raise GeometryError(f"Mamba-2 B/C groups: {exc}") from None
+        if conv_dim != heads * head_dim + 2 * groups * state:
+            raise GeometryError(
+                f"a Mamba-2 conv state of {conv_dim} channels is not x ({heads} heads × "
+                f"{head_dim}) and B, C ({groups} groups × {state}) on this rank"
+            )
+        x = (heads, head_dim, heads * tp_size)  # (units, elements a unit, units model-wide)
+        b_or_c = (groups, state, self.n_groups)
+        if self.dim_first:  # x's channels, then B's, then C's, each `rows` elements
+            conv = [(units, size * rows, total) for units, size, total in (x, b_or_c, b_or_c)]
+        else:  # `rows` rows, each x, B and C
+            conv = [x, b_or_c, b_or_c] * rows
+        runs = [(units, size * self.conv_item_bytes, total) for units, size, total in conv]
+        runs.append((heads, head_dim * state * self.ssm_item_bytes, heads * tp_size))
+        offsets = itertools.accumulate((units * size for units, size, _ in runs), initial=0)
+        return tuple(StatePart(offset, *run) for offset, run in zip(offsets, runs, strict=False))
+
+
+# A layer's view: (layer number, vLLM's layer name, tensor).
+View = tuple[int, str, Any]
+
+
+def _packed(tensor: Any) -> bool:
+    """A block's bytes fill its stride (an attention page not padded to a larger one)."""
+    used = math.prod(int(n) for n in tensor.shape[1:]) * int(tensor.element_size())
+    return _byte_strides(tensor)[0] == used
+
+
 def describe_kv_caches(
     kv_caches: Mapping[str, Any],
     *,
@@ -124,18 +187,21 @@ def describe_kv_caches(
     block_size: int,
     state_layers: frozenset[str] = frozenset(),
     num_blocks: int | None = None,
+    mamba: MambaState | None = None,
 ) -> VLLMCache:
     """vLLM's per-layer KV tensors (`register_kv_caches`) as `KVArgs`.
 
     Layers that view the same memory (the hybrid manager's groups, KV-sharing layers) are one
-    buffer, named by their lowest layer number. A model whose layers all have one attention
-    geometry keeps it (head slices between TP sizes, token rows between block sizes where the
-    layout allows); one with Mamba state (`state_layers`) or attention of several geometries
-    moves opaque pages, whole, between equal TP sizes.
+    buffer, named by their lowest layer number. Where every attention layer has one geometry
+    it is kept (head slices between TP sizes, token rows between block sizes where the layout
+    allows), and the pages of the state layers (`state_layers`) are state slots beside it: a
+    state group's block moves as a slot, split between TP sizes by `mamba`'s parts. Attention
+    of several geometries, or padded to the state's page, moves as opaque pages, whole,
+    between equal TP sizes.
     """
     if not kv_caches:
         raise GeometryError("vLLM registered no KV caches")
-    by_address: dict[int, list[tuple[int, str, Any]]] = {}
+    by_address: dict[int, list[View]] = {}
     for name, tensor in kv_caches.items():
         if tensor.dim() != 4:
             raise GeometryError(
@@ -147,7 +213,6 @@ def describe_kv_caches(
         (sorted(shared, key=lambda view: view[0]) for shared in by_address.values()),
         key=lambda shared: shared[0][0],
     )
-    layer_ids = tuple(views[0][0] for views in slots)
     keepalive = tuple(tensor for views in slots for _, _, tensor in views)
     first = slots[0][0][2]
     on_gpu = first.device.type == "cuda"
@@ -160,23 +225,35 @@ def describe_kv_caches(
                 f"layout such as BLHNC): kvbridge moves the {REQUIRED_LAYOUT} and LBNHC layouts"
             )
 
-    def kv_args(layout: KVLayout, heads: int, head_dim: int, dtype: str, page_size: int) -> KVArgs:
+    def kv_args(layout: KVLayout, heads: int, head_dim: int, dtype: str, page_size: int,
+                kv_views: Sequence[View], state_views: Sequence[View] = ()) -> KVArgs:  # fmt: skip
+        state_parts = () if mamba is None else (mamba.parts(attn_tp_rank, attn_tp_size),)
         return KVArgs(
-            kv_layout=layout, layer_ids=layer_ids, total_kv_heads=heads, head_dim=head_dim,
-            dtype=dtype, page_size=page_size,
-            kv_buffers=tuple(_buffer(views[0][2]) for views in slots),
+            kv_layout=layout, layer_ids=tuple(view[0] for view in kv_views),
+            total_kv_heads=heads, head_dim=head_dim, dtype=dtype, page_size=page_size,
+            kv_buffers=tuple(_buffer(view[2]) for view in kv_views),
+            state_buffers=tuple(_buffer(view[2]) for view in state_views),
+            state_parts=state_parts * len(state_views) if state_views else (),
             attn_tp_rank=attn_tp_rank, attn_tp_size=attn_tp_size,
             memory_kind=MemoryKind.VRAM if on_gpu else MemoryKind.DRAM,
             device_id=int(first.device.index or 0) if on_gpu else 0, keepalive=keepalive,
         )  # fmt: skip
 
-    views = [view for views in slots for view in views]
+    def one_per_slot(names: AbstractSet[str]) -> list[View]:
+        """The lowest-numbered of these layers in each slot that has one."""
+        return [next(v for v in views if v[1] in names) for views in slots
+                if any(v[1] in names for v in views)]  # fmt: skip
+
+    state_names = state_layers.intersection(kv_caches)
+    attention = one_per_slot(set(kv_caches) - state_names)
     geometries = {
-        (tuple(tensor.shape), tensor.stride(), str(tensor.dtype)) for _, _, tensor in views
-    }
-    if not state_layers.intersection(kv_caches) and len(geometries) == 1:
-        layout, head_dim = _attention_layout(first, use_mla)
-        _, heads, tokens, _ = (int(n) for n in first.shape)
+        (tuple(tensor.shape), tensor.stride(), str(tensor.dtype))
+        for views in slots for _, name, tensor in views if name not in state_names
+    }  # fmt: skip
+    if len(geometries) == 1 and (not state_names or _packed(attention[0][2])):
+        tensor = attention[0][2]
+        layout, head_dim = _attention_layout(tensor, use_mla)
+        _, heads, tokens, _ = (int(n) for n in tensor.shape)
         if block_size % tokens:
             raise GeometryError(f"vLLM blocks of {block_size} tokens in kernel blocks of {tokens}")
         mla = layout == KVLayout.MLA
@@ -186,8 +263,10 @@ def describe_kv_caches(
                 f"vLLM's KV tensors hold {heads} heads, but {total_kv_heads} KV heads over "
                 f"attention TP {attn_tp_size} gives {expected} per rank"
             )
-        args = kv_args(layout, 1 if mla else total_kv_heads, head_dim, _dtype(first), tokens)
-        return VLLMCache(args, block_size // tokens)
+        args = kv_args(layout, 1 if mla else total_kv_heads, head_dim, _dtype(tensor), tokens,
+                       attention, one_per_slot(state_names))  # fmt: skip
+        return VLLMCache(args, block_size // tokens, state_slots=bool(state_names))
+    views = [view for views in slots for view in views]
     pages = {_byte_strides(tensor)[0] for _, _, tensor in views}
     counts = {int(tensor.shape[0]) for _, _, tensor in views}
     if len(pages) != 1 or len(counts) != 1:
@@ -203,144 +282,10 @@ def describe_kv_caches(
             "kvbridge moves a hybrid model's pages whole, one page a block"
         )
     for _, name, tensor in views:
-        if name not in state_layers:
+        if name not in state_names:
             _attention_layout(tensor, use_mla)  # one block after another, or refused
         used = math.prod(int(n) for n in tensor.shape[1:]) * int(tensor.element_size())
         if used > page:
             raise GeometryError(f"vLLM layer {name}: a block of {used} B in a page of {page} B")
-    return VLLMCache(kv_args(KVLayout.PAGES, 1, page, "uint8", 1), 1)
-
-
-class GroupKind(enum.Enum):
-    """What a KV cache group keeps for a request, and so which of its blocks move."""
-
-    FULL = "full"  # attention over every token: a block per block_size tokens
-    SLIDING = "sliding"  # attention over a window: the blocks still in it
-    STATE = "state"  # a recurrent (Mamba, linear attention) state: one block holds it
-
-
-@dataclass(frozen=True)
-class Group:
-    """One KV cache group as the connector sees it. `spec_blocks`: a state group's
-    speculative scratch blocks after its state block."""
-
-    kind: GroupKind
-    block_size: int
-    spec_blocks: int = 0
-
-
-def state_block(blocks: Sequence[int], spec_blocks: int) -> int | None:
-    """The block holding a state group's running state: the last one before the
-    speculative scratch blocks (vLLM keeps it at position 0 without prefix caching, at the
-    last computed block's position with it)."""
-    kept = list(blocks)
-    if not kept:
-        return None
-    scratch = min(spec_blocks, len(kept) - 1)
-    if scratch:
-        kept = kept[:-scratch]
-    return kept[-1] if kept[-1] != NULL_BLOCK else None
-
-
-@dataclass(frozen=True)
-class GroupBlocks:
-    """A request's blocks of one group that move: from block position `first` on (a state
-    group: position 0 is the state)."""
-
-    first: int
-    blocks: tuple[int, ...]
-
-
-def blocks_to_send(groups: Sequence[Group], block_ids: Sequence[Sequence[int]],
-                   num_tokens: int) -> list[GroupBlocks]:  # fmt: skip
-    """Prefill: per group, the blocks of a finished request that decode may need: every block
-    of its `num_tokens` (full attention), the ones still in the window (sliding), the state
-    block (state)."""
-    if len(block_ids) != len(groups):
-        raise ValueError(f"{len(block_ids)} block lists for {len(groups)} KV cache groups")
-    sent = []
-    for group, ids in zip(groups, block_ids, strict=True):
-        if group.kind == GroupKind.STATE:
-            block = state_block(ids, group.spec_blocks)
-            sent.append(GroupBlocks(0, (block,) if block is not None else ()))
-            continue
-        held = list(ids[: math.ceil(num_tokens / group.block_size)])
-        first = 0
-        while first < len(held) and held[first] == NULL_BLOCK:
-            first += 1
-        if NULL_BLOCK in held[first:]:
-            raise ValueError(f"a {group.kind.value} group's blocks have a gap: {held}")
-        sent.append(GroupBlocks(first, tuple(held[first:])))
-    return sent
-
-
-@dataclass(frozen=True)
-class GroupLoad:
-    """Decode: the blocks one group loads, and how many of the blocks prefill sends for it
-    come before them (decode has those already, or needs them no more)."""
-
-    blocks: tuple[int, ...]
-    skip: int
-
-
-class LoadPlanError(ValueError):
-    """Decode needs blocks prefill does not have: the load cannot be right."""
-
-
-def blocks_to_load(
-    groups: Sequence[Group],
-    block_ids: Sequence[Sequence[int]],
-    prefix_tokens: int,
-    num_tokens: int,
-    sent: Sequence[tuple[int, int]],
-    same_block_size: bool = True,
-) -> list[GroupLoad]:
-    """Decode: per group, the request's blocks that tokens ``[prefix_tokens, prefix_tokens +
-    num_tokens)`` fill, paired with what prefill sends (`sent`: per group the position of
-    its first block and how many). Positions decode does not need (its own prefix cache,
-    blocks out of the window: null) are skipped; a position prefill does not hold is a
-    `LoadPlanError`. Prefill's blocks may hold another number of tokens than decode's
-    (`same_block_size` False) for one full-attention group only: kvbridge then maps tokens,
-    and the skip counts decode's blocks."""
-    if not len(block_ids) == len(groups) == len(sent):
-        raise LoadPlanError(
-            f"{len(block_ids)} block lists and {len(sent)} from prefill for {len(groups)} "
-            "KV cache groups: prefill and decode run different models or settings"
-        )
-    end = prefix_tokens + num_tokens
-    loads = []
-    for index, (group, ids, (first, count)) in enumerate(zip(groups, block_ids, sent,
-                                                             strict=True)):  # fmt: skip
-        if group.kind == GroupKind.STATE:
-            block = state_block(ids, group.spec_blocks)
-            if block is None or count != 1:
-                raise LoadPlanError(f"group {index}: no state block on both sides")
-            loads.append(GroupLoad((block,), 0))
-            continue
-        if prefix_tokens % group.block_size:
-            raise LoadPlanError(
-                f"group {index}: a prefix of {prefix_tokens} tokens is not whole blocks of "
-                f"{group.block_size}"
-            )
-        low, high = prefix_tokens // group.block_size, math.ceil(end / group.block_size)
-        if high > len(ids):
-            raise LoadPlanError(f"group {index}: {end} tokens need {high} blocks, has {len(ids)}")
-        positions = [j for j in range(low, high) if ids[j] != NULL_BLOCK]
-        if not positions:
-            loads.append(GroupLoad((), 0))
-            continue
-        start = positions[0]
-        if positions != list(range(start, high)):
-            raise LoadPlanError(f"group {index}: the blocks to load have a gap")
-        if not same_block_size:
-            if group.kind != GroupKind.FULL or first:
-                raise LoadPlanError(f"group {index}: block sizes differ")
-            loads.append(GroupLoad(tuple(ids[start:high]), start))
-            continue
-        if start < first or high > first + count:
-            raise LoadPlanError(
-                f"group {index} ({group.kind.value}): decode needs blocks {start}-{high - 1}, "
-                f"prefill holds {first}-{first + count - 1}"
-            )
-        loads.append(GroupLoad(tuple(ids[start:high]), start - first))
-    return loads
+    whole = [views[0] for views in slots]
+    return VLLMCache(kv_args(KVLayout.PAGES, 1, page, "uint8", 1, whole), 1)

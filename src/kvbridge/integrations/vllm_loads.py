@@ -11,7 +11,7 @@ from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 
 from kvbridge.decode import DecodeManager, KVReceiver
-from kvbridge.integrations.vllm_cache import VLLMCache
+from kvbridge.integrations.vllm_cache import RoomContents, VLLMCache
 from kvbridge.integrations.vllm_requests import (
     ConnectorCounters,
     LoadSpec,
@@ -77,13 +77,14 @@ class _Load:
                 receiver.clear()
 
 
-def _open_room(decode: DecodeManager, url: str, room: int, pages: tuple[int, ...] | None,
+def _open_room(decode: DecodeManager, url: str, room: int, contents: RoomContents | None,
                prefix: int) -> KVReceiver:  # fmt: skip
-    """Look the prefill instance up, send the request (on the opener pool, or inline once the
-    instance is known)."""
+    """Look the prefill instance up, send the request for these (KV pages, state slots) (on
+    the opener pool, or inline once the instance is known)."""
     receiver = decode.receiver(room, url)
-    if pages is not None:
-        receiver.init(list(pages), decode_prefix_len=prefix)
+    if contents is not None:
+        pages, slots = contents
+        receiver.init(pages, state_indices=slots, decode_prefix_len=prefix)
     return receiver
 
 
@@ -108,9 +109,11 @@ class Loads:
         """Whether a load or a release is in flight (decode's activity may end it)."""
         return bool(self._loads or self._releases)
 
-    def start(self, load: LoadSpec, decode: DecodeManager | None, cache: VLLMCache | None) -> None:
-        """Open the rooms of a request's load; one that cannot load (no decode manager, or
-        the scheduler could not plan it) fails at once."""
+    def start(self, load: LoadSpec, decode: DecodeManager | None, cache: VLLMCache | None,
+              state_groups: frozenset[int] = frozenset()) -> None:  # fmt: skip
+        """Open the rooms of a request's load (`state_groups`: the groups whose block is a
+        recurrent state); one that cannot load (no decode manager, or the scheduler could
+        not plan it) fails at once."""
         blocks = tuple(block for group in load.blocks for block in group)
         if decode is None or cache is None or load.error is not None:
             failed: Future[KVReceiver] = Future()  # fails at once: the blocks count as failed
@@ -128,8 +131,9 @@ class Loads:
         # A room per KV cache group and pipeline stage of the prefill instance (each stage
         # writes the layers it holds into decode's pages).
         for stage, url in enumerate(load.remote.stages):
-            for room, group_blocks, skip in zip(load.remote.rooms, load.blocks, load.skips,
-                                                strict=True):  # fmt: skip
+            for group, (room, group_blocks, skip) in enumerate(
+                zip(load.remote.rooms, load.blocks, load.skips, strict=True)
+            ):
                 if room is None:
                     continue
                 room = stage_room(room, stage)
@@ -137,8 +141,8 @@ class Loads:
                     reason = "decode needs no block of this group"
                     rooms.append(_Room(self._opening(decode, url, room), abort_reason=reason))
                     continue
-                pages = cache.pages_of(group_blocks)
-                rooms.append(_Room(self._opening(decode, url, room, pages, skip * unit),
+                contents = cache.room_contents(group_blocks, group in state_groups)
+                rooms.append(_Room(self._opening(decode, url, room, contents, skip * unit),
                                    len(group_blocks)))  # fmt: skip
         self._loads[load.request_id] = _Load(rooms, blocks)
 
@@ -167,15 +171,15 @@ class Loads:
                 for room in remote.rooms if room is not None]  # fmt: skip
 
     def _opening(self, decode: DecodeManager, url: str, room: int,
-                 pages: tuple[int, ...] | None = None,
+                 contents: RoomContents | None = None,
                  prefix: int = 0) -> Future[KVReceiver]:  # fmt: skip
         """The room opened here when its prefill instance is known (no blocking lookup: a
         hop to the pool would only add thread hand-offs), else on the pool."""
         if not decode.knows_prefill(url):
-            return self._opener.submit(_open_room, decode, url, room, pages, prefix)
+            return self._opener.submit(_open_room, decode, url, room, contents, prefix)
         opened: Future[KVReceiver] = Future()
         try:
-            opened.set_result(_open_room(decode, url, room, pages, prefix))
+            opened.set_result(_open_room(decode, url, room, contents, prefix))
         except Exception as exc:  # the load's failure, as from the pool
             opened.set_exception(exc)
         return opened

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvbridge.integrations.vllm_cache import (
+from kvbridge.integrations.vllm_blocks import (
     Group,
     GroupKind,
     LoadPlanError,

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from kvbridge.decode import DecodeManager
-from kvbridge.integrations.vllm_cache import VLLMCache, describe_kv_caches
+from kvbridge.integrations.vllm_cache import MambaState, VLLMCache, describe_kv_caches
 from kvbridge.integrations.vllm_core import ConnectorOptions, StepTimes, cpu_list
 from kvbridge.integrations.vllm_loads import Loads
 from kvbridge.integrations.vllm_requests import ConnectorCounters, StepMetadata, stage_room
@@ -76,8 +76,10 @@ class WorkerConfig:
     pp_rank: int
     total_kv_heads: int
     use_mla: bool
-    block_size: int  # of the first KV cache group
+    block_size: int  # of the attention groups' blocks (a state group's may be larger)
     state_layers: frozenset[str]
+    state_groups: frozenset[int]  # the transfer groups that keep a recurrent state
+    mamba: MambaState | None  # how a Mamba-2 state splits between TP sizes, if known
     num_blocks: int | None  # vLLM's blocks (its kernels may split each into smaller ones)
     # The prefill instance's bootstrap port (each DP rank has its own; 0: a free port).
     bootstrap_port: int
@@ -127,7 +129,7 @@ class WorkerSide:
             kv_caches, use_mla=config.use_mla, total_kv_heads=config.total_kv_heads,
             attn_tp_rank=config.tp_rank, attn_tp_size=config.tp_size,
             block_size=config.block_size, state_layers=config.state_layers,
-            num_blocks=config.num_blocks,
+            num_blocks=config.num_blocks, mamba=config.mamba,
         )  # fmt: skip
         args = self.cache.kv_args
         if config.produces:
@@ -167,17 +169,20 @@ class WorkerSide:
                 continue
             senders = []
             try:
-                for room, blocks in zip(send.rooms, send.blocks, strict=True):
+                for group, (room, blocks) in enumerate(zip(send.rooms, send.blocks, strict=True)):
                     if room is not None:  # this pipeline stage's room: its layers
                         senders.append(self.prefill.sender(stage_room(room, self.config.pp_rank)))
-                        senders[-1].send(list(self.cache.pages_of(blocks)), last=True)
+                        pages, slots = self.cache.room_contents(
+                            blocks, group in self.config.state_groups
+                        )
+                        senders[-1].send(pages, last=True, state_indices=slots)
             except ValueError as exc:  # a room id ended here before: free the blocks
                 log.error("request %s: not sent: %s", send.request_id, exc)
                 for sender in senders:
                     sender.abort(str(exc))
             self._sends[send.request_id] = _Send(senders, sum(map(len, send.blocks)))
         for load in step.loads:
-            self._loads.start(load, self.decode, self.cache)
+            self._loads.start(load, self.decode, self.cache, self.config.state_groups)
         if step.sends or step.loads:
             log.debug("step: %d send(s), %d load(s) started; %d load(s) in flight",
                       len(step.sends), len(step.loads), self._loads.in_flight)  # fmt: skip

@@ -51,7 +51,7 @@ from kvbridge.wire.profile import Inspection, Profile, Receiver, require_frames
 PROFILE = "kvbridge/1"
 MAGIC = b"KVBR"
 MAJOR = 1
-MINOR = 2
+MINOR = 3
 FLAG_TAG = 0x01
 KNOWN_FLAGS = FLAG_TAG
 
@@ -117,6 +117,9 @@ class Registration(Message, StagingRing):
     capabilities: frozenset[str] = frozenset()
     # Random bytes of the decode rank: prefill echoes them in statuses, acks and heartbeats.
     session_token: bytes = b""
+    # Per state buffer (all groups, in order), its slot's TP-sharded parts: (offset, units,
+    # unit bytes, units model-wide) after one another; empty: `state_dim_per_tensor` says.
+    state_parts: list[list[int]] = field(default_factory=list)
 
     def check(self) -> None:
         check_port(self.control_port, "control_port")
@@ -144,6 +147,12 @@ class Registration(Message, StagingRing):
             self.state_ptrs, self.state_item_lens, self.state_lengths, strict=True
         ):
             _check_buffers("state", ptrs, item_lens, lengths)
+        if any(len(parts) % 4 for parts in self.state_parts):
+            raise FieldValueError(
+                "state_parts",
+                "each state buffer's parts are (offset, units, unit bytes, "
+                "units model-wide) quadruples",
+            )
         buffers_per_layer = self.kv_layout.buffers_per_layer
         if len(self.kv_ptrs) != buffers_per_layer * len(self.kv_layer_ids):
             raise FieldValueError(
@@ -256,6 +265,13 @@ _LAYOUT_ROWS: tuple[tuple[int, type[Message], str, tuple[Field, ...]], ...] = (
                 "write may notify in the complete form instead of a success status)",
             ),
             _session_token("random bytes prefill echoes back (1.1)"),
+            Field(
+                "state_parts",
+                c.U64_LISTS,
+                "per state buffer, its slot's TP-sharded parts as (offset, units, unit bytes, "
+                "units model-wide) quadruples (1.3; absent: state_dim_per_tensor)",
+                default_factory=list,
+            ),
         ),
     ),
     (
