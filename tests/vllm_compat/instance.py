@@ -133,6 +133,10 @@ def main() -> None:
         params = command.get("params") or [None] * len(prompts)
         for prompt, kv_params in zip(prompts, params, strict=True):
             request_id = uuid.uuid4().hex
+            if kv_params and kv_params.get("transfer_mode") == "push":
+                # NixlPushConnector pairs decode's request with prefill's by their external
+                # id (a PD proxy sends both the same X-Request-Id): prefill's, its suffix off.
+                request_id = str(kv_params["remote_request_id"]).rsplit("-", 1)[0]
             extra = {"kv_transfer_params": kv_params} if kv_params is not None else None
             sampling = SamplingParams(
                 temperature=0, max_tokens=command.get("max_tokens", 8), detokenize=False,
@@ -300,7 +304,6 @@ def _hash_states(worker: Any, block_ids: list[list[int]]) -> dict[str, str]:
     runner = worker.model_runner
     context = runner.compilation_config.static_forward_context
     rank, tp = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
-    n_groups = runner.model_config.hf_text_config.mamba_n_groups
     digests = {}
     for index, (group, ids) in enumerate(zip(runner.kv_cache_config.kv_cache_groups, block_ids,
                                              strict=True)):  # fmt: skip
@@ -309,6 +312,7 @@ def _hash_states(worker: Any, block_ids: list[list[int]]) -> dict[str, str]:
             if not isinstance(state, tuple) or len(state) != 2:
                 continue  # not a Mamba-2 layer
             conv, ssm = state
+            n_groups = runner.model_config.hf_text_config.mamba_n_groups  # Granite-4-hybrid's
             heads, head_dim, size = ssm.shape[1:]
             dim_first = is_conv_state_dim_first()
             channels_here = conv.shape[1 if dim_first else 2]
