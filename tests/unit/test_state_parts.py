@@ -52,17 +52,18 @@ def slot_bytes(slot: int, rank: int, tp: int) -> np.ndarray:
     return np.concatenate(pieces)
 
 
-def rank_args(rank: int, tp: int, fill: bool, pad: int = 7) -> tuple[KVArgs, list[np.ndarray]]:
+def rank_args(rank: int, tp: int, fill: bool, pad: int = 7,
+              kv_heads: int = 4) -> tuple[KVArgs, list[np.ndarray]]:  # fmt: skip
     """A rank whose one state buffer is a page per slot holding the Mamba state (padded), and
-    whose KV (two heads per rank at most) is beside it."""
+    whose KV (`kv_heads` over TP, replicated past them) is beside it."""
     used = len(slot_bytes(0, rank, tp))
     pages = np.zeros((SLOTS, used + pad), dtype=np.uint8)
     if fill:
         for slot in range(SLOTS):
             pages[slot, :used] = slot_bytes(slot, rank, tp)
-    kv = [np.zeros((2, 1, max(1, 4 // tp), 4), np.uint16) for _ in range(2)]
-    args = KVArgs.from_numpy(kv, kv_layout=KVLayout.MHA, total_kv_heads=4, attn_tp_rank=rank,
-                             attn_tp_size=tp, state=[pages])  # fmt: skip
+    kv = [np.zeros((2, 1, max(1, kv_heads // tp), 4), np.uint16) for _ in range(2)]
+    args = KVArgs.from_numpy(kv, kv_layout=KVLayout.MHA, total_kv_heads=kv_heads,
+                             attn_tp_rank=rank, attn_tp_size=tp, state=[pages])  # fmt: skip
     args = dataclasses.replace(args, state_parts=(rank_parts(rank, tp),))
     return args, [pages, *kv]
 
@@ -110,3 +111,26 @@ def test_parts_that_do_not_match_the_rank_or_the_peer_are_refused() -> None:
     other = dataclasses.replace(other, state_parts=(changed,))
     with pytest.raises(PlanError, match="are not the same tensors"):
         pair(other, args)
+
+
+def test_state_that_only_prefill_ranks_sending_no_kv_hold_is_refused_at_pairing() -> None:
+    """The state follows the attention's route: with 2 KV heads over prefill TP 4, decode
+    rank 0 of 2 reads its KV from prefill rank 0 alone, which holds Mamba head 0 only of the
+    heads 0-1 the decode rank needs: head 1 would be left unwritten, so the pair is refused."""
+    decode, _arrays = rank_args(0, 2, fill=False, kv_heads=2)
+    prefill, _more = rank_args(0, 4, fill=False, kv_heads=2)
+    with pytest.raises(PlanError, match="which only prefill ranks that send it no KV hold"):
+        pair(prefill, decode)
+    fed, _kept = rank_args(0, 2, fill=False, kv_heads=2)  # at TP 2 → 2 every head is sent
+    assert pair(fed, decode).source is not None
+
+
+def test_state_slots_laid_out_differently_at_equal_tp_are_refused() -> None:
+    """Whole slots move at equal TP: only between slots laid out alike (another SSM dtype or
+    conv layout pads to the same page but puts the parts elsewhere)."""
+    local, _arrays = rank_args(0, 1, fill=False)
+    peer, _more = rank_args(0, 1, fill=False)
+    *conv, ssm = peer.state_parts[0]
+    moved = (*conv, StatePart(ssm.offset + 2, ssm.units, ssm.unit_bytes, ssm.total_units))
+    with pytest.raises(PlanError, match="laid out differently"):
+        pair(local, dataclasses.replace(peer, state_parts=(moved,)))

@@ -153,8 +153,11 @@ def test_a_hybrid_models_state_pages_are_state_slots_beside_its_attention() -> N
     config = KVCacheConfig(num_blocks=BLOCKS, kv_cache_tensors=tensors, kv_cache_groups=groups,
                            kv_cache_layout="LBHNC")  # fmt: skip
     views = allocate_kv_cache(config, torch.device("cpu"), KVCacheLayout.LBHNC)
-    state = mamba_state(config, SimpleNamespace(mamba_n_groups=1))
+    state = mamba_state(config, SimpleNamespace(mamba_n_groups=1), tp_size=1)
     assert state is not None
+    # A group count the shapes do not hold: whole slots only (equal TP), not a failed start.
+    assert mamba_state(config, SimpleNamespace(mamba_n_groups=3), tp_size=1) is None
+    assert mamba_state(config, SimpleNamespace(), tp_size=1) is None
     cache = describe_kv_caches(views, use_mla=False, total_kv_heads=2, attn_tp_rank=0,
                                attn_tp_size=1, block_size=16,
                                state_layers=frozenset(mamba_names), mamba=state)  # fmt: skip

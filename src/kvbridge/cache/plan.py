@@ -505,8 +505,18 @@ def plan_slots(
 
 
 def check_state_slicing(src: KVArgs, dst: KVArgs) -> None:
-    """State can move between different TP sizes when both sides describe each slot's parts
-    (`KVArgs.state_layouts`) and the parts are the same tensors cut by TP."""
+    """State moves whole between equal TP sizes when both sides lay a slot out alike (where
+    both describe it), and between different TP sizes when both sides describe each slot's
+    parts (`KVArgs.state_layouts`), the parts are the same tensors cut by TP, and the prefill
+    ranks that write to this decode rank hold every unit it needs."""
+    ours, theirs = src.state_layouts, dst.state_layouts
+    if src.attn_tp_size == dst.attn_tp_size:
+        if ours is not None and theirs is not None and ours != theirs:
+            raise PlanError(
+                "state slots are laid out differently on the two sides (another state dtype, "
+                f"conv state layout or speculative rows?): {ours} here, {theirs} on the peer"
+            )
+        return
     if src.kv_layout.replicated:
         raise PlanError("state buffers with MLA move only between equal TP sizes")
     if len(src.state_buffers) != len(dst.state_buffers):
@@ -514,7 +524,6 @@ def check_state_slicing(src: KVArgs, dst: KVArgs) -> None:
             f"{len(src.state_buffers)} local state buffers but the peer registered "
             f"{len(dst.state_buffers)}"
         )
-    ours, theirs = src.state_layouts, dst.state_layouts
     if ours is None or theirs is None:
         raise PlanError(
             f"state buffers cannot move between attention TP {src.attn_tp_size} and "
@@ -529,6 +538,25 @@ def check_state_slicing(src: KVArgs, dst: KVArgs) -> None:
                 f"{[(p.unit_bytes, p.total_units) for p in remote]} on the peer are not the "
                 "same tensors"
             )
+    # The state follows the attention's route: only its sources write to this decode rank.
+    route = topology(src.attn_tp_size, dst.attn_tp_size, src.total_kv_heads, src.kv_layout)
+    senders = [source.prefill_rank for source in route.route(dst.attn_tp_rank).sources]
+    for index, parts in enumerate(ours):
+        for part in parts:
+            held: set[int] = set()
+            for rank in senders:
+                units = rank_heads(rank, src.attn_tp_size, part.total_units)
+                held.update(range(units.start, units.stop))
+            wanted = rank_heads(dst.attn_tp_rank, dst.attn_tp_size, part.total_units)
+            missing = [unit for unit in range(wanted.start, wanted.stop) if unit not in held]
+            if missing:
+                raise PlanError(
+                    f"state buffer {index}: decode rank {dst.attn_tp_rank} needs units "
+                    f"{missing[0]}-{missing[-1]} of {part.total_units}, which only prefill ranks "
+                    f"that send it no KV hold (attention TP {src.attn_tp_size} → "
+                    f"{dst.attn_tp_size} over {src.total_kv_heads} KV heads); kvbridge moves "
+                    "this state between these TP sizes only where the KV heads are not replicated"
+                )
 
 
 def plan_state_slices(
@@ -633,7 +661,7 @@ def pair(src: KVArgs, dst: KVArgs) -> Pairing:
         mapping = topology(src.attn_tp_size, dst.attn_tp_size, src.total_kv_heads, src.kv_layout)
     except TopologyError as exc:
         raise PlanError(str(exc)) from None
-    if src.attn_tp_size != dst.attn_tp_size and (src.state_buffers or dst.state_buffers):
+    if src.state_buffers or dst.state_buffers:
         check_state_slicing(src, dst)
     sources = [
         source

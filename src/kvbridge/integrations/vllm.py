@@ -141,7 +141,8 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                 block_size=attention_block_size(groups), state_layers=state_layers,
                 state_groups=frozenset(index for index, group in enumerate(groups)
                                        if group.kind == GroupKind.STATE),
-                mamba=mamba_state(kv_cache_config, vllm_config.model_config.hf_text_config),
+                mamba=mamba_state(kv_cache_config, vllm_config.model_config.hf_text_config,
+                                  int(parallel.tensor_parallel_size)),
                 num_blocks=kv_cache_config.num_blocks if kv_cache_config is not None else None,
                 bootstrap_port=port,
                 # vLLM takes failed loads by block only from a model of one KV cache group.

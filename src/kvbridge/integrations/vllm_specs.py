@@ -4,6 +4,7 @@ what it returns is pure (`vllm_blocks`, `vllm_cache`)."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -16,8 +17,11 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec,
 )
 
+from kvbridge.cache.spec import GeometryError
 from kvbridge.integrations.vllm_blocks import Group, GroupKind
 from kvbridge.integrations.vllm_cache import MambaState
+
+log = logging.getLogger("kvbridge.vllm")
 
 # Where Hugging Face configs of Mamba-2 hybrids keep the B/C group count (Granite-4-hybrid,
 # Bamba and Falcon-H1; Mamba-2 and Nemotron-H; Zamba2).
@@ -57,7 +61,7 @@ def attention_block_size(groups: tuple[Group, ...]) -> int:
     return next((g.block_size for g in groups if g.kind != GroupKind.STATE), groups[0].block_size)
 
 
-def mamba_state(kv_cache_config: Any, hf_config: Any) -> MambaState | None:
+def mamba_state(kv_cache_config: Any, hf_config: Any, tp_size: int) -> MambaState | None:
     """The Mamba-2 state layout of this model's state groups, this rank's shapes; None where
     there is none, or it is not one kvbridge splits between TP sizes (other state kinds,
     layers of several specs, no group count in the config): the state then moves whole,
@@ -76,5 +80,12 @@ def mamba_state(kv_cache_config: Any, hf_config: Any) -> MambaState | None:
     (rows, dim), (heads, head_dim, state) = (map(int, shape) for shape in spec.shapes)
     sizes = [torch.empty((), dtype=dtype).element_size() for dtype in spec.dtypes]
     n_groups = int(getattr(hf_config, names[0]))
-    return MambaState((rows, dim), (heads, head_dim, state), sizes[0], sizes[1], n_groups,
-                      dim_first=is_conv_state_dim_first())  # fmt: skip
+    found = MambaState((rows, dim), (heads, head_dim, state), sizes[0], sizes[1], n_groups,
+                       dim_first=is_conv_state_dim_first())  # fmt: skip
+    try:
+        found.parts(0, tp_size)
+    except GeometryError as exc:  # whole slots still move between equal TP sizes
+        log.warning("kvbridge: this model's Mamba-2 state moves between equal TP sizes only: %s",
+                    exc)  # fmt: skip
+        return None
+    return found
