@@ -73,8 +73,11 @@ def run_pair(
     return prefilled, outputs, stats
 
 
-def plain_tokens(model: Path, logs: Path, family: str) -> list[list[int]]:
-    plain = Instance(model, None, logs / f"{family}-plain.log", env=FAMILY_ENV[family])
+def plain_tokens(model: Path, logs: Path, family: str, dtype: str | None = None) -> list[list[int]]:
+    """A plain single-instance run's tokens (`dtype`: other than the harness's bfloat16)."""
+    env = {**FAMILY_ENV[family], **({"KVBRIDGE_TEST_DTYPE": dtype} if dtype else {})}
+    suffix = f"-{dtype}" if dtype else ""
+    plain = Instance(model, None, logs / f"{family}-plain{suffix}.log", env=env)
     try:
         return [output["tokens"] for output in plain.generate(PROMPTS, MAX_TOKENS)["outputs"]]
     finally:
@@ -260,12 +263,7 @@ def test_mamba_hybrid_between_tp_sizes_splits_the_state(
     state by head, B and C by group (this model's one group on both TP 2 ranks). Each prompt
     decoded alone gives a plain run's tokens (float32), and every unit of the state each
     decode rank loaded equals prefill's, byte for byte, as vLLM's own layers view it."""
-    plain = Instance(models["mamba"], None, tmp_path / "mamba-plain-float32.log",
-                     env={**FAMILY_ENV["mamba"], "KVBRIDGE_TEST_DTYPE": "float32"})  # fmt: skip
-    try:
-        expected = [output["tokens"] for output in plain.generate(PROMPTS, MAX_TOKENS)["outputs"]]
-    finally:
-        plain.close()
+    expected = plain_tokens(models["mamba"], tmp_path, "mamba", dtype="float32")
     results = run_tp_pairs(models["mamba"], tmp_path, "mamba", "kvbridge", dtype="float32")
     for pair, (prefilled, outputs) in results.items():
         assert [o["tokens"] for o in outputs] == expected, pair
@@ -283,12 +281,7 @@ def test_sliding_window_hybrid_between_tp_sizes_moves_head_slices(
     decoded alone gives a plain run's tokens (float32: TP 2 sums in another order than TP 1),
     and every head of every block each decode rank holds equals that head of prefill's, byte
     for byte."""
-    plain = Instance(models["sliding"], None, tmp_path / "sliding-plain-float32.log",
-                     env={**FAMILY_ENV["sliding"], "KVBRIDGE_TEST_DTYPE": "float32"})  # fmt: skip
-    try:
-        expected = [output["tokens"] for output in plain.generate(PROMPTS, MAX_TOKENS)["outputs"]]
-    finally:
-        plain.close()
+    expected = plain_tokens(models["sliding"], tmp_path, "sliding", dtype="float32")
     results = run_tp_pairs(models["sliding"], tmp_path, "sliding", "kvbridge", dtype="float32")
     for pair, (prefilled, outputs) in results.items():
         assert [o["tokens"] for o in outputs] == expected, pair
