@@ -48,7 +48,7 @@ from kvbridge.core.decode_protocol import (
     ScatterChunk,
 )
 from kvbridge.core.protocol import Tick
-from kvbridge.core.room import COMPLETING_NOTIFICATIONS, DecodeRoom, RoomStatus
+from kvbridge.core.room import COMPLETING_NOTIFICATIONS, SKIPPED_PAGE, DecodeRoom, RoomStatus
 from kvbridge.runtime import RankManager, RankRuntime
 from kvbridge.wire import FailureKind, KVPoll, Message, TransferRequest
 from kvbridge.wire.address import tcp_endpoint
@@ -327,7 +327,10 @@ class KVReceiver:
     ) -> None:
         """Ask the prefill ranks to fill these pages (and aux slot, state slots): one request
         to each prefill rank this decode rank reads heads from, a dummy to the ranks it only
-        tells about the room. The first source alone writes the aux and state slots."""
+        tells about the room. The first source alone writes the aux and state slots.
+
+        `kv_pages` pairs with the room's pages after the first `decode_prefix_len` tokens;
+        SKIPPED_PAGE (-1) where decode needs nothing (pages of one size on both sides)."""
         if self._status.finished or self._route is None:
             return
         pages = np.asarray(kv_pages, dtype=np.int32).ravel()
@@ -360,7 +363,8 @@ class KVReceiver:
             expected_ranks=frozenset(self._route.prefill_ranks),
             notifying_ranks=notifying,
             deadline=time.monotonic() + self.manager.config.transfer_timeout_s,
-            dst_pages=pages.astype(np.int64),
+            # Staged chunks name decode's pages by their place among those prefill fills.
+            dst_pages=pages[pages != SKIPPED_PAGE].astype(np.int64),
             sources={source.prefill_rank: source for source in self._route.sources},
             endpoints=dict(self._endpoints),
             status=self._status,

@@ -23,7 +23,7 @@ from kvbridge.cache import TransferPlan
 from kvbridge.config import ManagerConfig
 from kvbridge.decode import DecodeManager, KVReceiver
 from kvbridge.engines import PendingWrite, TransferHandle
-from kvbridge.prefill import KVSender, PrefillManager
+from kvbridge.prefill import KVSender, PrefillManager, PrefillStats
 from kvbridge.wire import (
     NATIVE,
     Abort,
@@ -231,6 +231,34 @@ def test_two_prefill_groups_feed_one_decode_rank() -> None:
             assert np.array_equal(got[room * 8 : room * 8 + 4], want[4:8])
 
 
+def move_two_to_one(sources: list[RankCache], dst: RankCache, config: ManagerConfig,
+                    dst_pages: npt.NDArray[np.int64], ring_bytes: int | None = None,
+                    ) -> list[PrefillStats]:  # fmt: skip
+    """TP 2 → 1: both prefill ranks send room pages 2-3, then 8-10 (the last chunk), into
+    decode's `dst_pages`; the room must succeed. The prefill ranks' stats."""
+    first = PrefillManager(sources[0].args, dataclasses.replace(config, run_bootstrap=True))
+    url = first.bootstrap_url
+    second = PrefillManager(sources[1].args, dataclasses.replace(config, bootstrap_url=url))
+    decode_config = dataclasses.replace(config, bootstrap_url=url)
+    if ring_bytes is not None:
+        decode_config = dataclasses.replace(decode_config, staging_bytes=ring_bytes)
+    decode = DecodeManager(dst.args, decode_config)
+    try:
+        receiver = decode.receiver(1)
+        receiver.init(dst_pages)
+        senders = [manager.sender(1) for manager in (first, second)]
+        for sender in senders:
+            sender.send(np.arange(2, 4))
+            sender.send(np.arange(8, 11), last=True)
+        wait_for(finished(receiver, *senders))
+        assert receiver.poll() == KVPoll.Success, receiver.failure_reason
+        return [first.stats, second.stats]
+    finally:
+        decode.close()
+        first.close()
+        second.close()
+
+
 @pytest.mark.parametrize("kernels", ["numpy", "torch"])
 @pytest.mark.parametrize(
     ("ring_bytes", "staged", "fallbacks"), [(1 << 20, 2, 0), (1024, 1, 1), (512, 0, 2)]
@@ -250,31 +278,37 @@ def test_two_prefill_ranks_into_one_decode_rank_through_the_ring(
         pytest.importorskip("torch", reason="torch staging kernels need torch")
         sources, dst = [as_torch(cache) for cache in sources], as_torch(dst)
     config = ManagerConfig(engine=ENGINE, staging_kernels=kernels)
-    first = PrefillManager(sources[0].args, dataclasses.replace(config, run_bootstrap=True))
-    url = first.bootstrap_url
-    second = PrefillManager(sources[1].args, dataclasses.replace(config, bootstrap_url=url))
-    decode_config = dataclasses.replace(config, bootstrap_url=url, staging_bytes=ring_bytes)
-    decode = DecodeManager(dst.args, decode_config)
-    try:
-        receiver = decode.receiver(1)
-        dst_pages = np.array([20, 3, 7, 11, 0])
-        receiver.init(dst_pages)
-        senders = [manager.sender(1) for manager in (first, second)]
-        for sender in senders:
-            sender.send(np.arange(2, 4))
-            sender.send(np.arange(8, 11), last=True)
-        wait_for(finished(receiver, *senders))
-        assert receiver.poll() == KVPoll.Success, receiver.failure_reason
-        assert sum(m.stats.staged_chunks for m in (first, second)) == 2 * staged
-        assert sum(m.stats.staging_fallbacks for m in (first, second)) == 2 * fallbacks
-    finally:
-        decode.close()
-        first.close()
-        second.close()
+    dst_pages = np.array([20, 3, 7, 11, 0])
+    stats = move_two_to_one(sources, dst, config, dst_pages, ring_bytes)
+    assert sum(s.staged_chunks for s in stats) == 2 * staged
+    assert sum(s.staging_fallbacks for s in stats) == 2 * fallbacks
     src_pages = np.r_[2:4, 8:11]
     for rank, cache in enumerate(sources):
         for got, want in zip(dst.kv, cache.kv, strict=True):  # heads 2·rank, 2·rank + 1
             assert np.array_equal(got[dst_pages][:, :, 2 * rank : 2 * rank + 2], want[src_pages])
+
+
+@pytest.mark.parametrize("staging", [True, False])
+def test_positions_decode_skips_get_no_write_staged_or_not(staging: bool) -> None:
+    """A decode request that skips room pages inside the room (-1: a merged room of several
+    KV cache groups, one of which decode partly has): the other pages arrive in order, the
+    skipped ones are written nowhere, through decode's ring and token by token."""
+    geometry = dict(layer_ids=(0, 1), page_size=4, total_kv_heads=4, head_dim=8)
+    sources = [
+        rank_cache(num_pages=16, seed=51 + rank, attn_tp_rank=rank, attn_tp_size=2, **geometry)
+        for rank in range(2)
+    ]
+    dst = rank_cache(num_pages=24, seed=None, attn_tp_size=1, **geometry)
+    config = ManagerConfig(engine=ENGINE, staging=staging)
+    stats = move_two_to_one(sources, dst, config, np.array([20, -1, 7, 11, -1]))
+    assert sum(s.staged_chunks for s in stats) == (4 if staging else 0)
+    written = np.zeros(24, dtype=bool)
+    written[[20, 7, 11]] = True
+    for rank, cache in enumerate(sources):
+        for got, want in zip(dst.kv, cache.kv, strict=True):
+            heads = slice(2 * rank, 2 * rank + 2)
+            assert np.array_equal(got[[20, 7, 11]][:, :, heads], want[[2, 8, 9]])
+            assert not got[~written].any()  # nothing landed anywhere else
 
 
 @pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2)])

@@ -70,7 +70,7 @@ def test_decode_prefix_pages_are_skipped_and_offsets_count_from_the_prefix() -> 
     # Decode already holds the first 8 tokens (2 pages of 4): it asks for the pages after them.
     room = PrefillRoom(1, page_size=4)
     with_prefix = TransferRequest(1, "d0", False, np.array([30, 31, 32], np.int32), 0, [], 1, 8)
-    assert room.prefix_problem(with_prefix, dst_page_tokens=8) is None
+    assert room.request_problem(with_prefix, dst_page_size=8) is None
     room.on_request(with_prefix)
     room.add_chunk(Chunk(np.array([1]), last=False))  # room page 0: inside the prefix
     room.add_chunk(Chunk(np.array([2, 3]), last=False))  # pages 1 (prefix) and 2
@@ -94,13 +94,13 @@ def test_a_prefix_covering_the_whole_room_still_sends_the_last_chunk() -> None:
 def test_a_prefix_that_splits_a_page_is_refused() -> None:
     room = PrefillRoom(1, page_size=16)
     request = TransferRequest(1, "d0", False, np.array([3], np.int32), None, [], 1, 24)
-    problem = room.prefix_problem(request, dst_page_tokens=8)
+    problem = room.request_problem(request, dst_page_size=8)
     assert problem == (
         "room 1: decode_prefix_len 24 does not end on one of this prefill rank's pages of 16 tokens"
     )
     # A DCP decode rank's pages hold page_size × dcp_size tokens of the request.
     request = TransferRequest(1, "d0", False, np.array([3], np.int32), None, [], 1, 32)
-    assert room.prefix_problem(request, dst_page_tokens=16 * 4) == (
+    assert room.request_problem(request, 16, dst_dcp_size=4) == (
         "room 1: decode_prefix_len 32 does not end on one of decode's pages of 64 tokens"
     )
 
@@ -183,3 +183,44 @@ def test_a_dead_rank_that_confirms_is_settled_at_once() -> None:
     room.on_rank_dead(0, "prefill 0 silent", fenced_at=10.0)
     room.on_status(0, KVPoll.Failed, "it came back and reported")
     assert room.pages_safe(0.0)
+
+
+def test_skipped_positions_are_not_written_and_the_rest_stay_one_run() -> None:
+    # Decode needs room pages 1, 2 and 5 of six (a merged room of two groups, each with a
+    # block decode has): -1 marks the others.
+    room = PrefillRoom(1, page_size=4)
+    request = TransferRequest(1, "d0", False, np.array([-1, 40, 41, -1, -1, 42], np.int32),
+                              3, [], 1)  # fmt: skip
+    assert room.request_problem(request, dst_page_size=4) is None
+    room.on_request(request)
+    room.add_chunk(Chunk(np.array([10, 11, 12]), last=False))  # room pages 0-2
+    room.add_chunk(Chunk(np.array([13, 14, 15]), last=True, aux_index=0))  # 3-5
+    first, last = room.next_jobs()
+    assert (first.src_pages.tolist(), first.page_offset) == ([11, 12], 0)
+    assert (last.src_pages.tolist(), last.page_offset) == ([15], 2)
+    assert first.dst_pages.tolist() == last.dst_pages.tolist() == [40, 41, 42]
+
+
+def test_skipped_positions_with_a_prefix_and_past_decodes_list() -> None:
+    room = PrefillRoom(1, page_size=2)
+    # The first 4 tokens (2 pages) are decode's; of the rest it needs the 2nd and the 3rd.
+    request = TransferRequest(1, "d0", False, np.array([-1, 7, 8], np.int32), None, [], 1, 4)
+    room.on_request(request)
+    room.add_chunk(Chunk(np.arange(6), last=True))  # a page more than decode's list covers
+    (job,) = room.next_jobs()
+    assert (job.src_pages.tolist(), job.page_offset, job.dst_pages.tolist()) == ([3, 4], 0, [7, 8])
+
+
+def test_skipped_positions_need_one_page_size_and_no_dcp() -> None:
+    room = PrefillRoom(1, page_size=4)
+    request = TransferRequest(1, "d0", False, np.array([-1, 3], np.int32), None, [], 1)
+    assert room.request_problem(request, dst_page_size=8) == (
+        "room 1: decode skips pages inside the room (page index -1), which needs pages of one "
+        "size on both sides and no DCP: this prefill rank's pages hold 4 tokens, decode's 8 "
+        "(DCP 1)"
+    )
+    assert room.request_problem(request, 4, dst_dcp_size=2) is not None
+    negative = TransferRequest(1, "d0", False, np.array([-2, 3], np.int32), None, [], 1)
+    assert room.request_problem(negative, dst_page_size=4) == (
+        "room 1: decode page index -2 (only -1 skips a page)"
+    )

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from kv_cache import rank_cache
 
 from kvbridge.cache import GeometryError, PlanError
 from kvbridge.cache.plan import pair, plan_slots, plan_state_slices
@@ -27,6 +28,7 @@ from kvbridge.integrations.vllm_blocks import (
 )
 from kvbridge.integrations.vllm_cache import (
     MambaState,
+    RoomContents,
     VLLMCache,
     describe_kv_caches,
     layer_index,
@@ -42,6 +44,25 @@ DEVICES = [
 ]  # fmt: skip
 needs_torch = pytest.mark.skipif(torch_missing, reason="torch is not installed")
 LAYERS, BLOCKS, HEAD_SIZE = 3, 12, 8
+
+
+def test_one_room_moves_every_group_and_decode_skips_what_it_has() -> None:
+    # vLLM blocks of 16 tokens in kernel blocks (kvbridge pages) of 8: two pages a block.
+    args = rank_cache(num_pages=64, seed=None, layer_ids=(0,), page_size=8, total_kv_heads=1,
+                      head_dim=4, state_slots=4, state_item_bytes=(16,)).args  # fmt: skip
+    cache = VLLMCache(args, pages_per_block=2, state_slots=True)
+    # Prefill: the groups' blocks one after another; a state group's block is a slot.
+    sent = cache.send_contents([[5], [7, 8], [9]], {0})
+    assert sent == RoomContents([14, 15, 16, 17, 18, 19], [5])
+    assert cache.send_contents([[1], [7]], set()) == RoomContents([2, 3, 14, 15], [])
+    # Decode pairs its blocks with prefill's positions: a group's blocks before decode's
+    # (skips) and past them (prefill sends more) are skipped; leading ones are the prefix.
+    load = cache.load_contents([[5], [20], [30]], [0, 1, 0], [1, 2, 1], {0})
+    assert load == RoomContents([40, 41, 60, 61], [5], prefix_tokens=16)
+    load = cache.load_contents([[5], [20], [30]], [0, 0, 1], [1, 3, 2], {0})
+    assert load == RoomContents([40, 41, -1, -1, -1, -1, -1, -1, 60, 61], [5])
+    # The last group's positions past decode's blocks need no marking.
+    assert cache.load_contents([[20]], [0], [3], set()) == RoomContents([40, 41], [])
 
 
 def test_layer_numbers_come_from_vllm_layer_names() -> None:
@@ -265,8 +286,7 @@ def test_a_mamba_hybrids_state_moves_as_slots_beside_its_attention(
     prefill = [hybrid(rank, prefill_tp, fill=True) for rank in range(prefill_tp)]
     args = prefill[0][1].kv_args
     assert (args.kv_layout, args.layer_ids) == (KVLayout.MHA_HEAD_MAJOR, (1, 3))
-    assert prefill[0][1].room_contents([5], state=True) == ([], [5])
-    assert prefill[0][1].room_contents([5], state=False) == ([5], [])
+    assert prefill[0][1].send_contents([[5], [7, 8]], {0}) == RoomContents([7, 8], [5])
     mapping = topology(prefill_tp, decode_tp, 4, KVLayout.MHA_HEAD_MAJOR)
     for rank in range(decode_tp):
         dst_views, dst = hybrid(rank, decode_tp, fill=False)

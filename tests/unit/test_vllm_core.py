@@ -16,7 +16,8 @@ from kvbridge.integrations.vllm_requests import (
     BLOCK_SIZES_KEY,
     BLOCKS_KEY,
     BOOTSTRAP_KEY,
-    ROOMS_KEY,
+    GROUP_ROOMS_KEY,
+    ROOM_KEY,
     STAGES_KEY,
     ConnectorCounters,
     RemotePrefill,
@@ -51,7 +52,7 @@ def test_only_the_supported_vllm_release_starts() -> None:
 
 
 def test_remote_prefill_travels_in_kv_transfer_params() -> None:
-    remote = RemotePrefill("http://127.0.0.1:8998", (2**62 + 5, None), 300, "engine-a", "req-1",
+    remote = RemotePrefill("http://127.0.0.1:8998", 2**62 + 5, 300, "engine-a", "req-1",
                            ((0, 10), (0, 0)), (32, 32))  # fmt: skip
     params = remote.to_params()
     assert params["do_remote_prefill"] is True
@@ -61,19 +62,28 @@ def test_remote_prefill_travels_in_kv_transfer_params() -> None:
     assert RemotePrefill.from_params({"do_remote_prefill": True, "remote_block_ids": [1]}) is None
     assert RemotePrefill.from_params(None) is None
     assert RemotePrefill.from_params([BOOTSTRAP_KEY]) is None
-    with pytest.raises(OptionsError, match=rf"{ROOMS_KEY}\[0\]: '7' is not an integer"):
-        RemotePrefill.from_params({**params, ROOMS_KEY: ["7", None]})
+    with pytest.raises(OptionsError, match=f"{ROOM_KEY}: '7' is not an integer"):
+        RemotePrefill.from_params({**params, ROOM_KEY: "7"})
     with pytest.raises(OptionsError, match=f"{BOOTSTRAP_KEY}: 'tcp://x' is not an http URL"):
         RemotePrefill.from_params({**params, BOOTSTRAP_KEY: "tcp://x"})
     with pytest.raises(OptionsError, match=f"{BLOCKS_KEY}.*is not \\[first, count\\]"):
         RemotePrefill.from_params({**params, BLOCKS_KEY: [[0], [0, 0]]})
-    with pytest.raises(OptionsError, match="one entry per KV cache group, got 2, 2, 1"):
+    with pytest.raises(OptionsError, match="one entry per KV cache group, got 2 and 1"):
         RemotePrefill.from_params({**params, BLOCK_SIZES_KEY: [32]})
+    # The release before sent a room per group: one group's is the request's room, several
+    # are refused with the reason.
+    older = {key: value for key, value in params.items() if key != ROOM_KEY}
+    one_group = {**older, GROUP_ROOMS_KEY: [9], BLOCKS_KEY: [[0, 10]], BLOCK_SIZES_KEY: [32]}
+    legacy = RemotePrefill.from_params(one_group)
+    assert legacy is not None
+    assert legacy.room == 9
+    with pytest.raises(OptionsError, match="sends a room per KV cache group; run one release"):
+        RemotePrefill.from_params({**older, GROUP_ROOMS_KEY: [9, None]})
 
 
 def test_each_pipeline_stage_has_its_bootstrap_and_rooms() -> None:
     stages = ("http://10.0.0.1:9000", "http://10.0.0.1:9001")
-    remote = RemotePrefill(stages[0], (41, 8), 64, "e", "r", ((0, 2), (0, 1)), (32, 32), stages)
+    remote = RemotePrefill(stages[0], 41, 64, "e", "r", ((0, 2), (0, 1)), (32, 32), stages)
     params = remote.to_params()
     assert params[STAGES_KEY] == list(stages)
     assert RemotePrefill.from_params(params) == remote
@@ -92,7 +102,7 @@ def test_each_pipeline_stage_has_its_bootstrap_and_rooms() -> None:
 
 
 def test_decode_loads_only_what_its_prefix_cache_lacks() -> None:
-    remote = RemotePrefill("http://h:1", (1,), num_tokens=150, engine_id="", request_id="")
+    remote = RemotePrefill("http://h:1", 1, num_tokens=150, engine_id="", request_id="")
     assert tokens_to_load(remote, num_prompt_tokens=150, num_computed=0) == 150
     assert tokens_to_load(remote, num_prompt_tokens=150, num_computed=96) == 54
     assert tokens_to_load(remote, num_prompt_tokens=120, num_computed=0) == 120

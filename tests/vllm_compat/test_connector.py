@@ -120,7 +120,7 @@ def pair(request: pytest.FixtureRequest, model: Path, tmp_path_factory: pytest.T
 def test_decode_tokens_equal_a_plain_run(pair: Pair, reference: dict[Any, Any]) -> None:
     outputs, params = pair.run(PROMPTS)
     assert [output["tokens"] for output in outputs] == [reference[tuple(p)] for p in PROMPTS]
-    assert all(p["kvbridge_rooms"][0] and p["remote_num_tokens"] == len(q)
+    assert all(p["kvbridge_room"] and p["remote_num_tokens"] == len(q)
                for p, q in zip(params, PROMPTS, strict=True))  # fmt: skip
     decode = pair.decode.call("stats")["connector"]
     assert decode["loads_failed"] == 0
@@ -137,9 +137,9 @@ def test_bad_or_unreachable_parameters_are_computed_locally(
 ) -> None:
     # A client's kv_transfer_params are input: nothing in them may stop the engine.
     malformed = {"do_remote_prefill": True, "kvbridge_bootstrap_url": "http://127.0.0.1:1",
-                 "kvbridge_rooms": ["seven"], "kvbridge_blocks": [[0, 4]],
+                 "kvbridge_room": "seven", "kvbridge_blocks": [[0, 4]],
                  "kvbridge_block_sizes": [32], "remote_num_tokens": 97}  # fmt: skip
-    unreachable = {**malformed, "kvbridge_rooms": [7]}  # nothing listens on port 1
+    unreachable = {**malformed, "kvbridge_room": 7}  # nothing listens on port 1
     began = time.monotonic()
     outputs = pair.decode.generate([PROMPTS[2]] * 2, MAX_TOKENS, [malformed, unreachable])
     assert time.monotonic() - began < 20  # bootstrap_timeout_s is 5 s
@@ -147,9 +147,7 @@ def test_bad_or_unreachable_parameters_are_computed_locally(
     assert computed["tokens"] == reference[tuple(PROMPTS[2])]
     assert failed["finish_reason"] == "error"  # vLLM's default kv_load_failure_policy: fail
     log = pair.decode.log()
-    assert (
-        "computed locally: kv_transfer_params.kvbridge_rooms[0]: 'seven' is not an integer" in log
-    )
+    assert "computed locally: kv_transfer_params.kvbridge_room: 'seven' is not an integer" in log
     assert "KV load failed: prefill group at http://127.0.0.1:1 not complete after 5 s" in log
 
 

@@ -238,6 +238,46 @@ def test_sliding_window_hybrid_moves_only_the_window(
     assert stats["connector"]["requests_loaded"] == len(PROMPTS)
 
 
+def test_sliding_window_hybrid_after_a_decode_prefix_hit_skips_inside_the_room(
+    models: dict[str, Path], tmp_path: Path
+) -> None:
+    """Decode's prefix cache holds the first 288 tokens of a 300-token prompt (from an
+    earlier request: every full-attention block and the windowed blocks before token 288).
+    Prefill's room holds each windowed group's window (blocks 7-9); decode needs block 9 of
+    every group only, so it skips positions inside the room. Each prompt decoded alone gives
+    a plain run's tokens, and every block decode holds equals prefill's."""
+    model, family = models["sliding"], "sliding"
+    first = PROMPTS[3]
+    assert len(first) == 300
+    second = first[:288] + prompt(12, 99)
+    plain = Instance(model, None, tmp_path / "hit-plain.log", env=FAMILY_ENV[family])
+    try:
+        expected = [plain.generate([request], MAX_TOKENS)["outputs"][0]["tokens"]
+                    for request in (first, second)]  # fmt: skip
+    finally:
+        plain.close()
+    environment = {**FAMILY_ENV[family], **KV_BLOCKS}
+    prefill = Instance(model, kvbridge_config("kv_producer", "nixl"), tmp_path / "hit-p.log",
+                       env=environment)  # fmt: skip
+    decode = Instance(model, kvbridge_config("kv_consumer", "nixl"), tmp_path / "hit-d.log",
+                      env=environment)  # fmt: skip
+    try:
+        loaded: list[int] = []
+        for request, want in zip((first, second), expected, strict=True):
+            sent = prefill.generate([request], 1, [PREFILL_ONLY])["outputs"]
+            got = decode.generate([request], MAX_TOKENS, [sent[0]["kv_transfer_params"]])
+            assert got["outputs"][0]["tokens"] == want
+            assert assert_blocks_arrived(sent, got["outputs"]) > 0
+            loaded.append(decode.call("stats")["connector"]["pages_loaded"])
+        connector = decode.call("stats")["connector"]
+        assert (connector["requests_loaded"], connector["loads_failed"]) == (2, 0)
+        # The second request loads block 9 of each of the four groups, nothing before it.
+        assert loaded[1] - loaded[0] == 4
+    finally:
+        decode.close()
+        prefill.close()
+
+
 def test_mamba_hybrid_moves_the_state_with_the_attention_kv(
     models: dict[str, Path], tmp_path: Path
 ) -> None:

@@ -36,7 +36,7 @@ from vllm_views import execute, layer_views
 from kvbridge.cache import GeometryError
 from kvbridge.cache.plan import pair
 from kvbridge.integrations.vllm import KVBridgeConnector
-from kvbridge.integrations.vllm_cache import REQUIRED_LAYOUT, describe_kv_caches
+from kvbridge.integrations.vllm_cache import REQUIRED_LAYOUT, RoomContents, describe_kv_caches
 from kvbridge.integrations.vllm_specs import mamba_state
 from kvbridge.wire import KVLayout
 
@@ -169,4 +169,4 @@ def test_a_hybrid_models_state_pages_are_state_slots_beside_its_attention() -> N
     (*conv, ssm) = args.state_parts[0]
     assert sum(part.nbytes for part in conv) == conv_bytes
     assert (ssm.offset, ssm.nbytes) == (conv_bytes, math.prod(ssm_shape) * 4)
-    assert cache.room_contents([3], state=True) == ([], [3])
+    assert cache.send_contents([[3], [4]], {0}) == RoomContents([4], [3])

@@ -837,7 +837,8 @@ class PrefillProtocol(ProtocolCore):
             failure = Failure(peer.error.kind, f"room {message.room}: {peer.error.reason}")
             return self._fail(state, failure, message.peer_id)
         dst = peer.kv_args
-        problem = state.prefix_problem(message, dst.page_size * dst.dcp_size if dst else 1)
+        sizes = (dst.page_size, dst.dcp_size) if dst is not None else (1, 1)
+        problem = state.request_problem(message, *sizes)
         if problem is not None:
             return self._fail(state, Failure(FailureKind.INCOMPATIBLE, problem), message.peer_id)
         state.on_request(message)

@@ -17,6 +17,11 @@ from kvbridge.cache.topology import Source
 from kvbridge.wire.messages import FailureKind, KVPoll
 from kvbridge.wire.native import TransferRequest
 
+# A decode page index of -1 in a request: decode needs nothing at that position of the
+# room's pages (it has those tokens, or its window dropped them), so prefill writes none of
+# it. Prefill ranks before native 1.4 refuse the index (it lies outside decode's pages).
+SKIPPED_PAGE = -1
+
 _ORDER = {
     KVPoll.Bootstrapping: 1,
     KVPoll.WaitingForInput: 2,
@@ -84,9 +89,10 @@ class Chunk:
 
 @dataclass(frozen=True)
 class ChunkJob:
-    """What to write for one chunk to one decode rank: the chunk's local pages, how many of
-    the room's pages were sent before it, and all of the decode rank's pages for the room
-    (the planner maps tokens, which may differ in page size, heads and DCP layout)."""
+    """What to write for one chunk to one decode rank: the chunk's local pages that decode
+    needs, the place of the first among decode's pages, and all of the decode rank's pages
+    for the room (the planner maps tokens, which may differ in page size, heads and DCP
+    layout)."""
 
     room: int
     peer_id: str
@@ -101,6 +107,39 @@ class ChunkJob:
     dst_state_indices: tuple[int, ...]
 
 
+@dataclass(frozen=True)
+class Destination:
+    """Where one decode rank's request puts the room's pages: the positions after its
+    prefix go, in order, to decode's pages `positions` (SKIPPED_PAGE: nowhere). Writes name
+    decode's pages by their place in `pages`, the positions that go somewhere, so that a
+    chunk's pages stay one run on both sides."""
+
+    positions: npt.NDArray[np.int32]
+    pages: npt.NDArray[np.int32]
+    # Per position, how many before it go somewhere (one more entry: all of them).
+    kept_before: npt.NDArray[np.int64]
+
+    @staticmethod
+    def of(request: TransferRequest) -> Destination:
+        positions = np.asarray(request.dst_kv_indices, dtype=np.int32)
+        kept = positions != SKIPPED_PAGE
+        before = np.concatenate(([0], np.cumsum(kept, dtype=np.int64)))
+        return Destination(positions, positions[kept], before)
+
+    @property
+    def has_gaps(self) -> bool:
+        return self.pages.size != self.positions.size
+
+    def place(self, start: int, count: int) -> tuple[npt.NDArray[np.bool_], int]:
+        """For `count` pages from position `start`: which go somewhere (positions past
+        decode's list go nowhere), and the place of the first of them in `pages`."""
+        end = min(start + count, self.positions.size)
+        kept = np.zeros(count, dtype=bool)
+        if end > start:
+            kept[: end - start] = self.positions[start:end] != SKIPPED_PAGE
+        return kept, int(self.kept_before[min(start, self.positions.size)])
+
+
 @dataclass
 class PrefillRoom:
     """Prefill's view of a room: the decode request(s), the chunks to send, the progress."""
@@ -112,6 +151,7 @@ class PrefillRoom:
     page_size: int = 1
     status: RoomStatus = field(default_factory=RoomStatus)
     requests: dict[str, TransferRequest] = field(default_factory=dict)
+    destinations: dict[str, Destination] = field(default_factory=dict)
     # Whether the scheduler made a KVSender for the room; a room that only a request created
     # belongs to nobody until then, and is dropped if nobody claims it in time.
     claimed: bool = False
@@ -147,10 +187,14 @@ class PrefillRoom:
         """Created by a request, and no sender claimed it within `timeout_s`."""
         return not self.claimed and now - self.created_at > timeout_s
 
-    def prefix_problem(self, request: TransferRequest, dst_page_tokens: int) -> str | None:
-        """Why this rank cannot skip the request's decode prefix, if it cannot: the prefix
-        must end on a page boundary of this rank and of the decode rank (`dst_page_tokens`:
-        its page size times its DCP size, as sglang requires), or tokens would shift."""
+    def request_problem(
+        self, request: TransferRequest, dst_page_size: int, dst_dcp_size: int = 1
+    ) -> str | None:
+        """Why this rank cannot serve the request's pages, if it cannot: decode's prefix must
+        end on a page boundary of this rank and of the decode rank (its page size times its
+        DCP size, as sglang requires), or tokens would shift; skipped positions
+        (SKIPPED_PAGE) need pages of one size on both sides, no DCP."""
+        dst_page_tokens = dst_page_size * dst_dcp_size
         prefix = request.decode_prefix_len or 0
         for where, page in (("this prefill rank's", self.page_size), ("decode's", dst_page_tokens)):
             if prefix < 0 or prefix % page:
@@ -158,12 +202,23 @@ class PrefillRoom:
                     f"room {self.room}: decode_prefix_len {prefix} does not end on one of "
                     f"{where} pages of {page} tokens"
                 )
+        pages = np.asarray(request.dst_kv_indices)
+        if pages.size and pages.min() < SKIPPED_PAGE:
+            return f"room {self.room}: decode page index {pages.min()} (only -1 skips a page)"
+        gaps = pages.size and pages.min() == SKIPPED_PAGE
+        if gaps and (dst_page_size != self.page_size or dst_dcp_size != 1):
+            return (
+                f"room {self.room}: decode skips pages inside the room (page index -1), which "
+                f"needs pages of one size on both sides and no DCP: this prefill rank's pages "
+                f"hold {self.page_size} tokens, decode's {dst_page_size} (DCP {dst_dcp_size})"
+            )
         return None
 
     def on_request(self, request: TransferRequest) -> None:
         if self.status.finished:
             return
         self.requests[request.peer_id] = request
+        self.destinations[request.peer_id] = Destination.of(request)
         self.required_requests = request.required_dst_info_num
         if self.ready:
             self.status.advance(KVPoll.WaitingForInput)
@@ -202,10 +257,15 @@ class PrefillRoom:
             if request.is_dummy:
                 continue
             # Pages before decode's prefix are not sent; the request's pages begin at the
-            # prefix, so offsets count from there.
+            # prefix, so positions count from there.
             skip = (request.decode_prefix_len or 0) // self.page_size
             cut = min(chunk.src_pages.size, max(0, skip - self.pages_sent))
             src_pages = chunk.src_pages[cut:]
+            destination = self.destinations[peer_id]
+            start = max(0, self.pages_sent - skip)
+            if destination.has_gaps:  # only the positions decode fills, in a row
+                kept, start = destination.place(start, src_pages.size)
+                src_pages = src_pages[kept]
             if src_pages.size == 0 and not chunk.last:
                 continue
             jobs.append(
@@ -214,8 +274,8 @@ class PrefillRoom:
                     peer_id=peer_id,
                     chunk_idx=self.chunks_sent,
                     src_pages=src_pages,
-                    page_offset=max(0, self.pages_sent - skip),
-                    dst_pages=request.dst_kv_indices,
+                    page_offset=start,
+                    dst_pages=destination.pages,
                     last=chunk.last,
                     src_aux_index=chunk.aux_index if chunk.last else None,
                     dst_aux_index=request.dst_aux_index if chunk.last else None,

@@ -32,6 +32,7 @@ from kvbridge.cache.spec import (
     kv_heads_on_rank,
 )
 from kvbridge.cache.topology import TopologyError, rank_heads
+from kvbridge.core.room import SKIPPED_PAGE
 from kvbridge.wire.messages import KVLayout, MemoryKind
 
 # The KV cache layout the connector asks vLLM for (`get_required_kvcache_layout`): every
@@ -48,8 +49,15 @@ def layer_index(name: str) -> int:
     return int(numbers[0])
 
 
-# What a room moves: (KV pages, state slots).
-RoomContents = tuple[list[int], list[int]]
+@dataclass(frozen=True)
+class RoomContents:
+    """What a request's room moves on one side: KV pages (decode's: paired with prefill's
+    pages after the first `prefix_tokens` tokens, SKIPPED_PAGE where it needs nothing) and
+    state slots. Every KV cache group's blocks, group after group."""
+
+    pages: list[int]
+    slots: list[int]
+    prefix_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -68,12 +76,45 @@ class VLLMCache:
         per = self.pages_per_block
         return tuple(block * per + part for block in blocks for part in range(per))
 
-    def room_contents(self, blocks: Sequence[int], state: bool) -> RoomContents:
-        """What a room of one KV cache group moves: (KV pages, state slots); `state`: the
-        group keeps a recurrent state."""
-        if state and self.state_slots:
-            return [], list(blocks)
-        return list(self.pages_of(blocks)), []
+    def _slots(self, group: int, state_groups: AbstractSet[int]) -> bool:
+        """Whether the group's blocks move as state slots (else as KV pages)."""
+        return self.state_slots and group in state_groups
+
+    def send_contents(self, blocks: Sequence[Sequence[int]],
+                      state_groups: AbstractSet[int]) -> RoomContents:  # fmt: skip
+        """Prefill: what a request's room moves, per KV cache group its blocks that move
+        (`state_groups`: those that keep a recurrent state)."""
+        pages: list[int] = []
+        slots: list[int] = []
+        for group, ids in enumerate(blocks):
+            if self._slots(group, state_groups):
+                slots += ids
+            else:
+                pages += self.pages_of(ids)
+        return RoomContents(pages, slots)
+
+    def load_contents(
+        self, blocks: Sequence[Sequence[int]], skips: Sequence[int], sent: Sequence[int],
+        state_groups: AbstractSet[int],
+    ) -> RoomContents:  # fmt: skip
+        """Decode: what it asks of a request's room. Per KV cache group: the blocks it fills,
+        how many of the blocks prefill sends for the group come before them (`skips`) and
+        how many prefill sends (`sent`, in blocks of the same size where another group
+        follows). Positions decode needs nothing at are SKIPPED_PAGE; the leading ones
+        become the prefix."""
+        per = self.pages_per_block
+        pages: list[int] = []
+        slots: list[int] = []
+        kv_groups = [g for g in range(len(blocks)) if not self._slots(g, state_groups)]
+        for group, (ids, skip, count) in enumerate(zip(blocks, skips, sent, strict=True)):
+            if group not in kv_groups:
+                slots += ids
+                continue
+            pages += [SKIPPED_PAGE] * (skip * per) + list(self.pages_of(ids))
+            if group != kv_groups[-1]:  # the positions prefill sends past decode's blocks
+                pages += [SKIPPED_PAGE] * (max(0, count - skip - len(ids)) * per)
+        prefix = next((i for i, page in enumerate(pages) if page != SKIPPED_PAGE), len(pages))
+        return RoomContents(pages[prefix:], slots, prefix * self.kv_args.page_size)
 
 
 def _byte_strides(tensor: Any) -> tuple[int, ...]:

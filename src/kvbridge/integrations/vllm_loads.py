@@ -1,8 +1,9 @@
-"""Decode's loads on one worker of kvbridge's vLLM connector: per request a room per KV cache
-group (and prefill pipeline stage) that moves, opened off the engine's step, polled until its
-pages are safe, counted, and its failure kept for vLLM; and the releases (rooms that only tell
-prefill decode needs nothing). `vllm_worker.WorkerSide` owns the `Loads` and lends it the
-decode manager, the KV cache and the thread pool it opens rooms on. No vLLM import."""
+"""Decode's loads on one worker of kvbridge's vLLM connector: per request its room (one per
+prefill pipeline stage; every KV cache group's blocks move in it), opened off the engine's
+step, polled until its pages are safe, counted, and its failure kept for vLLM; and the
+releases (rooms that only tell prefill decode needs nothing). `vllm_worker.WorkerSide` owns
+the `Loads` and lends it the decode manager, the KV cache and the thread pool it opens rooms
+on. No vLLM import."""
 
 from __future__ import annotations
 
@@ -54,7 +55,7 @@ class _Room:
 
 @dataclass
 class _Load:
-    """One request's load: a room per KV cache group that moves."""
+    """One request's load: its room at each prefill pipeline stage."""
 
     rooms: list[_Room]
     blocks: tuple[int, ...]  # every block it fills, for vLLM's failed-block report
@@ -77,14 +78,14 @@ class _Load:
                 receiver.clear()
 
 
-def _open_room(decode: DecodeManager, url: str, room: int, contents: RoomContents | None,
-               prefix: int) -> KVReceiver:  # fmt: skip
+def _open_room(decode: DecodeManager, url: str, room: int,
+               contents: RoomContents | None) -> KVReceiver:  # fmt: skip
     """Look the prefill instance up, send the request for these (KV pages, state slots) (on
     the opener pool, or inline once the instance is known)."""
     receiver = decode.receiver(room, url)
     if contents is not None:
-        pages, slots = contents
-        receiver.init(pages, state_indices=slots, decode_prefix_len=prefix)
+        receiver.init(contents.pages, state_indices=contents.slots,
+                      decode_prefix_len=contents.prefix_tokens)  # fmt: skip
     return receiver
 
 
@@ -124,26 +125,18 @@ class Loads:
             if decode is not None:  # prefill frees its blocks now, not at its deadline
                 self.release(load.remote, decode)
             return
-        # A page of this rank holds `page_size` tokens (1 for opaque pages): the blocks
-        # prefill sends before decode's first one, in those units.
-        unit = cache.pages_per_block * cache.kv_args.page_size
+        sent = tuple(count for _, count in load.remote.blocks)
+        contents = cache.load_contents(load.blocks, load.skips, sent, state_groups)
+        # A room per pipeline stage of the prefill instance (each stage writes the layers it
+        # holds into decode's pages).
         rooms: list[_Room] = []
-        # A room per KV cache group and pipeline stage of the prefill instance (each stage
-        # writes the layers it holds into decode's pages).
         for stage, url in enumerate(load.remote.stages):
-            for group, (room, group_blocks, skip) in enumerate(
-                zip(load.remote.rooms, load.blocks, load.skips, strict=True)
-            ):
-                if room is None:
-                    continue
-                room = stage_room(room, stage)
-                if not group_blocks:  # prefill sends nothing decode has no use for
-                    reason = "decode needs no block of this group"
-                    rooms.append(_Room(self._opening(decode, url, room), abort_reason=reason))
-                    continue
-                contents = cache.room_contents(group_blocks, group in state_groups)
-                rooms.append(_Room(self._opening(decode, url, room, contents, skip * unit),
-                                   len(group_blocks)))  # fmt: skip
+            room = stage_room(load.remote.room, stage)
+            if not contents.pages and not contents.slots:  # prefill sends nothing of use
+                reason = "decode needs no block prefill sends"
+                rooms.append(_Room(self._opening(decode, url, room), abort_reason=reason))
+            else:
+                rooms.append(_Room(self._opening(decode, url, room, contents), len(blocks)))
         self._loads[load.request_id] = _Load(rooms, blocks)
 
     def abort(self, request_id: str) -> None:
@@ -166,20 +159,18 @@ class Loads:
 
     @staticmethod
     def _stage_rooms(remote: RemotePrefill) -> list[tuple[str, int]]:
-        """(bootstrap URL, room) of each KV cache group's room at each pipeline stage."""
-        return [(url, stage_room(room, stage)) for stage, url in enumerate(remote.stages)
-                for room in remote.rooms if room is not None]  # fmt: skip
+        """(bootstrap URL, room) of the request's room at each pipeline stage."""
+        return [(url, stage_room(remote.room, stage)) for stage, url in enumerate(remote.stages)]
 
     def _opening(self, decode: DecodeManager, url: str, room: int,
-                 contents: RoomContents | None = None,
-                 prefix: int = 0) -> Future[KVReceiver]:  # fmt: skip
+                 contents: RoomContents | None = None) -> Future[KVReceiver]:  # fmt: skip
         """The room opened here when its prefill instance is known (no blocking lookup: a
         hop to the pool would only add thread hand-offs), else on the pool."""
         if not decode.knows_prefill(url):
-            return self._opener.submit(_open_room, decode, url, room, contents, prefix)
+            return self._opener.submit(_open_room, decode, url, room, contents)
         opened: Future[KVReceiver] = Future()
         try:
-            opened.set_result(_open_room(decode, url, room, contents, prefix))
+            opened.set_result(_open_room(decode, url, room, contents))
         except Exception as exc:  # the load's failure, as from the pool
             opened.set_exception(exc)
         return opened

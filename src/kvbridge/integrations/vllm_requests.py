@@ -18,7 +18,9 @@ T = TypeVar("T")
 # Keys kvbridge adds to vLLM's kv_transfer_params (the rest are vLLM's PD keys).
 BOOTSTRAP_KEY = "kvbridge_bootstrap_url"
 STAGES_KEY = "kvbridge_stage_urls"
-ROOMS_KEY = "kvbridge_rooms"
+ROOM_KEY = "kvbridge_room"
+# A release before the merged room sent a room per KV cache group under this key.
+GROUP_ROOMS_KEY = "kvbridge_rooms"
 BLOCKS_KEY = "kvbridge_blocks"
 BLOCK_SIZES_KEY = "kvbridge_block_sizes"
 
@@ -27,13 +29,13 @@ BLOCK_SIZES_KEY = "kvbridge_block_sizes"
 class RemotePrefill:
     """What a decode instance needs to load a request's KV from the prefill instance: it
     travels in vLLM's ``kv_transfer_params``, from the prefill output to the decode request.
-    Per KV cache group: its room (None: the group sends nothing), the blocks prefill holds
-    for it (first block position, count) and its block size. Per pipeline stage of the
-    prefill instance: its bootstrap service (`bootstrap_url` is the first stage's); a stage's
-    room for a group is `stage_room(room, stage)`."""
+    The request's room (every KV cache group's blocks move in it, group after group); per
+    group the blocks prefill holds for it (first block position, count) and its block size.
+    Per pipeline stage of the prefill instance: its bootstrap service (`bootstrap_url` is the
+    first stage's); a stage's room is `stage_room(room, stage)`."""
 
     bootstrap_url: str
-    rooms: tuple[int | None, ...]
+    room: int
     num_tokens: int
     engine_id: str
     request_id: str
@@ -57,7 +59,7 @@ class RemotePrefill:
             "remote_port": int(port),
             "remote_num_tokens": self.num_tokens,
             BOOTSTRAP_KEY: self.bootstrap_url,
-            ROOMS_KEY: list(self.rooms),
+            ROOM_KEY: self.room,
             BLOCKS_KEY: [list(pair) for pair in self.blocks],
             BLOCK_SIZES_KEY: list(self.block_sizes),
             STAGES_KEY: list(self.stages),
@@ -75,17 +77,16 @@ class RemotePrefill:
             raise OptionsError(f"kv_transfer_params.{STAGES_KEY}: {stages!r} does not begin "
                                f"with {BOOTSTRAP_KEY}")  # fmt: skip
         tokens = _count(params, "remote_num_tokens", params.get("remote_num_tokens"))
-        rooms = _listed(params, ROOMS_KEY, lambda key, v: None if v is None else _count(
-            params, key, v))  # fmt: skip
+        room = _room(params)
         blocks = _listed(params, BLOCKS_KEY, _block_range)
         sizes = _listed(params, BLOCK_SIZES_KEY, lambda key, v: _count(params, key, v))
-        if not len(rooms) == len(blocks) == len(sizes) or not rooms:
+        if len(blocks) != len(sizes) or not blocks:
             raise OptionsError(
-                f"kv_transfer_params: {ROOMS_KEY}, {BLOCKS_KEY} and {BLOCK_SIZES_KEY} need one "
-                f"entry per KV cache group, got {len(rooms)}, {len(blocks)}, {len(sizes)}"
+                f"kv_transfer_params: {BLOCKS_KEY} and {BLOCK_SIZES_KEY} need one entry per KV "
+                f"cache group, got {len(blocks)} and {len(sizes)}"
             )
         return RemotePrefill(
-            url, tuple(rooms), tokens, str(params.get("remote_engine_id", "")),
+            url, room, tokens, str(params.get("remote_engine_id", "")),
             str(params.get("remote_request_id", "")), tuple(blocks), tuple(sizes),
             tuple(stages) if len(stages) > 1 else (),
         )  # fmt: skip
@@ -94,6 +95,20 @@ class RemotePrefill:
 def stage_room(room: int, stage: int) -> int:
     """A pipeline stage's room for a group's room (stage 0: the room itself)."""
     return room ^ stage
+
+
+def _room(params: Mapping[str, Any]) -> int:
+    """The request's room. A prefill of the release before sent a room per KV cache group:
+    with one group that is the same room; with several it moved them apart."""
+    if ROOM_KEY in params or GROUP_ROOMS_KEY not in params:
+        return _count(params, ROOM_KEY, params.get(ROOM_KEY))
+    rooms = params.get(GROUP_ROOMS_KEY)
+    if not (isinstance(rooms, list) and len(rooms) == 1):
+        raise OptionsError(
+            f"kv_transfer_params.{GROUP_ROOMS_KEY}: {rooms!r}: the prefill instance runs an "
+            "older kvbridge that sends a room per KV cache group; run one release on both"
+        )
+    return _count(params, f"{GROUP_ROOMS_KEY}[0]", rooms[0])
 
 
 def _url(key: str, value: object) -> str:
@@ -155,11 +170,11 @@ def decode_request(body: Mapping[str, Any], prefill_answer: Mapping[str, Any]) -
 
 @dataclass(frozen=True)
 class SendSpec:
-    """Prefill: a finished request whose blocks decode will ask for, one room per KV cache
-    group (None: nothing to send for that group)."""
+    """Prefill: a finished request whose blocks decode will ask for, in one room: per KV
+    cache group, its blocks that move."""
 
     request_id: str
-    rooms: tuple[int | None, ...]
+    room: int
     blocks: tuple[tuple[int, ...], ...]
 
 

@@ -154,9 +154,9 @@ class SchedulerSide:
                 f"tokens; with a recurrent state it must stop {backoff} short (the state would "
                 "take a token twice)"
             )
-        if len(remote.rooms) != len(groups):
+        if len(remote.blocks) != len(groups):
             raise LoadPlanError(
-                f"prefill sends {len(remote.rooms)} KV cache group(s), this instance has "
+                f"prefill sends {len(remote.blocks)} KV cache group(s), this instance has "
                 f"{len(groups)}: both must run the same model"
             )
         theirs = tuple(remote.block_sizes)
@@ -169,9 +169,6 @@ class SchedulerSide:
             )
         loads = blocks_to_load(groups, block_ids, prefix, count, remote.blocks,
                                same_block_size=theirs == ours)  # fmt: skip
-        for index, load in enumerate(loads):
-            if load.blocks and remote.rooms[index] is None:
-                raise LoadPlanError(f"group {index}: prefill sends nothing for it")
         return LoadSpec(request.request_id, remote, tuple(load.blocks for load in loads),
                         tuple(load.skip for load in loads))  # fmt: skip
 
@@ -209,11 +206,11 @@ class SchedulerSide:
             return False, None
         if not any(group.blocks for group in sent):
             return False, None
-        rooms = tuple(secrets.randbits(63) if group.blocks else None for group in sent)
-        self._step.sends.append(SendSpec(request_id, rooms, tuple(g.blocks for g in sent)))
+        room = secrets.randbits(63)
+        self._step.sends.append(SendSpec(request_id, room, tuple(g.blocks for g in sent)))
         self._sending.add(request_id)
         remote = RemotePrefill(
-            urls[0], rooms, request.num_computed_tokens, self.config.engine_id, request_id,
+            urls[0], room, request.num_computed_tokens, self.config.engine_id, request_id,
             tuple((group.first, len(group.blocks)) for group in sent),
             tuple(group.block_size for group in self.config.groups), urls,
         )  # fmt: skip

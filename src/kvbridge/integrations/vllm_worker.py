@@ -88,7 +88,8 @@ class WorkerConfig:
 
 @dataclass
 class _Send:
-    """One request's send: a sender per room of this pipeline stage, and its block count."""
+    """One request's send: the sender of its room at this pipeline stage (none if it could
+    not be made), and its block count."""
 
     senders: list[KVSender]
     blocks: int
@@ -168,14 +169,10 @@ class WorkerSide:
             if self.prefill is None or self.cache is None:
                 continue
             senders = []
-            try:
-                for group, (room, blocks) in enumerate(zip(send.rooms, send.blocks, strict=True)):
-                    if room is not None:  # this pipeline stage's room: its layers
-                        senders.append(self.prefill.sender(stage_room(room, self.config.pp_rank)))
-                        pages, slots = self.cache.room_contents(
-                            blocks, group in self.config.state_groups
-                        )
-                        senders[-1].send(pages, last=True, state_indices=slots)
+            contents = self.cache.send_contents(send.blocks, self.config.state_groups)
+            try:  # this pipeline stage's room: its layers of every group
+                senders.append(self.prefill.sender(stage_room(send.room, self.config.pp_rank)))
+                senders[-1].send(contents.pages, last=True, state_indices=contents.slots)
             except ValueError as exc:  # a room id ended here before: free the blocks
                 log.error("request %s: not sent: %s", send.request_id, exc)
                 for sender in senders:

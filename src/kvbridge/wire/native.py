@@ -51,7 +51,7 @@ from kvbridge.wire.profile import Inspection, Profile, Receiver, require_frames
 PROFILE = "kvbridge/1"
 MAGIC = b"KVBR"
 MAJOR = 1
-MINOR = 3
+MINOR = 4
 FLAG_TAG = 0x01
 KNOWN_FLAGS = FLAG_TAG
 
@@ -282,7 +282,12 @@ _LAYOUT_ROWS: tuple[tuple[int, type[Message], str, tuple[Field, ...]], ...] = (
             Field("room", c.U64),
             Field("peer_id", c.UTF8, "the registration's peer_id"),
             Field("is_dummy", c.BOOL, "this rank sends nothing, only reports completion"),
-            Field("dst_kv_indices", c.INT32_ARRAY),
+            Field(
+                "dst_kv_indices",
+                c.INT32_ARRAY,
+                "decode's pages for the room's pages after the prefix; -1: none, decode needs "
+                "nothing at that position (1.4; older prefill ranks refuse it)",
+            ),
             _optional("dst_aux_index", c.U64, "absent for a dummy"),
             Field("dst_state_indices", c.I32_LISTS),
             Field("required_dst_info_num", c.U32),
