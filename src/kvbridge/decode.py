@@ -330,7 +330,8 @@ class KVReceiver:
         tells about the room. The first source alone writes the aux and state slots.
 
         `kv_pages` pairs with the room's pages after the first `decode_prefix_len` tokens;
-        SKIPPED_PAGE (-1) where decode needs nothing (pages of one size on both sides)."""
+        SKIPPED_PAGE (-1) where decode needs nothing (pages of one size on both sides, and
+        prefill ranks of native 1.4 or later: an older one may misplace the others)."""
         if self._status.finished or self._route is None:
             return
         pages = np.asarray(kv_pages, dtype=np.int32).ravel()

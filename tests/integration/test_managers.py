@@ -233,9 +233,10 @@ def test_two_prefill_groups_feed_one_decode_rank() -> None:
 
 def move_two_to_one(sources: list[RankCache], dst: RankCache, config: ManagerConfig,
                     dst_pages: npt.NDArray[np.int64], ring_bytes: int | None = None,
-                    ) -> list[PrefillStats]:  # fmt: skip
+                    prefix: int = 0) -> list[PrefillStats]:  # fmt: skip
     """TP 2 → 1: both prefill ranks send room pages 2-3, then 8-10 (the last chunk), into
-    decode's `dst_pages`; the room must succeed. The prefill ranks' stats."""
+    decode's `dst_pages` (after `prefix` tokens decode has); the room must succeed. The
+    prefill ranks' stats."""
     first = PrefillManager(sources[0].args, dataclasses.replace(config, run_bootstrap=True))
     url = first.bootstrap_url
     second = PrefillManager(sources[1].args, dataclasses.replace(config, bootstrap_url=url))
@@ -245,7 +246,7 @@ def move_two_to_one(sources: list[RankCache], dst: RankCache, config: ManagerCon
     decode = DecodeManager(dst.args, decode_config)
     try:
         receiver = decode.receiver(1)
-        receiver.init(dst_pages)
+        receiver.init(dst_pages, decode_prefix_len=prefix)
         senders = [manager.sender(1) for manager in (first, second)]
         for sender in senders:
             sender.send(np.arange(2, 4))
@@ -288,11 +289,13 @@ def test_two_prefill_ranks_into_one_decode_rank_through_the_ring(
             assert np.array_equal(got[dst_pages][:, :, 2 * rank : 2 * rank + 2], want[src_pages])
 
 
+@pytest.mark.parametrize("prefix", [0, 4])
 @pytest.mark.parametrize("staging", [True, False])
-def test_positions_decode_skips_get_no_write_staged_or_not(staging: bool) -> None:
+def test_positions_decode_skips_get_no_write_staged_or_not(staging: bool, prefix: int) -> None:
     """A decode request that skips room pages inside the room (-1: a merged room of several
-    KV cache groups, one of which decode partly has): the other pages arrive in order, the
-    skipped ones are written nowhere, through decode's ring and token by token."""
+    KV cache groups, one of which decode partly has), after a prefix or not: the other pages
+    arrive in order, the skipped ones are written nowhere, through decode's ring and token
+    by token."""
     geometry = dict(layer_ids=(0, 1), page_size=4, total_kv_heads=4, head_dim=8)
     sources = [
         rank_cache(num_pages=16, seed=51 + rank, attn_tp_rank=rank, attn_tp_size=2, **geometry)
@@ -300,14 +303,17 @@ def test_positions_decode_skips_get_no_write_staged_or_not(staging: bool) -> Non
     ]
     dst = rank_cache(num_pages=24, seed=None, attn_tp_size=1, **geometry)
     config = ManagerConfig(engine=ENGINE, staging=staging)
-    stats = move_two_to_one(sources, dst, config, np.array([20, -1, 7, 11, -1]))
-    assert sum(s.staged_chunks for s in stats) == (4 if staging else 0)
+    # Room pages 2, 3, 8, 9, 10; decode needs 2 (unless in its prefix of a page), 8 and 9.
+    wanted = [20, -1, 7, 11, -1]
+    stats = move_two_to_one(sources, dst, config, np.array(wanted[prefix // 4 :]), None, prefix)
+    assert sum(s.staged_chunks for s in stats) == (4 - (prefix > 0) * 2 if staging else 0)
+    pairs = {7: 8, 11: 9} if prefix else {20: 2, 7: 8, 11: 9}  # decode page: prefill page
     written = np.zeros(24, dtype=bool)
-    written[[20, 7, 11]] = True
+    written[list(pairs)] = True
     for rank, cache in enumerate(sources):
         for got, want in zip(dst.kv, cache.kv, strict=True):
             heads = slice(2 * rank, 2 * rank + 2)
-            assert np.array_equal(got[[20, 7, 11]][:, :, heads], want[[2, 8, 9]])
+            assert np.array_equal(got[list(pairs)][:, :, heads], want[list(pairs.values())])
             assert not got[~written].any()  # nothing landed anywhere else
 
 

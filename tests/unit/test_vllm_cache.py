@@ -61,7 +61,8 @@ def test_one_room_moves_every_group_and_decode_skips_what_it_has() -> None:
     assert load == RoomContents([40, 41, 60, 61], [5], prefix_tokens=16)
     load = cache.load_contents([[5], [20], [30]], [0, 0, 1], [1, 3, 2], {0})
     assert load == RoomContents([40, 41, -1, -1, -1, -1, -1, -1, 60, 61], [5])
-    # The last group's positions past decode's blocks need no marking.
+    # The last group's positions past decode's blocks are not marked (decode's last block is
+    # prefill's last: blocks_to_load).
     assert cache.load_contents([[20]], [0], [3], set()) == RoomContents([40, 41], [])
 
 

@@ -71,7 +71,10 @@ def test_remote_prefill_travels_in_kv_transfer_params() -> None:
     with pytest.raises(OptionsError, match="one entry per KV cache group, got 2 and 1"):
         RemotePrefill.from_params({**params, BLOCK_SIZES_KEY: [32]})
     # The release before sent a room per group: one group's is the request's room, several
-    # are refused with the reason.
+    # are refused with the reason; a one-group model's parameters still name it there.
+    single = RemotePrefill("http://h:1", 5, 64, "e", "r", ((0, 2),), (32,)).to_params()
+    assert single[GROUP_ROOMS_KEY] == [5]
+    assert GROUP_ROOMS_KEY not in params
     older = {key: value for key, value in params.items() if key != ROOM_KEY}
     one_group = {**older, GROUP_ROOMS_KEY: [9], BLOCKS_KEY: [[0, 10]], BLOCK_SIZES_KEY: [32]}
     legacy = RemotePrefill.from_params(one_group)

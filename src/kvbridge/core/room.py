@@ -19,7 +19,9 @@ from kvbridge.wire.native import TransferRequest
 
 # A decode page index of -1 in a request: decode needs nothing at that position of the
 # room's pages (it has those tokens, or its window dropped them), so prefill writes none of
-# it. Prefill ranks before native 1.4 refuse the index (it lies outside decode's pages).
+# it. It needs prefill ranks of native 1.4 or later: an older one refuses it on its
+# page-by-page paths but misplaces pages on its gathered ones (the vLLM connector sends it
+# only to prefill instances whose parameters say they are new enough).
 SKIPPED_PAGE = -1
 
 _ORDER = {

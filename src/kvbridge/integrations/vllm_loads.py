@@ -200,7 +200,7 @@ class Loads:
         succeeded = True
         for room in load.rooms:
             if not room.pages:
-                continue  # a group decode needs nothing from: it only has to settle
+                continue  # a room decode needs nothing from: it only has to settle
             receiver = room.receiver()
             poll = receiver.poll() if receiver is not None else KVPoll.Failed
             if poll == KVPoll.Failed and reason is None:
@@ -208,7 +208,7 @@ class Loads:
                           else f"{receiver.failure_reason} [{receiver.failure_kind}]")  # fmt: skip
             succeeded = succeeded and poll == KVPoll.Success
         if reason is not None:
-            load.give_up(f"another KV cache group's load failed: {reason}")
+            load.give_up(f"another pipeline stage's load failed: {reason}")
             load.send_aborts()
         elif not succeeded:
             return False

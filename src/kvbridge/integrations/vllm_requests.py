@@ -63,6 +63,10 @@ class RemotePrefill:
             BLOCKS_KEY: [list(pair) for pair in self.blocks],
             BLOCK_SIZES_KEY: list(self.block_sizes),
             STAGES_KEY: list(self.stages),
+            # A decode of the release before reads a one-group model's room here (it would
+            # read several groups' blocks as a room each: for those it finds none, and the
+            # request is computed there).
+            **({GROUP_ROOMS_KEY: [self.room]} if len(self.blocks) == 1 else {}),
         }
 
     @staticmethod
@@ -93,7 +97,7 @@ class RemotePrefill:
 
 
 def stage_room(room: int, stage: int) -> int:
-    """A pipeline stage's room for a group's room (stage 0: the room itself)."""
+    """A pipeline stage's room for a request's room (stage 0: the room itself)."""
     return room ^ stage
 
 

@@ -249,7 +249,8 @@ class ChunkReady(Message):
     num_pages: int
     session_id: str
     prefill_rank: int
-    # Native profile only: the chunk's global tokens, which decode maps to its own pages.
+    # Native profile only: the chunk's tokens, counted in decode's pages for the room (after
+    # its prefix, skipped positions left out), which decode maps to its own pages.
     token_start: int = 0
     token_count: int = 0
 

@@ -286,7 +286,7 @@ _LAYOUT_ROWS: tuple[tuple[int, type[Message], str, tuple[Field, ...]], ...] = (
                 "dst_kv_indices",
                 c.INT32_ARRAY,
                 "decode's pages for the room's pages after the prefix; -1: none, decode needs "
-                "nothing at that position (1.4; older prefill ranks refuse it)",
+                "nothing at that position (1.4: only to prefill ranks of 1.4 or later)",
             ),
             _optional("dst_aux_index", c.U64, "absent for a dummy"),
             Field("dst_state_indices", c.I32_LISTS),
@@ -375,7 +375,12 @@ _LAYOUT_ROWS: tuple[tuple[int, type[Message], str, tuple[Field, ...]], ...] = (
             Field("num_pages", c.U32),
             Field("session_id", c.ENDPOINT, "prefill's control endpoint (watermarks go there)"),
             Field("prefill_rank", c.U32),
-            Field("token_start", c.U64, "first global token of the chunk"),
+            Field(
+                "token_start",
+                c.U64,
+                "the chunk's first token in decode's pages for the room (after decode's prefix; "
+                "positions decode skips with -1 left out)",
+            ),
             Field("token_count", c.U64, "tokens of the chunk (prefill pages × page size)"),
         ),
     ),
