@@ -24,6 +24,7 @@ class StandIn:
 
     def __init__(self, answer: Any, stream: bool = False) -> None:
         self.bodies: list[dict[str, Any]] = []
+        self.headers: list[dict[str, str]] = []
         stand_in = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -32,6 +33,7 @@ class StandIn:
             def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 stand_in.bodies.append(body)
+                stand_in.headers.append(dict(self.headers))
                 status, reply = answer(body)
                 data = json.dumps(reply).encode()
                 self.send_response(status)
@@ -75,12 +77,14 @@ def proxied(request: pytest.FixtureRequest) -> Iterator[tuple[PDProxy, StandIn, 
     decode.close()
 
 
-def post(url: str, path: str, body: Any) -> tuple[int, bytes]:
+def post(url: str, path: str, body: Any, headers: dict[str, str] | None = None
+         ) -> tuple[int, bytes]:  # fmt: skip
     host, port = url.removeprefix("http://").split(":")
     connection = http.client.HTTPConnection(host, int(port), timeout=10)
     try:
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
-        connection.request("POST", path, data, {"Content-Type": "application/json"})
+        connection.request("POST", path, data,
+                           {"Content-Type": "application/json", **(headers or {})})  # fmt: skip
         response = connection.getresponse()
         return response.status, response.read()
     finally:
@@ -95,6 +99,12 @@ def test_requests_are_rewritten_as_vllms_pd_flow() -> None:
     assert "stream_options" not in prefill
     assert (
         prefill_request({"messages": [], "max_completion_tokens": 9})["max_completion_tokens"] == 1
+    )
+    # vLLM refuses min_tokens above max_tokens: prefill's one token goes without it.
+    assert "min_tokens" not in prefill_request({**body, "min_tokens": 20})
+    assert (
+        decode_request({**body, "min_tokens": 20}, {"kv_transfer_params": REMOTE})["min_tokens"]
+        == 20
     )
     assert decode_request(body, {"kv_transfer_params": REMOTE}) == {
         **body,
@@ -113,6 +123,19 @@ def test_a_request_goes_to_prefill_then_decode_with_prefills_parameters(
     assert prefill.bodies[0]["kv_transfer_params"]["do_remote_decode"] is True
     assert prefill.bodies[0]["max_tokens"] == 1
     assert decode.bodies == [{"prompt": [5, 6], "max_tokens": 8, "kv_transfer_params": REMOTE}]
+
+
+def test_both_instances_get_the_clients_credentials_and_one_request_id(
+    proxied: tuple[PDProxy, StandIn, StandIn],
+) -> None:
+    proxy, prefill, decode = proxied
+    post(proxy.url, "/v1/completions", {"prompt": [5]}, {"Authorization": "Bearer k1"})
+    post(proxy.url, "/v1/completions", {"prompt": [5]}, {"X-Request-Id": "client-7"})
+    first, second = zip(prefill.headers, decode.headers, strict=True)
+    assert {h["Authorization"] for h in first} == {"Bearer k1"}
+    assert len({h["X-Request-Id"] for h in first}) == 1  # made up, the same for both
+    assert [h["X-Request-Id"] for h in second] == ["client-7", "client-7"]
+    assert not any("Authorization" in h for h in second)
 
 
 @pytest.mark.parametrize("proxied", [(True, 200)], indirect=True)

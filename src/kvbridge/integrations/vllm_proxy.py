@@ -13,6 +13,7 @@ import itertools
 import json
 import logging
 import threading
+import uuid
 from collections.abc import Iterator, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -41,11 +42,12 @@ def _connection(url: str) -> http.client.HTTPConnection:
     return http.client.HTTPConnection(parts.hostname, parts.port or 80, timeout=UPSTREAM_TIMEOUT_S)
 
 
-def _post(url: str, path: str, body: dict[str, Any]) -> http.client.HTTPResponse:
+def _post(url: str, path: str, body: dict[str, Any],
+          headers: dict[str, str]) -> http.client.HTTPResponse:  # fmt: skip
     connection = _connection(url)
     try:
         connection.request(
-            "POST", path, json.dumps(body).encode(), {"Content-Type": "application/json"}
+            "POST", path, json.dumps(body).encode(), {"Content-Type": "application/json", **headers}
         )
         return connection.getresponse()
     except OSError as exc:
@@ -128,13 +130,14 @@ class PDProxy:
             _answer(handler, 400, {"error": f"bad request body: {exc}"})
             return
         prefill, decode = self._next(self._prefill), self._next(self._decode)
+        headers = _forwarded(handler)
         try:
-            answer = _post(prefill, handler.path, prefill_request(body))
+            answer = _post(prefill, handler.path, prefill_request(body), headers)
             prefilled = answer.read()
             if answer.status != 200:
                 raise UpstreamError(answer.status, f"prefill {prefill}: {prefilled[:2000]!r}")
             forward = decode_request(body, json.loads(prefilled))
-            response = _post(decode, handler.path, forward)
+            response = _post(decode, handler.path, forward, headers)
         except (UpstreamError, OptionsError, ValueError) as exc:
             status = exc.status if isinstance(exc, UpstreamError) else 502
             log.warning("request failed: %s", exc)
@@ -144,6 +147,16 @@ class PDProxy:
             _relay(handler, response)
         finally:
             response.close()
+
+
+def _forwarded(handler: BaseHTTPRequestHandler) -> dict[str, str]:
+    """The headers both instances get: the client's credentials (servers started with
+    --api-key want them) and one request id, the client's or a new one (vLLM names the
+    request by it on both sides, as NixlPushConnector needs to pair them)."""
+    headers = {"X-Request-Id": handler.headers.get("X-Request-Id") or uuid.uuid4().hex}
+    if (credentials := handler.headers.get("Authorization")) is not None:
+        headers["Authorization"] = credentials
+    return headers
 
 
 def _answer(handler: BaseHTTPRequestHandler, status: int, body: dict[str, Any]) -> None:

@@ -153,8 +153,10 @@ PREFILL_PARAMS: dict[str, Any] = {
 
 def prefill_request(body: Mapping[str, Any]) -> dict[str, Any]:
     """An OpenAI completion or chat request, as a PD proxy sends it to prefill: one token,
-    not streamed, asking prefill to keep the KV for a remote decode."""
-    request = {key: value for key, value in body.items() if key != "stream_options"}
+    not streamed, asking prefill to keep the KV for a remote decode (a minimum of more
+    tokens than that is decode's alone: vLLM refuses min_tokens above max_tokens)."""
+    dropped = {"stream_options", "min_tokens"}
+    request = {key: value for key, value in body.items() if key not in dropped}
     request.update(kv_transfer_params=dict(PREFILL_PARAMS), max_tokens=1, stream=False)
     if "max_completion_tokens" in request:
         request["max_completion_tokens"] = 1
