@@ -105,13 +105,14 @@ class VLLMCache:
         per = self.pages_per_block
         pages: list[int] = []
         slots: list[int] = []
-        kv_groups = [g for g in range(len(blocks)) if not self._slots(g, state_groups)]
+        last_kv = max((g for g in range(len(blocks)) if not self._slots(g, state_groups)),
+                      default=-1)  # fmt: skip
         for group, (ids, skip, count) in enumerate(zip(blocks, skips, sent, strict=True)):
-            if group not in kv_groups:
+            if self._slots(group, state_groups):
                 slots += ids
                 continue
             pages += [SKIPPED_PAGE] * (skip * per) + list(self.pages_of(ids))
-            if group != kv_groups[-1]:  # the positions prefill sends past decode's blocks
+            if group != last_kv:  # the positions prefill sends past decode's blocks
                 pages += [SKIPPED_PAGE] * (max(0, count - skip - len(ids)) * per)
         prefix = next((i for i, page in enumerate(pages) if page != SKIPPED_PAGE), len(pages))
         return RoomContents(pages[prefix:], slots, prefix * self.kv_args.page_size)
