@@ -51,7 +51,7 @@ test-sglang: $(STAMP)
 # vLLM 0.32.0's CPU build in its own environment (.venv-vllm) with kvbridge installed into it,
 # for the vLLM connector's tests and benchmark. Built after install-mooncake.sh (Mooncake's
 # system library).
-$(VLLM_STAMP): scripts/vllm-env.sh pyproject.toml
+$(VLLM_STAMP): scripts/vllm-env.sh scripts/vllm-test-files.sh pyproject.toml
 	scripts/vllm-env.sh $(VLLM_VENV)
 	@touch $@
 
@@ -104,6 +104,7 @@ bench: $(STAMP)
 	$(VLLM_VENV)/bin/python benchmarks/vllm_pd.py --quick
 	for family in mla sliding mamba; do \
 		$(VLLM_VENV)/bin/python benchmarks/vllm_pd.py --quick --family $$family || exit 1; done
+	$(VLLM_VENV)/bin/python benchmarks/vllm_serve.py --quick
 
 docs: $(STAMP)
 	$(BIN)/kvbridge protocol-doc --output docs/PROTOCOL.md

@@ -20,9 +20,13 @@ pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check)
 # The Mooncake engine for kvbridge (its system library comes from install-mooncake.sh).
 "$(dirname "$0")/install-mooncake.sh" "$venv/bin/python"
 # kvbridge itself, as a user installs it into vLLM's environment (its few dependencies, pyzmq,
-# numpy, click, rich and prometheus-client, come with vLLM).
+# numpy, click, rich, prometheus-client and aiohttp, come with vLLM).
 "${pip[@]}" hatchling==1.27.0 editables==0.5 pytest==9.2.0 pytest-timeout==2.4.0
 # The benchmark's plot (benchmarks/vllm_pd.py), the version of requirements/dev.txt.
 "${pip[@]}" matplotlib==3.11.2
 "${pip[@]}" --no-deps --no-build-isolation -e "$(dirname "$0")/.."
+# vLLM's own NIXL test proxy (tests/v1/kv_connector/nixl_integration/toy_proxy_server.py),
+# which the tests run unchanged in front of kvbridge: the wheel has no tests/, vLLM's source
+# distribution on PyPI has (checked against its published hash).
+"$(dirname "$0")/vllm-test-files.sh" "$venv"
 "$venv/bin/python" -c "import vllm, nixl._api, kvbridge.integrations.vllm; print('vllm', vllm.__version__)"

@@ -41,6 +41,7 @@ from kvbridge.core.decode_protocol import (
     DecodeSettings,
     DecodeStats,
     ForgetPrefill,
+    LeasesRenewing,
     Registering,
     RoomAborted,
     RoomCleared,
@@ -137,6 +138,34 @@ class DecodeManager(RankManager):
 
     def receiver(self, room: int, bootstrap_url: str | None = None) -> KVReceiver:
         return KVReceiver(self, room, bootstrap_url or self.config.bootstrap_url)
+
+    def route_to(self, url: str) -> tuple[DecodeRoute, dict[int, int], dict[int, str]]:
+        """How this rank's rooms toward the prefill group behind `url` go: its route (sources
+        and dummies), per prefill rank the requests it needs and its control endpoint, this
+        rank registered with each. Looks the group up once (blocking, up to
+        bootstrap_timeout_s); BootstrapError or TopologyError say why there is no route."""
+        group = self.prefill_group(url)
+        args = self.kv_args
+        mapping = topology(
+            group[0].attn_tp_size, args.attn_tp_size, args.total_kv_heads, args.kv_layout
+        )
+        route = mapping.route(args.attn_tp_rank)
+        # Only DCP rank 0 of a decode rank sends the dummies (the prefill ranks count so).
+        dummies = route.dummies if args.dcp_rank == 0 else ()
+        decode_route = DecodeRoute(route.decode_rank, route.sources, dummies)
+        required = {rank: mapping.required_requests(rank, args.dcp_size)
+                    for rank in decode_route.prefill_ranks}  # fmt: skip
+        endpoints = {
+            rank: self.ensure_registered(group[rank]) for rank in decode_route.prefill_ranks
+        }
+        return decode_route, required, endpoints
+
+    def renew_leases(self, url: str, rooms: Sequence[int]) -> None:
+        """The scheduler will still ask the prefill group behind `url` for these rooms (its
+        requests wait in the queue): their request deadlines there start again. Blocks for
+        the group's lookup the first time; BootstrapError or TopologyError if it fails."""
+        _, _, endpoints = self.route_to(url)
+        self._handle(LeasesRenewing(tuple(endpoints.values()), tuple(rooms)))
 
     def knows_prefill(self, url: str) -> bool:
         """Whether the prefill group behind `url` is cached: opening a room toward it then
@@ -297,25 +326,14 @@ class KVReceiver:
         if bootstrap_url is None:
             self._status.fail(FailureKind.BOOTSTRAP, "no bootstrap URL for this room")
             return
-        args = manager.kv_args
         try:
-            group = manager.prefill_group(bootstrap_url)
-            mapping = topology(
-                group[0].attn_tp_size, args.attn_tp_size, args.total_kv_heads, args.kv_layout
-            )
+            self._route, self._required, self._endpoints = manager.route_to(bootstrap_url)
         except BootstrapError as exc:
             self._status.fail(FailureKind.BOOTSTRAP, str(exc))
             return
         except TopologyError as exc:
             self._status.fail(FailureKind.INCOMPATIBLE, str(exc))
             return
-        route = mapping.route(args.attn_tp_rank)
-        # Only DCP rank 0 of a decode rank sends the dummies (the prefill ranks count so).
-        dummies = route.dummies if args.dcp_rank == 0 else ()
-        self._route = DecodeRoute(route.decode_rank, route.sources, dummies)
-        for prefill_rank in self._route.prefill_ranks:
-            self._endpoints[prefill_rank] = manager.ensure_registered(group[prefill_rank])
-            self._required[prefill_rank] = mapping.required_requests(prefill_rank, args.dcp_size)
         self._status.advance(KVPoll.WaitingForInput)
 
     def init(

@@ -7,6 +7,7 @@ write path observes two histograms (seconds and blocks per engine write) and a b
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from threading import Thread
@@ -17,6 +18,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvbridge.core.room import RoomStatus
+
+# Engine writes kept for `take_writes` (a host that takes them each step sees a few).
+RECENT_WRITES = 65536
 
 
 def count_finished(counts: dict[tuple[str, str], int], status: RoomStatus) -> None:
@@ -89,6 +93,9 @@ class ManagerMetrics:
             list(labels), registry=self.registry,
         ).labels(**labels)  # fmt: skip
         self.registry.register(_SnapshotCollector(role, rank, snapshot))
+        # Appended on the transfer thread, taken on the host's (deque ends are thread-safe);
+        # None until a host asks (`keep_writes`).
+        self._recent_writes: deque[tuple[float, int]] | None = None
         self._server: Any = None
         self._thread: Thread | None = None
         self.port: int | None = None
@@ -97,6 +104,21 @@ class ManagerMetrics:
         self.write_seconds.observe(seconds)
         self.write_blocks.observe(blocks)
         self.bytes_written.inc(nbytes)
+        if self._recent_writes is not None:
+            self._recent_writes.append((seconds, nbytes))
+
+    def keep_writes(self) -> None:
+        """From now on keep each engine write's (seconds, bytes) for `take_writes`: for a host
+        that reports them its own way (the vLLM connector, to vLLM's metrics)."""
+        if self._recent_writes is None:
+            self._recent_writes = deque(maxlen=RECENT_WRITES)
+
+    def take_writes(self) -> list[tuple[float, int]]:
+        """The writes kept since the last call (the oldest dropped past `RECENT_WRITES`)."""
+        taken: list[tuple[float, int]] = []
+        while self._recent_writes:
+            taken.append(self._recent_writes.popleft())
+        return taken
 
     def observe_registration(self, seconds: float, nbytes: int) -> None:
         self.registration_seconds.set(seconds)

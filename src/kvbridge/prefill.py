@@ -669,6 +669,13 @@ class KVSender:
         of it is in flight (an engine may read them until then)."""
         return self.manager.room_pages_free(self.room)
 
+    @property
+    def asked(self) -> bool:
+        """Whether a decode request for the room arrived (a room that failed unasked expired:
+        no decode claimed its pages in time)."""
+        state = self.manager.protocol.rooms.get(self.room)  # a dict read: no lock needed
+        return state is not None and bool(state.requests)
+
     def abort(self, reason: str) -> None:
         self.manager.abort_room(self.room, reason)
 

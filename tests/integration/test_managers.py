@@ -642,6 +642,41 @@ def test_a_prefill_room_without_a_request_fails_at_its_deadline() -> None:
         prefill.close()
 
 
+def test_a_decode_lease_keeps_a_room_past_its_deadline_until_decode_asks() -> None:
+    src, dst = rank_cache(seed=1, **GEOMETRY), rank_cache(seed=None, **GEOMETRY)
+    prefill = PrefillManager(
+        src.args, ManagerConfig(engine=ENGINE, run_bootstrap=True, request_timeout_s=1.0)
+    )
+    decode = DecodeManager(
+        dst.args, ManagerConfig(engine=ENGINE, bootstrap_url=prefill.bootstrap_url)
+    )
+    try:
+        kept, dropped = prefill.sender(8), prefill.sender(9)
+        for sender in (kept, dropped):
+            sender.send([0, 1], last=True)
+        for _ in range(12):  # 2.4 s, two deadlines: decode's request waits in its queue
+            decode.renew_leases(prefill.bootstrap_url, [8])
+            time.sleep(0.2)
+        assert dropped.poll() == KVPoll.Failed
+        assert dropped.failure_kind == FailureKind.TIMEOUT
+        assert kept.poll() != KVPoll.Failed, kept.failure_reason
+        receiver = decode.receiver(8)
+        receiver.init([2, 3])
+        wait_for(finished(kept, receiver))
+        assert receiver.poll() == KVPoll.Success, receiver.failure_reason
+        for got, want in zip(dst.kv, src.kv, strict=True):
+            assert np.array_equal(got[[2, 3]], want[[0, 1]])
+        # Once decode stops renewing, the room's deadline runs out a lease later.
+        late = prefill.sender(10)
+        late.send([0], last=True)
+        decode.renew_leases(prefill.bootstrap_url, [10])
+        wait_for(lambda: late.poll() == KVPoll.Failed, 5)
+        assert "since decode's last lease renewal" in str(late.failure_reason)
+    finally:
+        decode.close()
+        prefill.close()
+
+
 def test_metrics_are_served_and_scraped() -> None:
     src, dst = rank_cache(seed=1, **GEOMETRY), rank_cache(seed=None, **GEOMETRY)
     prefill = PrefillManager(

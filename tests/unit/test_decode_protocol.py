@@ -18,6 +18,7 @@ from kvbridge.core.decode_protocol import (
     DecodeProtocol,
     DecodeSettings,
     ForgetPrefill,
+    LeasesRenewing,
     Registering,
     RoomAborted,
     RoomCleared,
@@ -35,6 +36,7 @@ from kvbridge.wire import (
     Heartbeat,
     KVPoll,
     Registration,
+    RoomLease,
     StagingRequest,
     StagingResponse,
     TransferRequest,
@@ -417,3 +419,12 @@ def test_pages_are_never_safe_while_a_write_can_land(
         ended = [i for i, poll in enumerate(polls) if poll in (KVPoll.Failed, KVPoll.Success)]
         if ended:
             assert len(set(polls[ended[0] :])) == 1, polls
+
+
+def test_lease_renewals_go_only_to_prefill_ranks_this_rank_registered_with() -> None:
+    decode = protocol()
+    decode.handle(Registering(ENDPOINTS[0], registration()), 0.0)
+    actions = decode.handle(LeasesRenewing((*ENDPOINTS, "tcp://6.6.6.6:1"), (7, 9)), 1.0)
+    (send,) = sends(actions)
+    assert send.endpoint == ENDPOINTS[0]
+    assert send.message == RoomLease(decode.settings.endpoint, [7, 9])

@@ -41,6 +41,7 @@ from kvbridge.wire import (
     Heartbeat,
     KVPoll,
     Registration,
+    RoomLease,
     StagingRequest,
     StagingResponse,
     TransferRequest,
@@ -377,6 +378,33 @@ def test_deadlines_silence_and_the_cap_on_unclaimed_rooms() -> None:
     (refused,) = messages(capped.handle(request(MAX_UNCLAIMED_ROOMS, [0]), 0.1), TransferStatus)
     assert isinstance(refused, TransferStatus)
     assert refused.failure_kind == FailureKind.REFUSED
+
+
+def test_a_room_lease_from_decode_starts_its_request_deadline_again() -> None:
+    prefill = protocol()  # request deadline 30 s
+    leased(prefill)
+    for room in (1, 2, 3):
+        prefill.handle(SenderOpened(room), 0.0)
+    assert prefill.handle(RoomLease("tcp://6.6.6.6:1", [3]), 20.0) == []  # not a peer: ignored
+    prefill.handle(RoomLease(DECODE_ENDPOINT, [1, 2, 99]), 20.0)  # 99: no such room, ignored
+    assert prefill.stats.leases_renewed == 2
+    prefill.handle(Tick(), 30.5)
+    assert prefill.rooms[3].status.failure_kind == FailureKind.TIMEOUT
+    assert prefill.rooms[1].status.failure_kind is None
+    assert prefill.rooms[2].status.failure_kind is None
+    # Decode asks for room 1 within its lease; it never asks for room 2.
+    prefill.handle(Heartbeat(DECODE_ENDPOINT, 5, 3000, None), 45.0)
+    assert writes(prefill.handle(ChunkSubmitted(1, Chunk(np.array([3]), last=True)), 45.0)) == []
+    assert writes(prefill.handle(request(1, [10]), 45.0))
+    prefill.handle(RoomLease(DECODE_ENDPOINT, [1]), 46.0)  # asked already: nothing to renew
+    assert prefill.stats.leases_renewed == 2
+    prefill.handle(Heartbeat(DECODE_ENDPOINT, 6, 3000, None), 49.0)
+    prefill.handle(Tick(), 49.0)
+    assert prefill.rooms[2].status.failure_kind is None  # due at 50: 30 s after the renewal
+    actions = prefill.handle(Tick(), 50.5)
+    assert prefill.rooms[2].status.failure_kind == FailureKind.TIMEOUT
+    assert "since decode's last lease renewal" in str(prefill.rooms[2].status.failure_reason)
+    assert not messages(actions, TransferStatus)  # nobody asked: nobody to tell
 
 
 def staging_pair(direct: bool = False) -> tuple[PrefillProtocol, Registration]:

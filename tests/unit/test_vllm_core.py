@@ -19,11 +19,11 @@ from kvbridge.integrations.vllm_requests import (
     GROUP_ROOMS_KEY,
     ROOM_KEY,
     STAGES_KEY,
-    ConnectorCounters,
     RemotePrefill,
     stage_room,
     tokens_to_load,
 )
+from kvbridge.integrations.vllm_stats import ConnectorCounters
 
 
 def test_options_come_from_extra_config_with_their_types_checked() -> None:

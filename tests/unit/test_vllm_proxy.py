@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import http.client
 import json
+import socket
 import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -25,6 +27,7 @@ class StandIn:
     def __init__(self, answer: Any, stream: bool = False) -> None:
         self.bodies: list[dict[str, Any]] = []
         self.headers: list[dict[str, str]] = []
+        self.connections: set[tuple[str, int]] = set()  # (host, port) the proxy came from
         stand_in = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -34,6 +37,7 @@ class StandIn:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 stand_in.bodies.append(body)
                 stand_in.headers.append(dict(self.headers))
+                stand_in.connections.add(self.client_address)
                 status, reply = answer(body)
                 data = json.dumps(reply).encode()
                 self.send_response(status)
@@ -43,6 +47,10 @@ class StandIn:
                     self.end_headers()
                     for event in (b"data: " + data + b"\n\n", b"data: [DONE]\n\n"):
                         self.wfile.write(b"%x\r\n%s\r\n" % (len(event), event))
+                        if body.get("cut"):  # the instance dies after its first event
+                            self.wfile.flush()
+                            self.connection.shutdown(socket.SHUT_RDWR)
+                            return
                     self.wfile.write(b"0\r\n\r\n")
                     return
                 self.send_header("Content-Type", "application/json")
@@ -138,6 +146,43 @@ def test_both_instances_get_the_clients_credentials_and_one_request_id(
     assert not any("Authorization" in h for h in second)
 
 
+def test_concurrent_clients_share_pooled_upstream_connections(
+    proxied: tuple[PDProxy, StandIn, StandIn],
+) -> None:
+    proxy, prefill, decode = proxied
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(
+            lambda i: post(proxy.url, "/v1/completions", {"prompt": [i], "max_tokens": 4}),
+            range(64),
+        ))  # fmt: skip
+    assert all(status == 200 for status, _ in answers)
+    assert sorted(body["prompt"][0] for body in decode.bodies) == list(range(64))
+    # Kept alive and reused: a handful of connections per instance, not one per request.
+    assert len(prefill.connections) <= 8
+    assert len(decode.connections) <= 8
+
+
+def test_with_two_of_each_every_prefill_decode_pairing_occurs() -> None:
+    instances = [StandIn(lambda body: (200, {"kv_transfer_params": REMOTE})) for _ in range(4)]
+    prefills, decodes = instances[:2], instances[2:]
+    proxy = PDProxy([p.url for p in prefills], [d.url for d in decodes])
+    threading.Thread(target=proxy.serve_forever, daemon=True).start()
+    try:
+        for index in range(4):
+            post(proxy.url, "/v1/completions", {"prompt": [index]})
+    finally:
+        proxy.shutdown()
+        for instance in instances:
+            instance.close()
+
+    def by_id(stand_in: StandIn) -> set[str]:
+        return {headers["X-Request-Id"] for headers in stand_in.headers}
+
+    pairs = {(p, d) for p in range(2) for d in range(2) if by_id(prefills[p]) & by_id(decodes[d])}
+    assert pairs == {(0, 0), (0, 1), (1, 0), (1, 1)}
+    assert len(proxy.own_seconds) == 4  # the proxy's own time, per request
+
+
 @pytest.mark.parametrize("proxied", [(True, 200)], indirect=True)
 def test_a_streamed_answer_is_relayed_as_it_comes(
     proxied: tuple[PDProxy, StandIn, StandIn],
@@ -147,6 +192,19 @@ def test_a_streamed_answer_is_relayed_as_it_comes(
     assert status == 200
     assert data.endswith(b"data: [DONE]\n\n")
     assert b'"token_ids": [1, 2, 3]' in data
+
+
+@pytest.mark.parametrize("proxied", [(True, 200)], indirect=True)
+def test_an_answer_cut_short_upstream_is_cut_for_the_client_too(
+    proxied: tuple[PDProxy, StandIn, StandIn],
+) -> None:
+    proxy, _, _ = proxied
+    with pytest.raises((http.client.IncompleteRead, http.client.RemoteDisconnected,
+                        ConnectionError)):  # fmt: skip
+        post(proxy.url, "/v1/completions", {"prompt": [5], "stream": True, "cut": True})
+    status, data = post(proxy.url, "/v1/completions", {"prompt": [5], "stream": True})
+    assert status == 200  # the proxy serves on
+    assert data.endswith(b"data: [DONE]\n\n")
 
 
 @pytest.mark.parametrize("proxied", [(False, 500)], indirect=True)

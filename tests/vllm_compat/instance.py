@@ -4,20 +4,26 @@ prefill, decode or plain instance of the vLLM tests and benchmark.
     instance.py MODEL_DIR '{"kv_connector": "KVBridgeConnector", ...}' | 'null'
 
 Environment: KVBRIDGE_TEST_TP and KVBRIDGE_TEST_PP (tensor- and pipeline-parallel sizes,
-default 1), KVBRIDGE_TEST_DTYPE (default
-bfloat16), KVBRIDGE_TEST_MAX_MODEL_LEN, KVBRIDGE_TEST_KV_BYTES (KV cache bytes),
-KVBRIDGE_TEST_BLOCK_SIZE (default 32; "auto": vLLM's choice), KVBRIDGE_TEST_PREFIX_CACHING=0
-(prefix caching off), KVBRIDGE_TEST_LOG_LEVEL
-(kvbridge's log level), KVBRIDGE_TEST_KV_BLOCKS=1 (each output carries `kv_blocks`: per KV cache
-group, a hash of each block the prompt fills over the group's attention layers, read when the
-request ends, on rank 0; `kv_blocks_by_rank`: the same on every TP rank).
+default 1), KVBRIDGE_TEST_DTYPE (default bfloat16), KVBRIDGE_TEST_MAX_MODEL_LEN,
+KVBRIDGE_TEST_KV_BYTES (KV cache bytes), KVBRIDGE_TEST_BLOCK_SIZE (default 32; "auto": vLLM's
+choice), KVBRIDGE_TEST_PREFIX_CACHING=0 (prefix caching off), KVBRIDGE_TEST_MAX_NUM_SEQS
+(requests running at once), KVBRIDGE_TEST_LOG_LEVEL (kvbridge's log level),
+KVBRIDGE_TEST_KV_BLOCKS=1 (each output carries `kv_blocks`: per KV cache group, a hash of each
+block the prompt fills over the group's attention layers, read when the request ends, on rank
+0; `kv_blocks_by_rank`: the same on every TP rank).
 
 Commands on stdin, one JSON object per line; each answer is one line on stdout starting with
 ``@@`` (vLLM and kvbridge log to stderr):
 - ``{"op": "generate", "prompts": [[ids]], "max_tokens": n, "params": [kv_transfer_params]}``
+  (max_tokens: one for all, or a list)
   → ``{"outputs": [{"tokens", "kv_transfer_params", "finish_reason", "ttft_s"}], "wall_s"}``
 - ``{"op": "submit", ...same...}`` adds the requests and answers at once; ``{"op": "abort"}``
-  aborts every submitted request still running; ``{"op": "collect"}`` waits for them.
+  aborts every submitted request still running (``"indices"``: only those of them);
+  ``{"op": "collect"}`` waits for them (``"indices"``: for those; an aborted one never ends).
+- ``{"op": "offline", ...as generate...}`` → ``{"outputs": [{"tokens", "params"}]}``
+  (params: kv_transfer_params) through vLLM's offline ``LLM.generate``; the engine then
+  takes no step until a generate, submit or collect (an application's loop stops once its
+  outputs are out).
 - ``{"op": "stats"}`` → free KV blocks, the connector's counters.
 - ``{"op": "reset_prefix_cache"}`` → ``{"reset": bool}``: vLLM drops its cached blocks (no
   request may be running), so the same prompts again are computed or loaded anew.
@@ -76,6 +82,8 @@ def main() -> None:
             "KVBRIDGE_TEST_KV_BYTES", 256 << 20)), dtype=DTYPE, enforce_eager=True,
         kv_transfer_config=kv_transfer_config, seed=0,
         tensor_parallel_size=TP, pipeline_parallel_size=PP,
+        **({"max_num_seqs": int(os.environ["KVBRIDGE_TEST_MAX_NUM_SEQS"])}
+           if "KVBRIDGE_TEST_MAX_NUM_SEQS" in os.environ else {}),
         distributed_executor_backend="mp" if TP * PP > 1 else None,
     )  # fmt: skip
     # kvbridge logs through vLLM's handlers at vLLM's level; DEBUG here traces every room.
@@ -131,7 +139,9 @@ def main() -> None:
         ids = []
         prompts = command["prompts"]
         params = command.get("params") or [None] * len(prompts)
-        for prompt, kv_params in zip(prompts, params, strict=True):
+        limits = command.get("max_tokens", 8)
+        limits = limits if isinstance(limits, list) else [limits] * len(prompts)
+        for prompt, kv_params, limit in zip(prompts, params, limits, strict=True):
             request_id = uuid.uuid4().hex
             if kv_params and kv_params.get("transfer_mode") == "push":
                 # NixlPushConnector pairs decode's request with prefill's by their external
@@ -139,7 +149,7 @@ def main() -> None:
                 request_id = str(kv_params["remote_request_id"]).rsplit("-", 1)[0]
             extra = {"kv_transfer_params": kv_params} if kv_params is not None else None
             sampling = SamplingParams(
-                temperature=0, max_tokens=command.get("max_tokens", 8), detokenize=False,
+                temperature=0, max_tokens=limit, detokenize=False,
                 extra_args=extra, output_kind=RequestOutputKind.CUMULATIVE,
             )  # fmt: skip
             added_at[request_id] = time.perf_counter()
@@ -185,11 +195,35 @@ def main() -> None:
             })  # fmt: skip
         return outputs
 
+    def offline(command: dict[str, Any]) -> list[dict[str, Any]]:
+        """vLLM's offline API itself: it steps only while outputs are due."""
+        prompts = command["prompts"]
+        params = command.get("params") or [None] * len(prompts)
+        sampling = [
+            SamplingParams(temperature=0, max_tokens=command.get("max_tokens", 8),
+                           detokenize=False, extra_args={"kv_transfer_params": kv_params}
+                           if kv_params is not None else None)
+            for kv_params in params
+        ]  # fmt: skip
+        answers = llm.generate([{"prompt_token_ids": p} for p in prompts], sampling,
+                               use_tqdm=False)  # fmt: skip
+        return [
+            {"tokens": list(answer.outputs[0].token_ids), "params": answer.kv_transfer_params}
+            for answer in answers
+        ]
+
     reply({"ready": True, "startup_s": time.perf_counter() - started, "pid": os.getpid()})
-    for line in _commands(lambda: scheduler.has_requests(), step):
+    # After an "offline" command the engine is left alone, as an application's own loop
+    # leaves it, until a command that steps it.
+    background = {"stepping": True}
+    for line in _commands(lambda: background["stepping"] and scheduler.has_requests(), step):
         command = json.loads(line)
         op = command["op"]
-        if op == "generate":
+        if op in ("offline", "generate", "submit", "collect"):
+            background["stepping"] = op != "offline"
+        if op == "offline":
+            reply({"outputs": offline(command)})
+        elif op == "generate":
             began = time.perf_counter()
             step_times.clear()
             outputs = collect(add(command))
@@ -204,11 +238,14 @@ def main() -> None:
             submitted = add(command)
             reply({"submitted": len(submitted)})
         elif op == "abort":
-            running = [request_id for request_id in submitted if request_id not in finished]
+            chosen = command.get("indices")
+            picked = [submitted[i] for i in chosen] if chosen is not None else submitted
+            running = [request_id for request_id in picked if request_id not in finished]
             engine.abort_request(running)
             reply({"aborted": len(running)})
-        elif op == "collect":
-            outputs = collect(submitted)
+        elif op == "collect":  # an aborted request gives no output: leave it out
+            chosen = command.get("indices")
+            outputs = collect([submitted[i] for i in chosen] if chosen is not None else submitted)
             reply({"outputs": outputs})
         elif op == "stats":
             reply(_stats(scheduler))

@@ -32,6 +32,7 @@ from vllm_harness import (
     Instance,
     InstanceError,
     Server,
+    ToyProxy,
     free_port,
     kvbridge_config,
     make_model,
@@ -356,14 +357,16 @@ def complete_all(url: str, model: Path, prompts: list[list[int]]) -> list[list[i
 def test_through_vllm_serve_and_the_pd_proxy(
     model: Path, tmp_path: Path, reference: dict[Any, Any]
 ) -> None:
-    """The way users deploy: two `vllm serve` instances and kvbridge's PD proxy in front."""
+    """The way users deploy: two `vllm serve` instances, kvbridge's PD proxy in front, then
+    vLLM's own NIXL test proxy; the connector's metrics scraped from vLLM's /metrics."""
     with behind_proxy(
         lambda: Server(model, kvbridge_config("kv_producer", "nixl"), tmp_path / "prefill.log"),
         lambda: Server(
             model, kvbridge_config("kv_consumer", "nixl", metrics_port=0), tmp_path / "decode.log",
-            environment=stats_lines_at_every_level(tmp_path),
+            # vLLM's development endpoints: /reset_prefix_cache
+            environment={**stats_lines_at_every_level(tmp_path), "VLLM_SERVER_DEV_MODE": "1"},
         ),
-    ) as (_, decode, proxy):  # fmt: skip
+    ) as (prefill, decode, proxy):  # fmt: skip
         tokens = complete_all(proxy.url, model, PROMPTS)
         assert tokens == [reference[tuple(p)] for p in PROMPTS]
         assert "KV load failed" not in decode.log()
@@ -382,6 +385,51 @@ def test_through_vllm_serve_and_the_pd_proxy(
         while logged() < len(PROMPTS) and time.monotonic() < deadline:
             time.sleep(0.5)
         assert logged() == len(PROMPTS), decode.log()[-3000:]
+        # And on vLLM's own /metrics, beside vLLM's: each side's transfers, durations, bytes,
+        # failures by kind, requests in flight.
+        loaded = scrape_until(decode, "vllm:kvbridge_requests_transferred_total", "load",
+                              len(PROMPTS))  # fmt: skip
+        assert metric(loaded, "vllm:kvbridge_load_time_seconds_count") == len(PROMPTS)
+        assert "vllm:kvbridge_requests_in_flight{" in loaded
+        assert metric(loaded, "vllm:kvbridge_requests_in_flight", 'side="load"') == 0
+        assert "vllm:kvbridge_num_failed_transfers_total{" in loaded  # every kind, from 0
+        assert metric(loaded, "vllm:kvbridge_num_failed_transfers_total") == 0
+        assert "vllm:num_requests_running" in loaded  # vLLM's own, on the same page
+        sent = scrape_until(prefill, "vllm:kvbridge_requests_transferred_total", "send",
+                            len(PROMPTS))  # fmt: skip
+        assert metric(sent, "vllm:kvbridge_xfer_time_seconds_count") >= len(PROMPTS)
+        assert metric(sent, "vllm:kvbridge_bytes_transferred_sum") > 0
+        assert metric(sent, "vllm:kvbridge_requests_in_flight", 'side="send"') == 0
+        # vLLM's own NIXL test proxy, unchanged, in front of the same servers, the same
+        # prompts once decode dropped its prefix cache (so that it loads every block again).
+        request = urllib.request.Request(decode.url + "/reset_prefix_cache", method="POST")
+        assert urllib.request.urlopen(request, timeout=30).status == 200
+        toy = ToyProxy(prefill, decode, tmp_path / "toy-proxy.log")
+        try:
+            assert complete_all(toy.url, model, PROMPTS) == [reference[tuple(p)] for p in PROMPTS]
+        finally:
+            toy.close()
+        total = 2 * len(PROMPTS)
+        loaded = scrape_until(decode, "vllm:kvbridge_requests_transferred_total", "load", total)
+        assert metric(loaded, "vllm:kvbridge_requests_transferred_total", 'side="load"') == total
+
+
+def metric(page: str, name: str, labels: str = "") -> float:
+    """The samples of `name` on a /metrics page whose labels hold `labels`, summed (0 for
+    none)."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in page.splitlines()
+               if line.startswith(name + "{") and labels in line)  # fmt: skip
+
+
+def scrape_until(server: Server, name: str, side: str, value: float) -> str:
+    """The server's /metrics page once `name` for `side` reached `value` (stats reach vLLM's
+    stat loggers with the engine's outputs), or after 20 s."""
+    deadline = time.monotonic() + 20
+    while True:
+        page = urllib.request.urlopen(server.url + "/metrics", timeout=10).read().decode()
+        if metric(page, name, f'side="{side}"') >= value or time.monotonic() > deadline:
+            return page
+        time.sleep(0.5)
 
 
 def test_instances_of_different_block_sizes_are_refused_when_they_meet(
@@ -428,7 +476,8 @@ def test_a_data_parallel_prefill_serves_each_request_from_its_own_rank(
     port = free_port()
     with behind_proxy(
         lambda: Server(model, kvbridge_config("kv_producer", "nixl", bootstrap_port=port),
-                       tmp_path / "prefill-dp2.log", arguments=("--data-parallel-size", "2"),
+                       tmp_path / "prefill-dp2.log",
+                       arguments=("--skip-tokenizer-init", "--data-parallel-size", "2"),
                        environment={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}),
         lambda: Server(model, kvbridge_config("kv_consumer", "nixl"), tmp_path / "decode.log"),
     ) as (prefill, decode, proxy):  # fmt: skip

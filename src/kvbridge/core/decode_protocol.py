@@ -32,6 +32,7 @@ from kvbridge.wire import (
     Heartbeat,
     KVPoll,
     Registration,
+    RoomLease,
     StagingRequest,
     StagingResponse,
     TransferRequest,
@@ -89,6 +90,15 @@ class RoomOpened:
 
     state: DecodeRoom
     requests: tuple[tuple[str, TransferRequest], ...]
+
+
+@dataclass(frozen=True)
+class LeasesRenewing:
+    """Decode's scheduler still means to ask for these rooms of a prefill group (requests in
+    its queue): renew their request deadlines on the group's ranks this rank talks to."""
+
+    endpoints: tuple[str, ...]
+    rooms: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -189,6 +199,7 @@ class DecodeProtocol(ProtocolCore):
                 Registering: self._on_registering,
                 RoomOpened: self._on_room_opened,
                 RoomAborted: self._on_room_aborted,
+                LeasesRenewing: self._on_leases_renewing,
                 RoomCleared: self._on_room_cleared,
                 ChunkScattered: self._on_chunk_scattered,
                 Tick: self._on_tick,
@@ -378,6 +389,11 @@ class DecodeProtocol(ProtocolCore):
         )
         self.stats.rooms_started += 1
         return [Send(endpoint, request) for endpoint, request in event.requests]
+
+    def _on_leases_renewing(self, event: LeasesRenewing, now: float) -> list[Action]:
+        lease = RoomLease(self.settings.endpoint, list(event.rooms))
+        return [Send(endpoint, lease) for endpoint in event.endpoints
+                if endpoint in self._registered]  # fmt: skip
 
     def _on_room_aborted(self, event: RoomAborted, now: float) -> list[Action]:
         if not event.status.fail(FailureKind.ABORTED, f"aborted by decode: {event.reason}"):

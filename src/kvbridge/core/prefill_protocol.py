@@ -62,6 +62,7 @@ from kvbridge.wire import (
     Heartbeat,
     KVPoll,
     Registration,
+    RoomLease,
     StagingRequest,
     StagingResponse,
     TransferRequest,
@@ -286,6 +287,7 @@ class _Job:
 @dataclass
 class PrefillStats(RankStats):
     staged_chunks: int = 0
+    leases_renewed: int = 0  # rooms whose request deadline a decode lease started again
     staging_fallbacks: int = 0
     # Kept by the manager's worker: where its time goes (seconds) and what it wrote.
     blocks_written: int = 0
@@ -332,6 +334,7 @@ class PrefillProtocol(ProtocolCore):
                 TransferRequest: self._on_request,
                 Abort: self._on_abort,
                 Heartbeat: self._on_heartbeat,
+                RoomLease: self._on_room_lease,
                 StagingResponse: self._on_staging_response,
                 Watermark: self._on_watermark,
                 SenderOpened: self._on_sender_opened,
@@ -387,6 +390,8 @@ class PrefillProtocol(ProtocolCore):
             sender = self._beat_sender(event)
         elif isinstance(event, (StagingResponse, Watermark)):
             sender = event.session_id
+        elif isinstance(event, RoomLease):
+            sender = self._peer_by_endpoint.get(event.sender_id)
         if sender is not None and sender in self.peers:
             self.liveness.seen(sender, now)
 
@@ -896,6 +901,20 @@ class PrefillProtocol(ProtocolCore):
             peer.lease_until = max(peer.lease_until, sent + message.lease_ms / 1000)
         return []
 
+    def _on_room_lease(self, message: RoomLease, now: float) -> list[Action]:
+        """Decode will still ask for these rooms: their request deadlines start again. Only
+        from a registered decode peer, and only for rooms no request reached yet (a lease
+        keeps nothing alive once decode asked: liveness does)."""
+        if self._peer_at(message.sender_id) is None:
+            return self._ignore("room lease from %s, not a registered decode peer",
+                                message.sender_id)  # fmt: skip
+        for room in message.rooms:
+            state = self.rooms.get(room)
+            if state is not None and not state.status.finished and not state.requests:
+                state.renewed_at = now
+                self.stats.leases_renewed += 1
+        return []
+
     def _on_watermark(self, message: Watermark, now: float) -> list[Action]:
         # kvbridge decode ranks before native 1.2 sent one after each scatter; it carries
         # nothing this side needs (ring space is granted explicitly), only a sign of life.
@@ -955,9 +974,12 @@ class PrefillProtocol(ProtocolCore):
                 continue  # gone, or ended: nothing to wait for
             if state.request_overdue(now, timeout_s):
                 got, wanted = len(state.requests), state.required_requests or "any"
+                renewed = " since decode's last lease renewal" if state.renewed_at else ""
                 reason = (f"room {state.room}: {got} of {wanted} transfer request(s) from "
-                          f"decode in {timeout_s:g} s")  # fmt: skip
+                          f"decode in {timeout_s:g} s{renewed}")  # fmt: skip
                 actions += self._fail(state, Failure(FailureKind.TIMEOUT, reason))
+            elif not state.ready:  # decode renewed its lease: due again when that runs out
+                still_open.append((state.request_deadline(timeout_s), (room, sequence)))
             else:  # it has its requests; a later one may still ask for more: looked at again
                 still_open.append((due, (room, sequence)))
         for due, room_key in still_open:
@@ -994,7 +1016,7 @@ class PrefillProtocol(ProtocolCore):
         timeout_s = self.settings.request_timeout_s
         for state in self.rooms.values():
             if not state.status.finished:
-                yield state.created_at + timeout_s, (state.room, state.sequence)
+                yield state.request_deadline(timeout_s), (state.room, state.sequence)
 
     def _staging_entries(self) -> Iterator[tuple[float, tuple[float, JobKey]]]:
         timeout_s = self.settings.staging_timeout_s

@@ -148,6 +148,8 @@ class PrefillRoom:
 
     room: int
     created_at: float = 0.0  # monotonic seconds, for the request deadline
+    # When decode last said it will still ask (a RoomLease): the deadline runs from then.
+    renewed_at: float = 0.0
     # Tokens per page on this rank: a request's decode_prefix_len (tokens decode already has)
     # skips this rank's pages that hold only those tokens.
     page_size: int = 1
@@ -181,9 +183,16 @@ class PrefillRoom:
     # success report.
     completed_by_notification: set[str] = field(default_factory=set)
 
+    def request_deadline(self, timeout_s: float) -> float:
+        """When decode's request(s) are due: `timeout_s` after the room began, or after
+        decode last renewed its lease."""
+        return max(self.created_at, self.renewed_at) + timeout_s
+
     def request_overdue(self, now: float, timeout_s: float) -> bool:
-        """Still waiting for decode's request(s) after `timeout_s`."""
-        return not self.status.finished and not self.ready and now - self.created_at > timeout_s
+        """Still waiting for decode's request(s) past their deadline."""
+        return (
+            not self.status.finished and not self.ready and now > self.request_deadline(timeout_s)
+        )
 
     def claim_overdue(self, now: float, timeout_s: float) -> bool:
         """Created by a request, and no sender claimed it within `timeout_s`."""

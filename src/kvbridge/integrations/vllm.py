@@ -20,8 +20,8 @@ finished transfers back through `get_finished`. The pure parts are `vllm_core` (
 
 from __future__ import annotations
 
-import logging
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import vllm
@@ -33,34 +33,24 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
     SupportsHMA,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from kvbridge.integrations.vllm_blocks import GroupKind
 from kvbridge.integrations.vllm_cache import REQUIRED_LAYOUT
-from kvbridge.integrations.vllm_core import ConnectorOptions, check_vllm_version
-from kvbridge.integrations.vllm_requests import ConnectorCounters, StepMetadata
+from kvbridge.integrations.vllm_core import ConnectorOptions, check_vllm_version, log_through_vllm
+from kvbridge.integrations.vllm_handoff import SendOutbox
+from kvbridge.integrations.vllm_metrics import KVBridgePromMetrics, KVBridgeStats
+from kvbridge.integrations.vllm_requests import SendSpec, StepMetadata
 from kvbridge.integrations.vllm_scheduler import SchedulerConfig, SchedulerSide
 from kvbridge.integrations.vllm_specs import attention_block_size, mamba_state, transfer_groups
+from kvbridge.integrations.vllm_stats import ConnectorCounters
 from kvbridge.integrations.vllm_worker import WorkerConfig, WorkerSide
 
 if TYPE_CHECKING:
     import torch
 
-log = logging.getLogger("kvbridge.vllm")
 
-
-def _log_through_vllm() -> None:
-    """kvbridge's records in vLLM's log, through vLLM's handlers (its format, stream and
-    level), unless the application set up kvbridge's logging itself. Without this they go
-    nowhere in vLLM's engine and worker processes."""
-    ours, theirs = logging.getLogger("kvbridge"), logging.getLogger("vllm")
-    configured = [h for h in ours.handlers if not isinstance(h, logging.NullHandler)]
-    if configured or not theirs.handlers:
-        return
-    for handler in theirs.handlers:
-        ours.addHandler(handler)
-    ours.setLevel(theirs.level or logging.INFO)
-    ours.propagate = False
+def _no_workers(send: SendSpec) -> str:
+    return "this instance does not produce KV (kv_role kv_consumer)"
 
 
 class KVBridgeMetadata(KVConnectorMetadata):  # type: ignore[misc]
@@ -72,35 +62,19 @@ class KVBridgeMetadata(KVConnectorMetadata):  # type: ignore[misc]
 
 @dataclass
 class KVBridgeHandshake(KVConnectorHandshakeMetadata):  # type: ignore[misc]
-    """From the prefill workers to their scheduler: where decode finds this instance."""
+    """From each prefill worker to its scheduler: where decode finds this instance (the first
+    TP rank of each pipeline stage), and where the scheduler hands the worker its sends, with
+    the token that proves a send comes from the scheduler (`vllm_handoff`)."""
 
-    bootstrap_url: str
-
-
-@dataclass
-class KVBridgeStats(KVConnectorStats):  # type: ignore[misc]
-    """The connector's counters over one interval, for vLLM's "KV Transfer metrics" log line
-    (summed over workers); kvbridge's own Prometheus metrics go further (`metrics_port`)."""
-
-    def reset(self) -> None:
-        self.data: dict[str, int] = {}
-
-    def aggregate(self, other: KVConnectorStats) -> KVBridgeStats:
-        for name, value in other.data.items():
-            self.data[name] = self.data.get(name, 0) + value
-        return self
-
-    def reduce(self) -> dict[str, int | float]:
-        return dict(self.data)
-
-    def is_empty(self) -> bool:
-        return not any(self.data.values())
+    bootstrap_url: str | None
+    send_inbox: str
+    send_token: str = field(repr=False)
 
 
 class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
         check_vllm_version(vllm.__version__)
-        _log_through_vllm()
+        log_through_vllm()
         super().__init__(vllm_config, role, kv_cache_config)
         transfer = vllm_config.kv_transfer_config
         parallel = vllm_config.parallel_config
@@ -117,9 +91,14 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             )
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        self._outbox: SendOutbox | None = None
         if role == KVConnectorRole.SCHEDULER:
+            if produces:
+                self._outbox = SendOutbox()
+            config = SchedulerConfig(str(transfer.engine_id), produces, groups, stages,
+                                     self.options.request_timeout_s)  # fmt: skip
             self._scheduler = SchedulerSide(
-                SchedulerConfig(str(transfer.engine_id), produces, groups, stages)
+                config, self._outbox.send if self._outbox is not None else _no_workers
             )
             return
         from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
@@ -164,8 +143,10 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         self._worker_side.register(kv_caches)
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
-        url = self._worker_side.bootstrap_url
-        return KVBridgeHandshake(url) if url is not None else None
+        worker = self._worker_side
+        if worker.inbox is None:  # not a prefill worker
+            return None
+        return KVBridgeHandshake(worker.bootstrap_url, worker.inbox.address, worker.inbox.token)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         self._worker_side.start(self._step_metadata())
@@ -198,6 +179,9 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.close()
+        if self._outbox is not None:
+            self._outbox.close()
+            self._outbox = None
 
     def counters(self) -> ConnectorCounters:
         """This worker's transfer counters."""
@@ -209,14 +193,23 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         return self._worker_side.kv_caches
 
     def get_kv_connector_stats(self) -> KVBridgeStats | None:
-        if self._worker is None:  # the scheduler asks too; its side moves nothing
-            return None
-        changed = self._worker.take_interval()
-        return KVBridgeStats(data=changed) if changed else None
+        # Workers report what they moved; the scheduler how many requests are in flight.
+        if self._worker is not None:
+            data = self._worker.take_interval()
+        else:
+            data = self._scheduler_side.take_gauges()
+        return KVBridgeStats(data=data) if data else None
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVBridgeStats:
         return KVBridgeStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls, vllm_config: Any, metric_types: dict[Any, Any], labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVBridgePromMetrics:  # fmt: skip
+        return KVBridgePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # --- scheduler side --------------------------------------------------------------------
 
@@ -226,13 +219,18 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         )
 
     def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, int], Any]) -> None:
-        # Each pipeline stage's first TP rank serves the stage's bootstrap service.
+        # Each pipeline stage's first TP rank serves the stage's bootstrap service; every
+        # worker takes sends.
         for (stage, tp_rank), handshake in metadata.items():
-            if tp_rank == 0 and isinstance(handshake, KVBridgeHandshake):
+            if not isinstance(handshake, KVBridgeHandshake):
+                continue
+            if tp_rank == 0 and handshake.bootstrap_url is not None:
                 self._scheduler_side.bootstrap_urls[stage] = handshake.bootstrap_url
+            if self._outbox is not None:
+                self._outbox.connect((stage, tp_rank), handshake.send_inbox, handshake.send_token)
 
     def on_new_request(self, request: Any) -> None:
-        self._scheduler_side.on_new_request(request)
+        self._scheduler_side.on_new_request(request, time.monotonic())
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
@@ -250,7 +248,7 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
 
     def build_connector_meta(self, scheduler_output: Any) -> KVBridgeMetadata:
         idle = int(scheduler_output.total_num_scheduled_tokens) == 0
-        return KVBridgeMetadata(self._scheduler_side.take_step(idle))
+        return KVBridgeMetadata(self._scheduler_side.take_step(idle, time.monotonic()))
 
     def update_connector_output(self, connector_output: Any) -> None:
         self._scheduler_side.on_output(

@@ -7,6 +7,7 @@ loads.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -42,9 +43,11 @@ class ConnectorOptions:
     bootstrap_port: the prefill instance's bootstrap service (0: a free port; with TP > 1
         every rank must know it, so set it). bootstrap_timeout_s: how long decode tries to
         reach a prefill instance's bootstrap service before the load fails. metrics_port:
-        kvbridge's Prometheus metrics (0: a free port; unset: none). request_timeout_s: how
-        long prefill keeps a finished request's blocks for a decode instance that has not
-        asked for them. transfer_timeout_s: how long decode waits for a transfer.
+        kvbridge's Prometheus metrics (0: a free port; unset: none). request_timeout_s: the
+        lease on a finished request's blocks on prefill: they are freed if no decode asks for
+        them within it, and a decode whose request waits in its queue renews it every third
+        of it (NixlConnector's kv_lease_duration, 30 s too). transfer_timeout_s: how long
+        decode waits for a transfer.
         peer_timeout_s / heartbeat_interval_s: liveness (a silent peer is declared dead after
         peer_timeout_s). staging / staging_bytes: the staging ring for different TP sizes.
         idle_poll_s: how long an engine step with nothing to compute waits for a transfer to
@@ -63,7 +66,7 @@ class ConnectorOptions:
     bootstrap_port: int = 0
     bootstrap_timeout_s: float = 5.0
     metrics_port: int | None = None
-    request_timeout_s: float = 480.0
+    request_timeout_s: float = 30.0
     transfer_timeout_s: float = 120.0
     peer_timeout_s: float = 3.0
     heartbeat_interval_s: float = 0.5
@@ -194,3 +197,17 @@ def cpu_list(text: str) -> set[int]:
         first, _, last = part.partition("-")
         cpus.update(range(int(first), int(last or first) + 1))
     return cpus
+
+
+def log_through_vllm() -> None:
+    """kvbridge's records in vLLM's log, through vLLM's handlers (its format, stream and
+    level), unless the application set up kvbridge's logging itself. Without this they go
+    nowhere in vLLM's engine and worker processes."""
+    ours, theirs = logging.getLogger("kvbridge"), logging.getLogger("vllm")
+    configured = [h for h in ours.handlers if not isinstance(h, logging.NullHandler)]
+    if configured or not theirs.handlers:
+        return
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(theirs.level or logging.INFO)
+    ours.propagate = False

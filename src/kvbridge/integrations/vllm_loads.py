@@ -8,18 +8,23 @@ on. No vLLM import."""
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Sequence
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 
+from kvbridge.cache.topology import TopologyError
+from kvbridge.control.bootstrap import BootstrapError
 from kvbridge.decode import DecodeManager, KVReceiver
+from kvbridge.integrations.vllm_blocks import LoadPlanError
 from kvbridge.integrations.vllm_cache import RoomContents, VLLMCache
 from kvbridge.integrations.vllm_requests import (
-    ConnectorCounters,
     LoadSpec,
     RemotePrefill,
     stage_room,
 )
-from kvbridge.wire.messages import KVPoll
+from kvbridge.integrations.vllm_stats import LOAD_SECONDS, ConnectorCounters, Interval
+from kvbridge.wire.messages import FailureKind, KVPoll
 
 log = logging.getLogger("kvbridge.vllm")
 
@@ -60,6 +65,7 @@ class _Load:
     rooms: list[_Room]
     blocks: tuple[int, ...]  # every block it fills, for vLLM's failed-block report
     client_aborted: bool = False  # the request ended on decode while loading
+    started: float = 0.0  # time.monotonic() as it started
 
     def give_up(self, reason: str) -> None:
         for room in self.rooms:
@@ -78,6 +84,25 @@ class _Load:
                 receiver.clear()
 
 
+def _failure_kind(error: BaseException | None) -> FailureKind:
+    """The kind of a room that could not even be opened."""
+    if isinstance(error, BootstrapError):
+        return FailureKind.BOOTSTRAP
+    if isinstance(error, LoadPlanError | ValueError):
+        return FailureKind.INCOMPATIBLE
+    return FailureKind.INTERNAL
+
+
+def _renew_leases(decode: DecodeManager, url: str, rooms: list[int]) -> None:
+    """On the pool: nothing may escape unseen (a future nobody reads swallows it)."""
+    try:
+        decode.renew_leases(url, rooms)
+    except (BootstrapError, TopologyError) as exc:  # the load itself will fail with it
+        log.warning("leases of %d room(s) at %s not renewed: %s", len(rooms), url, exc)
+    except Exception:
+        log.exception("leases of %d room(s) at %s not renewed", len(rooms), url)
+
+
 def _open_room(decode: DecodeManager, url: str, room: int,
                contents: RoomContents | None) -> KVReceiver:  # fmt: skip
     """Look the prefill instance up, send the request for these (KV pages, state slots) (on
@@ -92,8 +117,9 @@ def _open_room(decode: DecodeManager, url: str, room: int,
 class Loads:
     """Decode's loads and releases in flight, by request, and what ended how."""
 
-    def __init__(self, counters: ConnectorCounters, opener: Executor) -> None:
-        self.counters = counters  # the worker's: loads count into them
+    def __init__(self, counters: ConnectorCounters, interval: Interval, opener: Executor) -> None:
+        self.counters = counters  # the worker's: loads count into them...
+        self._interval = interval  # ...and their durations and failures into this
         self._opener = opener  # opens rooms whose lookup may block (the owner shuts it down)
         self._loads: dict[str, _Load] = {}
         self._releases: list[_Load] = []
@@ -119,7 +145,7 @@ class Loads:
         if decode is None or cache is None or load.error is not None:
             failed: Future[KVReceiver] = Future()  # fails at once: the blocks count as failed
             failed.set_exception(
-                RuntimeError(load.error or "this instance's kv_role does not consume KV")
+                LoadPlanError(load.error or "this instance's kv_role does not consume KV")
             )
             self._loads[load.request_id] = _Load([_Room(failed, len(blocks))], blocks)
             if decode is not None:  # prefill frees its blocks now, not at its deadline
@@ -137,7 +163,7 @@ class Loads:
                 rooms.append(_Room(self._opening(decode, url, room), abort_reason=reason))
             else:
                 rooms.append(_Room(self._opening(decode, url, room, contents), len(blocks)))
-        self._loads[load.request_id] = _Load(rooms, blocks)
+        self._loads[load.request_id] = _Load(rooms, blocks, started=time.monotonic())
 
     def abort(self, request_id: str) -> None:
         """The request ended on decode: give its load up, if it is still loading."""
@@ -151,6 +177,16 @@ class Loads:
         rooms = [_Room(self._opening(decode, url, room), abort_reason="decode needs no block")
                  for url, room in self._stage_rooms(remote)]  # fmt: skip
         self._releases.append(_Load(rooms, ()))
+
+    def renew(self, remotes: Sequence[RemotePrefill], decode: DecodeManager) -> None:
+        """Renew the leases on prefill of these waiting requests' rooms, one message per
+        prefill instance (on the pool: the first toward an instance looks it up)."""
+        rooms: dict[str, list[int]] = {}
+        for remote in remotes:
+            for url, room in self._stage_rooms(remote):
+                rooms.setdefault(url, []).append(room)
+        for url, listed in rooms.items():
+            self._opener.submit(_renew_leases, decode, url, listed)
 
     def send_aborts(self) -> None:
         """Tell prefill of every room given up (once each, once the room is open)."""
@@ -197,6 +233,7 @@ class Loads:
         if not all(room.opening.done() for room in load.rooms):
             return False
         reason: str | None = None
+        kind = FailureKind.UNKNOWN
         succeeded = True
         for room in load.rooms:
             if not room.pages:
@@ -204,8 +241,12 @@ class Loads:
             receiver = room.receiver()
             poll = receiver.poll() if receiver is not None else KVPoll.Failed
             if poll == KVPoll.Failed and reason is None:
-                reason = (repr(room.opening.exception()) if receiver is None
-                          else f"{receiver.failure_reason} [{receiver.failure_kind}]")  # fmt: skip
+                if receiver is None:
+                    error = room.opening.exception()
+                    reason, kind = repr(error), _failure_kind(error)
+                else:
+                    reason = f"{receiver.failure_reason} [{receiver.failure_kind}]"
+                    kind = receiver.failure_kind or FailureKind.UNKNOWN
             succeeded = succeeded and poll == KVPoll.Success
         if reason is not None:
             load.give_up(f"another pipeline stage's load failed: {reason}")
@@ -218,10 +259,12 @@ class Loads:
         if reason is None:
             self.counters.requests_loaded += 1
             self.counters.pages_loaded += len(load.blocks)
+            self._interval.observe(LOAD_SECONDS, time.monotonic() - load.started)
         elif load.client_aborted:
             self.counters.loads_aborted += 1
         else:
             log.warning("request %s: KV load failed: %s", request_id, reason)
+            self._interval.fail("load", kind)
             self._failed_blocks.update(load.blocks)
             self._failed_requests.add(request_id)
             self.counters.loads_failed += 1

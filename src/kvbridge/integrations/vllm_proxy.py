@@ -1,30 +1,48 @@
-"""A small PD proxy for vLLM instances (`kvbridge vllm-proxy`): each OpenAI completion or
-chat request goes to a prefill instance with ``max_tokens: 1`` and ``kv_transfer_params:
+"""A PD proxy for vLLM instances (`kvbridge vllm-proxy`): each OpenAI completion or chat
+request goes to a prefill instance with ``max_tokens: 1`` and ``kv_transfer_params:
 {"do_remote_decode": true}``, then to a decode instance with the ``kv_transfer_params`` of
-prefill's answer; decode's answer (streamed or not) goes back to the client. Instances are
-taken in turn. It works with any connector that follows vLLM's PD flow (kvbridge's, vLLM's
-NixlConnector). Standard library only: it runs in any environment.
+prefill's answer; decode's answer (streamed or not) goes back to the client as it comes.
+Each request goes to the instances with the fewest requests in flight. It works with any
+connector that follows vLLM's PD flow (kvbridge's, vLLM's NixlConnector).
+
+Built on aiohttp (vLLM's own environment has it): one event loop serves every client, and
+upstream connections are pooled and kept alive, so a request costs the proxy a fraction of a
+millisecond rather than a thread and two new TCP connections.
 """
 
 from __future__ import annotations
 
-import http.client
+import asyncio
+import contextlib
 import itertools
 import json
 import logging
+import socket
 import threading
+import time
 import uuid
+from collections import deque
 from collections.abc import Iterator, Sequence
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import urlsplit
+
+import aiohttp
+from aiohttp import web
 
 from kvbridge.integrations.vllm_core import OptionsError
 from kvbridge.integrations.vllm_requests import decode_request, prefill_request
 
 log = logging.getLogger("kvbridge.proxy")
 ROUTES = ("/v1/completions", "/v1/chat/completions")
-UPSTREAM_TIMEOUT_S = 600.0
+UPSTREAM_TIMEOUT_S = 600.0  # the longest an instance may go without sending a byte
+CONNECT_TIMEOUT_S = 30.0
+KEEPALIVE_S = 4.0
+SHUTDOWN_S = 5.0  # how long a shutdown lets answers in flight finish
+# The client's headers both instances get (credentials: servers started with --api-key want
+# them); the request id is always set, the client's or a new one.
+FORWARDED_HEADERS = ("Authorization",)
+REQUEST_ID = "X-Request-Id"
+MAX_TIMINGS = 100_000
 
 
 class UpstreamError(Exception):
@@ -35,153 +53,243 @@ class UpstreamError(Exception):
         self.status = status
 
 
-def _connection(url: str) -> http.client.HTTPConnection:
+def _check_url(url: str) -> str:
     parts = urlsplit(url)
     if parts.scheme != "http" or not parts.hostname:
         raise ValueError(f"{url!r} is not an http://host:port URL")
-    return http.client.HTTPConnection(parts.hostname, parts.port or 80, timeout=UPSTREAM_TIMEOUT_S)
-
-
-def _post(url: str, path: str, body: dict[str, Any],
-          headers: dict[str, str]) -> http.client.HTTPResponse:  # fmt: skip
-    connection = _connection(url)
-    try:
-        connection.request(
-            "POST", path, json.dumps(body).encode(), {"Content-Type": "application/json", **headers}
-        )
-        return connection.getresponse()
-    except OSError as exc:
-        connection.close()
-        raise UpstreamError(502, f"{url} unreachable: {exc}") from None
+    return url.rstrip("/")
 
 
 class PDProxy:
-    """Round-robin over prefill and decode instances; `serve_forever` until `shutdown`."""
+    """A PD proxy over prefill and decode instances (`Pool`: fewest in flight first);
+    `serve_forever` (in any thread) until `shutdown`. The listening socket is bound at
+    construction, so `url` is known at once."""
 
     def __init__(
         self, prefill: Sequence[str], decode: Sequence[str], host: str = "127.0.0.1", port: int = 0
     ) -> None:
         if not prefill or not decode:
             raise ValueError("a PD proxy needs at least one prefill and one decode instance")
-        for url in (*prefill, *decode):
-            _connection(url).close()  # refuses a malformed URL at start-up
-        self._prefill = itertools.cycle(prefill)
-        self._decode = itertools.cycle(decode)
-        self._turn = threading.Lock()
-        proxy = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def do_POST(self) -> None:
-                proxy._handle_post(self)
-
-            def do_GET(self) -> None:
-                proxy._handle_get(self)
-
-            def log_message(self, format: str, *args: Any) -> None:
-                log.debug("%s " + format, self.address_string(), *args)
-
-        self.server = ThreadingHTTPServer((host, port), Handler)
-        self.server.daemon_threads = True
+        self._prefill = Pool([_check_url(url) for url in prefill])
+        self._decode = Pool([_check_url(url) for url in decode])
+        # The proxy's own time per request (parsing, rewriting, choosing, relaying), without
+        # the time spent waiting on the instances; the latest MAX_TIMINGS.
+        self.own_seconds: deque[float] = deque(maxlen=MAX_TIMINGS)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._socket = socket.socket(family, socket.SOCK_STREAM)
+        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._socket.bind((host, port))
+        self._socket.listen(1024)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._lock = threading.Lock()  # serve_forever and shutdown agree on who closes
+        self._shut = False
+        self._done = threading.Event()  # set once the listener is closed
+        self._session: aiohttp.ClientSession | None = None
 
     @property
     def url(self) -> str:
-        host, port = self.server.server_address[:2]
-        return f"http://{host!s}:{port}"
+        host, port = self._socket.getsockname()[:2]
+        return f"http://{host}:{port}" if ":" not in host else f"http://[{host}]:{port}"
 
     def serve_forever(self) -> None:
-        self.server.serve_forever(poll_interval=0.2)
+        try:
+            asyncio.run(self._serve())
+        finally:
+            self._socket.close()
+            self._done.set()
 
     def shutdown(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-    def _next(self, instances: Iterator[str]) -> str:
-        with self._turn:
-            return next(instances)
-
-    def _handle_get(self, handler: BaseHTTPRequestHandler) -> None:
-        if handler.path == "/health":
-            _answer(handler, 200, {"status": "ok"})
+        """Stop serving (from any thread) and wait until the listener is closed."""
+        with self._lock:
+            self._shut = True
+            loop, stop = self._loop, self._stop
+        if loop is None or stop is None:  # never served
+            self._socket.close()
             return
-        if handler.path != "/v1/models":
-            _answer(handler, 404, {"error": f"no route {handler.path}"})
-            return
-        connection = _connection(self._next(self._decode))
+        with contextlib.suppress(RuntimeError):  # the loop ended meanwhile
+            loop.call_soon_threadsafe(stop.set)
+        self._done.wait(timeout=SHUTDOWN_S + 10)
+
+    async def _serve(self) -> None:
+        with self._lock:
+            if self._shut:
+                return
+            self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
+        app = web.Application(client_max_size=64 << 20)
+        app.router.add_post("/v1/completions", self._post)
+        app.router.add_post("/v1/chat/completions", self._post)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_route("*", "/{tail:.*}", self._no_route)
+        # Idle upstream connections close before vLLM's server closes them (uvicorn's 5 s
+        # keep-alive): a POST on a connection the server just closed is not retried.
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S)
+        # No cap on a whole answer (a long stream is fine), only on each wait for bytes.
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S,
+                                        sock_read=UPSTREAM_TIMEOUT_S)  # fmt: skip
+        runner = web.AppRunner(app, access_log=None, shutdown_timeout=SHUTDOWN_S)
+        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+            self._session = session
+            await runner.setup()
+            try:
+                await web.SockSite(runner, self._socket).start()
+                await self._stop.wait()
+            finally:
+                await runner.cleanup()
+
+    # --- routes ----------------------------------------------------------------------------
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def _no_route(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            {"error": f"no route {request.method} {request.path}; try {', '.join(ROUTES)}"},
+            status=404,
+        )
+
+    async def _models(self, request: web.Request) -> web.StreamResponse:
+        decode = self._decode.urls[0]
         try:
-            connection.request("GET", handler.path)
-            _relay(handler, connection.getresponse())
-        except OSError as exc:
-            _answer(handler, 502, {"error": f"decode unreachable: {exc}"})
-        finally:
-            connection.close()
+            upstream = await self._client.get(decode + "/v1/models")
+            response, _ = await self._relay(request, upstream)
+        except (aiohttp.ClientError, TimeoutError, UpstreamError) as exc:
+            return web.json_response({"error": f"decode {decode}: {exc}"}, status=502)
+        return response
 
-    def _handle_post(self, handler: BaseHTTPRequestHandler) -> None:
-        if handler.path not in ROUTES:
-            _answer(handler, 404, {"error": f"no route {handler.path}; try {', '.join(ROUTES)}"})
-            return
+    async def _post(self, request: web.Request) -> web.StreamResponse:
+        began = time.perf_counter()
         try:
-            length = int(handler.headers.get("Content-Length", "0"))
-            body = json.loads(handler.rfile.read(length))
+            body = json.loads(await request.read())
             if not isinstance(body, dict):
                 raise ValueError("the request body is not a JSON object")
         except ValueError as exc:
-            _answer(handler, 400, {"error": f"bad request body: {exc}"})
-            return
-        prefill, decode = self._next(self._prefill), self._next(self._decode)
-        headers = _forwarded(handler)
+            return web.json_response({"error": f"bad request body: {exc}"}, status=400)
+        headers = _forwarded(request)
+        waited = 0.0
         try:
-            answer = _post(prefill, handler.path, prefill_request(body), headers)
-            prefilled = answer.read()
-            if answer.status != 200:
-                raise UpstreamError(answer.status, f"prefill {prefill}: {prefilled[:2000]!r}")
-            forward = decode_request(body, json.loads(prefilled))
-            response = _post(decode, handler.path, forward, headers)
-        except (UpstreamError, OptionsError, ValueError) as exc:
+            with self._prefill.take() as prefill:  # held while prefill works, not decode
+                asked = time.perf_counter()
+                prefilled = await self._prefill_answer(prefill, request.path, body, headers)
+                waited += time.perf_counter() - asked
+            forward = decode_request(body, prefilled)
+            with self._decode.take(prefill) as decode:
+                asked = time.perf_counter()
+                upstream = await self._send(decode, request.path, forward, headers, "decode")
+                waited += time.perf_counter() - asked
+                response, relay_waited = await self._relay(request, upstream)
+        except (UpstreamError, OptionsError) as exc:
             status = exc.status if isinstance(exc, UpstreamError) else 502
             log.warning("request failed: %s", exc)
-            _answer(handler, status, {"error": str(exc)})
-            return
+            return web.json_response({"error": str(exc)}, status=status)
+        self.own_seconds.append(time.perf_counter() - began - waited - relay_waited)
+        return response
+
+    # --- upstream --------------------------------------------------------------------------
+
+    @property
+    def _client(self) -> aiohttp.ClientSession:
+        assert self._session is not None
+        return self._session
+
+    async def _send(self, url: str, path: str, body: dict[str, Any], headers: dict[str, str],
+                    role: str) -> aiohttp.ClientResponse:  # fmt: skip
         try:
-            _relay(handler, response)
+            return await self._client.post(url + path, json=body, headers=headers)
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise UpstreamError(502, f"{role} {url} unreachable: {exc!r}") from None
+
+    async def _prefill_answer(self, url: str, path: str, body: dict[str, Any],
+                              headers: dict[str, str]) -> dict[str, Any]:  # fmt: skip
+        async with await self._send(url, path, prefill_request(body), headers, "prefill") as got:
+            data = await got.read()
+            if got.status != 200:
+                raise UpstreamError(got.status, f"prefill {url}: {data[:2000]!r}")
+        try:
+            answer = json.loads(data)
+        except ValueError as exc:
+            raise UpstreamError(502, f"prefill {url} answered no JSON: {exc}") from None
+        if not isinstance(answer, dict):
+            raise UpstreamError(502, f"prefill {url} answered no JSON object")
+        return answer
+
+    async def _relay(self, request: web.Request, upstream: aiohttp.ClientResponse
+                     ) -> tuple[web.StreamResponse, float]:  # fmt: skip
+        """An instance's answer to the client, whole or chunk by chunk as it streams; and the
+        seconds spent waiting for it."""
+        waited = 0.0
+        async with upstream:
+            content_type = upstream.headers.get("Content-Type", "application/json")
+            if upstream.headers.get("Content-Length") is not None:
+                asked = time.perf_counter()
+                try:
+                    data = await upstream.read()
+                except (aiohttp.ClientError, TimeoutError) as exc:
+                    raise UpstreamError(502, f"{upstream.url} answered in part: {exc!r}") from None
+                waited = time.perf_counter() - asked
+                whole = web.Response(status=upstream.status, body=data,
+                                     headers={"Content-Type": content_type})  # fmt: skip
+                return whole, waited
+            response = web.StreamResponse(
+                status=upstream.status, headers={"Content-Type": content_type}
+            )
+            response.enable_chunked_encoding()
+            await response.prepare(request)
+            chunks = upstream.content.iter_any()
+            while True:
+                asked = time.perf_counter()
+                try:
+                    chunk = await chunks.__anext__()
+                except StopAsyncIteration:
+                    break
+                except (aiohttp.ClientError, TimeoutError) as exc:
+                    # The instance went away mid-answer: the client's connection is cut, so
+                    # that it sees an error rather than a short answer that looks whole.
+                    log.warning("answer from upstream ended early: %r", exc)
+                    if request.transport is not None:
+                        request.transport.abort()
+                    return response, waited
+                finally:
+                    waited += time.perf_counter() - asked
+                try:
+                    await response.write(chunk)
+                except ConnectionError:  # the client went away: nobody to answer
+                    return response, waited
+            with contextlib.suppress(ConnectionError):
+                await response.write_eof()
+            return response, waited
+
+
+class Pool:
+    """Instances of one role: each request goes to the one with the fewest requests in flight
+    through this proxy (a slow instance gets less), among equals the one used longest ago
+    with the same partner (the prefill instance a decode instance would load from), so that
+    every prefill-decode pairing occurs."""
+
+    def __init__(self, urls: Sequence[str]) -> None:
+        self.urls = list(urls)
+        self._in_flight = dict.fromkeys(self.urls, 0)
+        self._order = itertools.count()
+        self._last_used: dict[tuple[str, str], int] = {}  # (partner, url) → when
+
+    @contextlib.contextmanager
+    def take(self, partner: str = "") -> Iterator[str]:
+        url = min(self.urls, key=lambda u: (self._in_flight[u],
+                                            self._last_used.get((partner, u), -1)))  # fmt: skip
+        self._in_flight[url] += 1
+        self._last_used[partner, url] = next(self._order)
+        try:
+            yield url
         finally:
-            response.close()
+            self._in_flight[url] -= 1
 
 
-def _forwarded(handler: BaseHTTPRequestHandler) -> dict[str, str]:
-    """The headers both instances get: the client's credentials (servers started with
-    --api-key want them) and one request id, the client's or a new one (vLLM names the
-    request by it on both sides, as NixlPushConnector needs to pair them)."""
-    headers = {"X-Request-Id": handler.headers.get("X-Request-Id") or uuid.uuid4().hex}
-    if (credentials := handler.headers.get("Authorization")) is not None:
-        headers["Authorization"] = credentials
+def _forwarded(request: web.Request) -> dict[str, str]:
+    """The headers both instances get: the client's credentials and one request id (vLLM
+    names the request by it on both sides, as NixlPushConnector needs to pair them)."""
+    headers = {REQUEST_ID: request.headers.get(REQUEST_ID) or uuid.uuid4().hex}
+    for name in FORWARDED_HEADERS:
+        if (value := request.headers.get(name)) is not None:
+            headers[name] = value
     return headers
-
-
-def _answer(handler: BaseHTTPRequestHandler, status: int, body: dict[str, Any]) -> None:
-    data = json.dumps(body).encode()
-    handler.send_response(status)
-    handler.send_header("Content-Type", "application/json")
-    handler.send_header("Content-Length", str(len(data)))
-    handler.end_headers()
-    handler.wfile.write(data)
-
-
-def _relay(handler: BaseHTTPRequestHandler, response: http.client.HTTPResponse) -> None:
-    """Decode's answer to the client: whole, or chunk by chunk as it streams."""
-    handler.send_response(response.status)
-    handler.send_header("Content-Type", response.getheader("Content-Type", "application/json"))
-    length = response.getheader("Content-Length")
-    if length is not None:
-        data = response.read()
-        handler.send_header("Content-Length", str(len(data)))
-        handler.end_headers()
-        handler.wfile.write(data)
-        return
-    handler.send_header("Transfer-Encoding", "chunked")
-    handler.end_headers()
-    while chunk := response.read1(65536):
-        handler.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
-        handler.wfile.flush()
-    handler.wfile.write(b"0\r\n\r\n")

@@ -7,6 +7,7 @@ step. No vLLM import, no sockets.
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -23,6 +24,9 @@ ROOM_KEY = "kvbridge_room"
 GROUP_ROOMS_KEY = "kvbridge_rooms"
 BLOCKS_KEY = "kvbridge_blocks"
 BLOCK_SIZES_KEY = "kvbridge_block_sizes"
+# Prefill's lease on the blocks, in seconds: decode renews it while the request waits (absent:
+# a prefill of a release without leases).
+LEASE_KEY = "kvbridge_lease_s"
 
 
 @dataclass(frozen=True)
@@ -42,6 +46,7 @@ class RemotePrefill:
     blocks: tuple[tuple[int, int], ...] = ((0, 0),)
     block_sizes: tuple[int, ...] = (0,)
     stage_urls: tuple[str, ...] = ()
+    lease_s: float = 0.0  # 0: prefill takes no lease renewals
 
     @property
     def stages(self) -> tuple[str, ...]:
@@ -63,6 +68,7 @@ class RemotePrefill:
             BLOCKS_KEY: [list(pair) for pair in self.blocks],
             BLOCK_SIZES_KEY: list(self.block_sizes),
             STAGES_KEY: list(self.stages),
+            LEASE_KEY: self.lease_s,
             # A decode of the release before reads a one-group model's room here (it would
             # read several groups' blocks as a room each: for those it finds none, and the
             # request is computed there).
@@ -89,10 +95,13 @@ class RemotePrefill:
                 f"kv_transfer_params: {BLOCKS_KEY} and {BLOCK_SIZES_KEY} need one entry per KV "
                 f"cache group, got {len(blocks)} and {len(sizes)}"
             )
+        lease = params.get(LEASE_KEY, 0.0)
+        if not isinstance(lease, int | float) or isinstance(lease, bool) or not lease >= 0:
+            raise OptionsError(f"kv_transfer_params.{LEASE_KEY}: {lease!r} is not seconds ≥ 0")
         return RemotePrefill(
             url, room, tokens, str(params.get("remote_engine_id", "")),
             str(params.get("remote_request_id", "")), tuple(blocks), tuple(sizes),
-            tuple(stages) if len(stages) > 1 else (),
+            tuple(stages) if len(stages) > 1 else (), float(lease),
         )  # fmt: skip
 
 
@@ -183,6 +192,34 @@ class SendSpec:
     room: int
     blocks: tuple[tuple[int, ...], ...]
 
+    def encode(self) -> bytes:
+        """As the scheduler side hands it to a worker (`vllm_handoff`)."""
+        fields = {"request_id": self.request_id, "room": self.room,
+                  "blocks": [list(group) for group in self.blocks]}  # fmt: skip
+        return json.dumps(fields, separators=(",", ":")).encode()
+
+    @staticmethod
+    def decode(data: bytes) -> SendSpec:
+        """The send `encode` made; OptionsError says what is malformed."""
+        try:
+            fields = json.loads(data)
+        except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+            raise OptionsError(f"a send is not JSON: {exc}") from None
+        if not isinstance(fields, dict):
+            raise OptionsError("a send is not a JSON object")
+        request_id = fields.get("request_id")
+        if not isinstance(request_id, str):
+            raise OptionsError("a send needs a request_id, a string")
+        blocks = fields.get("blocks")
+        if not isinstance(blocks, list) or not all(isinstance(group, list) for group in blocks):
+            raise OptionsError(f"send {request_id}: blocks is not a list of lists")
+        room = fields.get("room")
+        numbers = [room, *(block for group in blocks for block in group)]
+        if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in numbers):
+            raise OptionsError(f"send {request_id}: room and blocks must be integers ≥ 0")
+        assert isinstance(room, int)
+        return SendSpec(request_id, room, tuple(tuple(group) for group in blocks))
+
 
 @dataclass(frozen=True)
 class LoadSpec:
@@ -204,37 +241,19 @@ class LoadSpec:
 
 @dataclass
 class StepMetadata:
-    """What the scheduler side tells the workers in one step (vLLM pickles it across)."""
+    """What the scheduler side tells the workers in one step (vLLM pickles it across);
+    prefill's sends go at once instead (`vllm_handoff`)."""
 
-    sends: list[SendSpec] = dataclasses.field(default_factory=list)
     loads: list[LoadSpec] = dataclasses.field(default_factory=list)
     # Decode requests that ended while their load was in flight (a client went away).
     aborts: list[str] = dataclasses.field(default_factory=list)
     # Rooms a decode instance will never ask for (a full local prefix hit, or a request that
     # ended before it was scheduled): prefill can free their blocks now.
     releases: list[RemotePrefill] = dataclasses.field(default_factory=list)
+    # Rooms of requests still waiting in decode's queue: their lease on prefill is renewed.
+    renewals: list[RemotePrefill] = dataclasses.field(default_factory=list)
     # Nothing is computed in this step: the worker may wait a little for transfers.
     idle: bool = False
-
-
-@dataclass
-class ConnectorCounters:
-    """What one worker's connector moved, since it started (kvbridge's own managers keep the
-    transfer-level metrics)."""
-
-    requests_sent: int = 0
-    sends_failed: int = 0
-    pages_sent: int = 0
-    requests_loaded: int = 0
-    loads_failed: int = 0
-    loads_aborted: int = 0
-    pages_loaded: int = 0
-    rooms_released: int = 0
-
-    def since(self, earlier: ConnectorCounters) -> dict[str, int]:
-        """What changed since `earlier`, the counters that moved only."""
-        now, then = dataclasses.asdict(self), dataclasses.asdict(earlier)
-        return {name: now[name] - then[name] for name in now if now[name] != then[name]}
 
 
 def tokens_to_load(remote: RemotePrefill, num_prompt_tokens: int, num_computed: int) -> int:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +25,7 @@ from kvbridge.integrations.vllm_requests import (
     StepMetadata,
     tokens_to_load,
 )
+from kvbridge.integrations.vllm_stats import LOADS_IN_FLIGHT, SENDS_IN_FLIGHT
 
 log = logging.getLogger("kvbridge.vllm")
 
@@ -42,6 +43,9 @@ class SchedulerConfig:
     produces: bool
     groups: tuple[Group, ...]
     pipeline_stages: int = 1
+    # Prefill's lease on a finished request's blocks (its request_timeout_s), named in the
+    # request's parameters for decode to renew.
+    lease_s: float = 0.0
 
     @property
     def backoff(self) -> int:
@@ -51,9 +55,19 @@ class SchedulerConfig:
         return 1 if any(group.kind == GroupKind.STATE for group in self.groups) else 0
 
 
+def _no_hand_off(send: SendSpec) -> str | None:
+    return "this scheduler side hands sends to no worker"
+
+
 class SchedulerSide:
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(
+        self, config: SchedulerConfig,
+        hand_off: Callable[[SendSpec], str | None] = _no_hand_off,
+    ) -> None:  # fmt: skip
+        """`hand_off` gives a finished prefill request's send to the workers at once (why it
+        could not, else None): no engine step need follow (`vllm_handoff`)."""
         self.config = config
+        self._hand_off = hand_off
         # Each pipeline stage's bootstrap service, from its first TP rank's handshake.
         self.bootstrap_urls: dict[int, str] = {}
         self._step = StepMetadata()
@@ -62,10 +76,22 @@ class SchedulerSide:
         self._loading: set[str] = set()
         self._refused: set[str] = set()  # requests whose parameters were malformed (logged)
         self._truncated: set[str] = set()  # prefill requests cut `backoff` tokens short
+        self._reported_gauges: dict[str, int] = {}
+        # Decode: requests waiting in the queue for their load, with when their lease on
+        # prefill was last renewed (or they arrived).
+        self._waiting: dict[str, tuple[RemotePrefill, float]] = {}
 
     @property
     def pending(self) -> bool:
         return bool(self._sending or self._loading)
+
+    def take_gauges(self) -> dict[str, int]:
+        """Requests in flight each way (`vllm_stats`), if they changed since the last call."""
+        gauges = {SENDS_IN_FLIGHT: len(self._sending), LOADS_IN_FLIGHT: len(self._loading)}
+        if gauges == self._reported_gauges:
+            return {}
+        self._reported_gauges = gauges
+        return gauges
 
     def _remote(self, request: Any) -> RemotePrefill | None:
         """The remote prefill a request names; None for none, or for malformed parameters
@@ -78,10 +104,15 @@ class SchedulerSide:
                 log.warning("request %s: computed locally: %s", request.request_id, exc)
             return None
 
-    def on_new_request(self, request: Any) -> None:
-        """Prefill: a request for a remote decode stops `backoff` tokens short of its prompt
-        (decode computes those), and makes one token."""
+    def on_new_request(self, request: Any, now: float = 0.0) -> None:
+        """Decode: a request that will load from a prefill instance with a lease waits with
+        it renewed (`take_step`). Prefill: a request for a remote decode stops `backoff`
+        tokens short of its prompt (decode computes those), and makes one token."""
         params = request.kv_transfer_params
+        if isinstance(params, dict) and params.get("do_remote_prefill"):
+            remote = self._remote(request)
+            if remote is not None and remote.lease_s > 0:
+                self._waiting[request.request_id] = (remote, now)
         backoff = self.config.backoff
         if (
             not backoff
@@ -119,6 +150,7 @@ class SchedulerSide:
         if remote is None or not params.get("do_remote_prefill"):
             return
         params["do_remote_prefill"] = False  # one transfer per request
+        self._waiting.pop(request.request_id, None)  # it asks (or releases) now
         prefix = self._computed.pop(request.request_id, 0)
         if num_external_tokens == 0:  # every token is in the local prefix cache
             self._step.releases.append(remote)
@@ -180,6 +212,7 @@ class SchedulerSide:
         request_id = request.request_id
         self._computed.pop(request_id, None)
         self._truncated.discard(request_id)
+        self._waiting.pop(request_id, None)
         if request_id in self._loading:
             # Ended while its load is in flight (the client went away): the blocks stay until
             # no prefill write can land in them.
@@ -207,18 +240,29 @@ class SchedulerSide:
         if not any(group.blocks for group in sent):
             return False, None
         room = secrets.randbits(63)
-        self._step.sends.append(SendSpec(request_id, room, tuple(g.blocks for g in sent)))
+        problem = self._hand_off(SendSpec(request_id, room, tuple(g.blocks for g in sent)))
+        if problem is not None:
+            log.error("request %s: not sent: %s", request_id, problem)
+            return False, None
         self._sending.add(request_id)
         remote = RemotePrefill(
             urls[0], room, request.num_computed_tokens, self.config.engine_id, request_id,
             tuple((group.first, len(group.blocks)) for group in sent),
-            tuple(group.block_size for group in self.config.groups), urls,
+            tuple(group.block_size for group in self.config.groups), urls, self.config.lease_s,
         )  # fmt: skip
         return True, remote.to_params()
 
-    def take_step(self, idle: bool) -> StepMetadata:
+    def take_step(self, idle: bool, now: float = 0.0) -> StepMetadata:
+        """This step's metadata. Once any request waiting in decode's queue is due to renew
+        its lease (every third of it), every waiting request renews: one message per prefill
+        instance, not one per request per step."""
         step, self._step = self._step, StepMetadata()
         step.idle = idle and self.pending
+        waiting = self._waiting
+        if any(now - renewed >= remote.lease_s / 3 for remote, renewed in waiting.values()):
+            step.renewals = [remote for remote, _ in waiting.values()]
+            self._waiting = {request_id: (remote, now) for request_id, (remote, _)
+                             in waiting.items()}  # fmt: skip
         return step
 
     def on_output(self, finished_sending: set[str], finished_recving: set[str]) -> None:

@@ -1,6 +1,7 @@
 """The worker side of kvbridge's vLLM connector: kvbridge's managers over this worker's KV
-cache, prefill's sends in flight, and how long an idle engine step waits for transfers to end
-(decode's loads are kept by `vllm_loads.Loads`). It imports nothing from vLLM;
+cache, the inbox where the scheduler hands it prefill's sends, and how long an idle engine
+step waits for transfers to end (prefill's sends are kept by `vllm_sends.Sends`, decode's
+loads by `vllm_loads.Loads`). It imports nothing from vLLM;
 `kvbridge.integrations.vllm` builds it with what vLLM told it."""
 
 from __future__ import annotations
@@ -19,10 +20,12 @@ from typing import Any, TypeVar
 from kvbridge.decode import DecodeManager
 from kvbridge.integrations.vllm_cache import MambaState, VLLMCache, describe_kv_caches
 from kvbridge.integrations.vllm_core import ConnectorOptions, StepTimes, cpu_list
+from kvbridge.integrations.vllm_handoff import SendInbox
 from kvbridge.integrations.vllm_loads import Loads
-from kvbridge.integrations.vllm_requests import ConnectorCounters, StepMetadata, stage_room
-from kvbridge.prefill import KVSender, PrefillManager
-from kvbridge.wire.messages import KVPoll
+from kvbridge.integrations.vllm_requests import SendSpec, StepMetadata
+from kvbridge.integrations.vllm_sends import Sends
+from kvbridge.integrations.vllm_stats import WRITE_BYTES, WRITE_SECONDS, ConnectorCounters, Interval
+from kvbridge.prefill import PrefillManager
 
 log = logging.getLogger("kvbridge.vllm")
 T = TypeVar("T")
@@ -86,15 +89,6 @@ class WorkerConfig:
     multi_group: bool
 
 
-@dataclass
-class _Send:
-    """One request's send: the sender of its room at this pipeline stage (none if it could
-    not be made), and its block count."""
-
-    senders: list[KVSender]
-    blocks: int
-
-
 class WorkerSide:
     """kvbridge's managers for this worker's KV caches and the transfers in flight through
     them: sends here, decode's loads in `Loads`."""
@@ -106,7 +100,7 @@ class WorkerSide:
         self.kv_caches: dict[str, Any] = {}
         self.prefill: PrefillManager | None = None
         self.decode: DecodeManager | None = None
-        self._sends: dict[str, _Send] = {}
+        self.inbox: SendInbox | None = None
         # Owned here, beside the managers it opens rooms on, so that close() stops it first.
         self._opener = ThreadPoolExecutor(
             max_workers=8, thread_name_prefix="kvbridge-vllm-open", initializer=_unpin
@@ -115,7 +109,9 @@ class WorkerSide:
         self._step_times = StepTimes()
         self.counters = ConnectorCounters()
         self._reported = ConnectorCounters()  # as of the last get_kv_connector_stats
-        self._loads = Loads(self.counters, self._opener)
+        self._interval = Interval()
+        self._loads = Loads(self.counters, self._interval, self._opener)
+        self._sends = Sends(self.counters, self._interval, config.pp_rank, config.state_groups)
 
     @property
     def bootstrap_url(self) -> str | None:
@@ -148,6 +144,8 @@ class WorkerSide:
                 bootstrap_port=config.bootstrap_port,
             )
             self.prefill = _unpinned(lambda: PrefillManager(args, manager_config))
+            self.prefill.metrics.keep_writes()  # for vLLM's metrics (take_interval)
+            self.inbox = _unpinned(lambda: SendInbox(self.options.host, self._start_send))
             log.info(
                 "kvbridge prefill rank %d (pipeline stage %d): %s engine, bootstrap %s, %s KV "
                 "of %d buffers × %d pages (layers %s)", config.tp_rank, config.pp_rank,
@@ -163,34 +161,30 @@ class WorkerSide:
                          role, config.tp_rank, self.options.host,
                          manager.metrics.port)  # fmt: skip
 
+    def _start_send(self, send: SendSpec) -> None:
+        """On the send inbox's thread, as the scheduler hands a send over."""
+        if self.prefill is not None and self.cache is not None:
+            self._sends.start(send, self.prefill, self.cache)
+
     def start(self, step: StepMetadata) -> None:
-        assert self.cache is not None or not (step.sends or step.loads)
-        for send in step.sends:
-            if self.prefill is None or self.cache is None:
-                continue
-            senders = []
-            contents = self.cache.send_contents(send.blocks, self.config.state_groups)
-            try:  # this pipeline stage's room: its layers of every group
-                senders.append(self.prefill.sender(stage_room(send.room, self.config.pp_rank)))
-                senders[-1].send(contents.pages, last=True, state_indices=contents.slots)
-            except ValueError as exc:  # a room id ended here before: free the blocks
-                log.error("request %s: not sent: %s", send.request_id, exc)
-                for sender in senders:
-                    sender.abort(str(exc))
-            self._sends[send.request_id] = _Send(senders, sum(map(len, send.blocks)))
+        assert self.cache is not None or not step.loads
         for load in step.loads:
             self._loads.start(load, self.decode, self.cache, self.config.state_groups)
-        if step.sends or step.loads:
-            log.debug("step: %d send(s), %d load(s) started; %d load(s) in flight",
-                      len(step.sends), len(step.loads), self._loads.in_flight)  # fmt: skip
+        if step.loads:
+            log.debug("step: %d load(s) started; %d in flight", len(step.loads),
+                      self._loads.in_flight)  # fmt: skip
         for request_id in step.aborts:
             self._loads.abort(request_id)
         for remote in step.releases:
             if self.decode is not None:  # tell prefill at once rather than at its deadline
                 self._loads.release(remote, self.decode)
+        if step.renewals and self.decode is not None:
+            self._loads.renew(step.renewals, self.decode)
         self._loads.send_aborts()
 
     def finished(self, idle: bool) -> tuple[set[str] | None, set[str] | None]:
+        if self.inbox is not None and not self.inbox.alive:  # sends would strand their blocks
+            raise RuntimeError(self.inbox.failure or "kvbridge's send inbox stopped")
         # vLLM calls this once per step, after the forward (and start_load_kv): the time since
         # the last call is what a step that computed something costs.
         if not idle and self._last_step_ended is not None:
@@ -254,29 +248,19 @@ class WorkerSide:
 
     def _poll(self) -> tuple[set[str], set[str]]:
         """The requests whose send, and whose load, ended since the last poll."""
-        sent: set[str] = set()
-        for request_id, send in list(self._sends.items()):
-            if not all(sender.pages_free for sender in send.senders):
-                continue
-            failed = [sender for sender in send.senders if sender.poll() == KVPoll.Failed]
-            if failed or not send.senders:
-                reason = f"{failed[0].failure_reason} [{failed[0].failure_kind}]" if failed else ""
-                log.warning("request %s: not sent: %s", request_id, reason)
-                self.counters.sends_failed += 1
-            else:
-                self.counters.requests_sent += 1
-                self.counters.pages_sent += send.blocks
-            for sender in send.senders:
-                sender.clear()
-            del self._sends[request_id]
-            sent.add(request_id)
-        return sent, self._loads.poll()
+        return self._sends.poll(), self._loads.poll()
 
-    def take_interval(self) -> dict[str, int]:
-        """The counters that moved since the last call."""
-        changed = self.counters.since(self._reported)
+    def take_interval(self) -> dict[str, Any]:
+        """What this worker saw since the last call (`vllm_stats`): the counters that moved,
+        load durations, prefill's engine writes, failures by kind."""
+        data: dict[str, Any] = self.counters.since(self._reported)
         self._reported = dataclasses.replace(self.counters)
-        return changed
+        if self.prefill is not None:
+            for seconds, nbytes in self.prefill.metrics.take_writes():
+                self._interval.observe(WRITE_SECONDS, seconds)
+                self._interval.observe(WRITE_BYTES, nbytes)
+        data.update(self._interval.take())
+        return data
 
     def take_load_errors(self) -> set[int]:
         """Blocks of failed loads (vLLM's report for one KV cache group)."""
@@ -290,6 +274,8 @@ class WorkerSide:
         return failed if self.config.multi_group else set()
 
     def close(self) -> None:
+        if self.inbox is not None:
+            self.inbox.close()
         self._opener.shutdown(wait=True, cancel_futures=True)
         for manager in (self.decode, self.prefill):
             if manager is not None:

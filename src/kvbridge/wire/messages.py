@@ -256,6 +256,16 @@ class ChunkReady(Message):
 
 
 @dataclass(eq=False)
+class RoomLease(Message):
+    """Decode → prefill, native profile only (1.5): decode still means to ask for these rooms
+    (their requests wait in its scheduler's queue): each one's request deadline on prefill
+    starts again. `sender_id` is decode's control endpoint, registered with the prefill rank."""
+
+    sender_id: str
+    rooms: list[int]
+
+
+@dataclass(eq=False)
 class Heartbeat(Message):
     """Either way, native profile only: the sender is alive for another `lease_ms`.
 

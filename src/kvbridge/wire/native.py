@@ -37,6 +37,7 @@ from kvbridge.wire.messages import (
     KVLayout,
     KVPoll,
     MemoryKind,
+    RoomLease,
     StagingRequest,
     StagingResponse,
     StagingRing,
@@ -51,7 +52,7 @@ from kvbridge.wire.profile import Inspection, Profile, Receiver, require_frames
 PROFILE = "kvbridge/1"
 MAGIC = b"KVBR"
 MAJOR = 1
-MINOR = 4
+MINOR = 5
 FLAG_TAG = 0x01
 KNOWN_FLAGS = FLAG_TAG
 
@@ -398,6 +399,16 @@ _LAYOUT_ROWS: tuple[tuple[int, type[Message], str, tuple[Field, ...]], ...] = (
             Field("lease_ms", c.U32),
             _optional("ack_sequence", c.U64, "last sequence heard from the receiver (1.1)"),
             _echoed_token(),
+        ),
+    ),
+    (
+        11,
+        RoomLease,
+        "Decode → prefill (1.5): decode will still ask for these rooms; their request "
+        "deadlines start again.",
+        (
+            Field("sender_id", c.ENDPOINT, "decode's control endpoint, registered here"),
+            Field("rooms", c.U64_LIST, "rooms no request of decode's reached yet"),
         ),
     ),
 )
