@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -58,6 +57,13 @@ CLIENT = (
     "main(parser.parse_args(sys.argv[1:]))\n"
 )
 KEYS = ("ttft", "tpot", "itl", "e2el")
+# float32: this host's CPUs have no bf16 arithmetic (vLLM emulates it, and prefill's compute
+# would dwarf everything else); the KV moves in float32, twice bf16's bytes.
+DTYPE = ("--dtype", "float32")
+# No server's threads bound to a core: NIXL's progress thread inherits the binding of the
+# thread that starts it, and bound to a core that vLLM's compute keeps busy it starved
+# (NixlConnector's TTFT was seconds); unbound, the kernel schedules every connector's threads.
+UNBOUND = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 
 
 class Deployment:
@@ -68,14 +74,11 @@ class Deployment:
         self.proxy: PDProxy | None = None
         prefills, decodes = shape
         roles = [("prefill", "kv_producer")] * prefills + [("decode", "kv_consumer")] * decodes
-        cores = sorted(os.sched_getaffinity(0))
         try:
             for index, (name, role) in enumerate(roles):
                 log = logs / f"{connector}-{prefills}p{decodes}d-{name}{index}.log"
-                # Each server's compute on one core, the cores taken in turn.
-                core = {"VLLM_CPU_OMP_THREADS_BIND": str(cores[index % len(cores)])}
                 self.servers.append(Server(model, transfer_config(connector, role), log,
-                                           environment=core, arguments=()))  # fmt: skip
+                                           environment=UNBOUND, arguments=DTYPE))  # fmt: skip
             urls = [server.url for server in self.servers]
             self.proxy = PDProxy(urls[:prefills], urls[prefills:])
         except BaseException:
@@ -116,18 +119,22 @@ def run_client(url: str, model: Path, rate: float, options: argparse.Namespace,
     return dict(json.loads(out.read_text()))
 
 
-def row_of(result: dict[str, Any], proxy_s: list[float]) -> dict[str, Any]:
+def row_of(result: dict[str, Any], proxy_s: list[float], proxy_first_s: list[float]
+           ) -> dict[str, Any]:  # fmt: skip
+    """A run's row: the client's figures and the proxy's own time per request, before the
+    first byte (what it adds to TTFT) and in all (relaying every streamed chunk included)."""
     row = {f"{key}_{p}_ms": round(result[f"{'median' if p == 'p50' else 'p99'}_{key}_ms"], 1)
            for key in KEYS for p in ("p50", "p99")}  # fmt: skip
-    ordered = sorted(proxy_s) or [0.0]
     row.update(
         completed=result["completed"], failed=result.get("failed", 0),
         request_throughput=round(result["request_throughput"], 3),
         output_throughput=round(result["output_throughput"], 1),
         goodput=round(result.get("request_goodput") or 0.0, 3),
-        proxy_p50_ms=round(1000 * statistics.median(ordered), 3),
-        proxy_p99_ms=round(1000 * ordered[int(0.99 * (len(ordered) - 1))], 3),
     )  # fmt: skip
+    for name, seconds in (("proxy_first", proxy_first_s), ("proxy", proxy_s)):
+        ordered = sorted(seconds) or [0.0]
+        row[f"{name}_p50_ms"] = round(1000 * statistics.median(ordered), 3)
+        row[f"{name}_p99_ms"] = round(1000 * ordered[int(0.99 * (len(ordered) - 1))], 3)
     return row
 
 
@@ -143,16 +150,19 @@ def measure(connector: str, deployment: str, model: Path, logs: Path,
         while index < len(runs):
             rate = runs[index]
             assert serving.proxy is not None
-            before = len(serving.proxy.own_seconds)
+            proxy = serving.proxy
+            before = len(proxy.own_seconds)
             out = logs / f"{connector}-{deployment}-{rate:g}.json"
             result = run_client(serving.url, model, rate, options, out)
-            row = row_of(result, list(serving.proxy.own_seconds)[before:])
+            row = row_of(result, list(proxy.own_seconds)[before:],
+                         list(proxy.own_first_byte_seconds)[before:])  # fmt: skip
             row.update(connector=connector, deployment=deployment, rate=rate)
             rows.append(row)
             print(f"{deployment} {connector:18} rate {rate:6g}: TTFT p50 {row['ttft_p50_ms']:8.1f}"
                   f" p99 {row['ttft_p99_ms']:8.1f} ms, TPOT p50 {row['tpot_p50_ms']:6.1f} ms, "
                   f"{row['request_throughput']:.2f} req/s, goodput {row['goodput']:.2f}, "
-                  f"proxy p50 {row['proxy_p50_ms']:.3f} ms, failed {row['failed']}",
+                  f"proxy p50 {row['proxy_first_p50_ms']:.3f} ms to first byte, "
+                  f"{row['proxy_p50_ms']:.3f} ms in all, failed {row['failed']}",
                   flush=True)  # fmt: skip
             if rate == float("inf") and not rates:  # the first connector sets the rates
                 capacity = row["request_throughput"]
@@ -232,7 +242,9 @@ def main() -> None:
         help="requests/s (default: fractions of the measured capacity)",
     )
     parser.add_argument("--prompts", type=int, help="requests per run")
-    parser.add_argument("--input-len", type=int, default=1024)
+    parser.add_argument(
+        "--input-len", type=int, help="mean prompt tokens (default 1024; quick 512)"
+    )
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument(
         "--prefix-len", type=int, default=256, help="tokens every prompt shares (prefix cache hits)"
@@ -241,7 +253,8 @@ def main() -> None:
     parser.add_argument("--slo-tpot-ms", type=float, default=250.0)
     parser.add_argument("--layers", type=int, default=2)
     options = parser.parse_args()
-    options.prompts = options.prompts or (32 if options.quick else 96)
+    options.prompts = options.prompts or (24 if options.quick else 96)
+    options.input_len = options.input_len or (512 if options.quick else 1024)
     connectors = list(options.connectors or (
         ("kvbridge-nixl", "vllm-nixl") if options.quick else CONNECTORS))  # fmt: skip
     if "kvbridge-mooncake" in connectors and importlib.util.find_spec("mooncake") is None:
@@ -271,7 +284,7 @@ def main() -> None:
               f"{line['throughput_vs_best']:10.2f}   ({line['best_vllm']})")  # fmt: skip
     document = {
         "date": time.strftime("%Y-%m-%d"), "wall_s": round(time.monotonic() - began),
-        "model": f"random Llama, {options.layers} layers, 8 KV heads × 128, bf16, blocks of 32",
+        "model": f"random Llama, {options.layers} layers, 8 KV heads × 128, float32, blocks of 32",
         "workload": {"prompts": options.prompts, "input_len": options.input_len,
                      "output_len": options.output_len, "prefix_len": options.prefix_len,
                      "range_ratio": 0.25, "burstiness": 1, "seed": 0},

@@ -14,10 +14,19 @@ sha256=d2c957d5eee3d0985012151315ddc62cbe0cd368fc96a5fc3510438d9dddf2ad
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 "$venv/bin/python" - "$url" "$work/vllm.tar.gz" <<'PY'
-import sys, urllib.request
-with urllib.request.urlopen(sys.argv[1], timeout=300) as answer, open(sys.argv[2], "wb") as out:
-    while chunk := answer.read(1 << 20):
-        out.write(chunk)
+import sys, time, urllib.request
+for attempt in range(3):  # PyPI's file host, as pip reaches it
+    try:
+        with urllib.request.urlopen(sys.argv[1], timeout=300) as answer, \
+                open(sys.argv[2], "wb") as out:
+            while chunk := answer.read(1 << 20):
+                out.write(chunk)
+        break
+    except OSError as exc:
+        if attempt == 2:
+            sys.exit(f"vllm-test-files.sh: cannot download {sys.argv[1]}: {exc}; the vLLM "
+                     "tests run vLLM's own toy_proxy_server.py from it")
+        time.sleep(5)
 PY
 echo "$sha256  $work/vllm.tar.gz" | sha256sum --check --quiet
 tar -xzf "$work/vllm.tar.gz" -C "$work" "${wanted[@]/#/vllm-0.32.0/}"

@@ -60,35 +60,89 @@ def two_hosts(
 ) -> Iterator[TwoHosts]:
     """Namespaces for prefill and decode joined by a veth pair (a /30 between the two
     addresses); removed on exit. `NetnsUnavailable` if they cannot be made."""
+    tag = uuid.uuid4().hex[:6]
+    hosts = TwoHosts(f"kvb-p-{tag}", f"kvb-d-{tag}", prefill_ip, decode_ip)
+    with _namespaces(hosts.prefill_ns, hosts.decode_ns):
+        _link(tag, (hosts.prefill_ns, prefill_ip), (hosts.decode_ns, decode_ip))
+        yield hosts
+
+
+@dataclass(frozen=True)
+class HostAway:
+    """A namespace joined to this one by a veth pair: `ip` there, `local_ip` on
+    `local_link` here; `cut` and `heal` take the link down and up (packets dropped, no
+    connection told)."""
+
+    namespace: str
+    ip: str
+    local_ip: str
+    local_link: str
+
+    def command(self, *argv: str) -> list[str]:
+        """`argv` run inside the namespace."""
+        return ["ip", "netns", "exec", self.namespace, *argv]
+
+    def cut(self) -> None:
+        _ip("-n", self.namespace, "link", "set", LINK, "down")
+
+    def heal(self) -> None:
+        _ip("-n", self.namespace, "link", "set", LINK, "up")
+
+
+@contextmanager
+def host_away(ip: str = "192.168.232.1", local_ip: str = "192.168.232.2") -> Iterator[HostAway]:
+    """A namespace linked to the calling process's own (a /30 between the two addresses):
+    processes started in it are another host to this one, which can still start, reach and
+    cut them. Removed on exit; `NetnsUnavailable` if it cannot be made."""
+    tag = uuid.uuid4().hex[:6]
+    away = HostAway(f"kvb-a-{tag}", ip, local_ip, f"kvl{tag}")
+    with _namespaces(away.namespace):
+        _link(tag, (away.namespace, ip), (None, local_ip), local_name=away.local_link)
+        yield away
+
+
+@contextmanager
+def _namespaces(*names: str) -> Iterator[None]:
+    """Named namespaces with `lo` up, deleted on exit (their veth ends with them)."""
     reason = unavailable_reason()
     if reason is not None:
         raise NetnsUnavailable(reason)
-    tag = uuid.uuid4().hex[:6]
-    hosts = TwoHosts(f"kvb-p-{tag}", f"kvb-d-{tag}", prefill_ip, decode_ip)
-    # Created with names unique on this host, renamed to LINK once each end is in its own
-    # namespace.
-    temporary = (f"kvp{tag}", f"kvd{tag}")
     try:
-        try:
-            _ip("netns", "add", hosts.prefill_ns)
-            _ip("netns", "add", hosts.decode_ns)
-            _ip("link", "add", temporary[0], "type", "veth", "peer", "name", temporary[1])
-            ends = ((hosts.prefill_ns, temporary[0], prefill_ip),
-                    (hosts.decode_ns, temporary[1], decode_ip))  # fmt: skip
-            for namespace, link, address in ends:
-                _ip("link", "set", link, "netns", namespace)
-                _ip("-n", namespace, "link", "set", link, "name", LINK)
-                _ip("-n", namespace, "addr", "add", f"{address}/30", "dev", LINK)
-                _ip("-n", namespace, "link", "set", LINK, "up")
-                _ip("-n", namespace, "link", "set", "lo", "up")
-        except subprocess.CalledProcessError as exc:
-            raise NetnsUnavailable(
-                f"cannot create network namespaces here: {exc.stderr.decode().strip()}"
-            ) from None
-        yield hosts
+        for name in names:
+            _checked("netns", "add", name)
+            _checked("-n", name, "link", "set", "lo", "up")
+        yield
     finally:
-        for namespace in (hosts.prefill_ns, hosts.decode_ns):
-            subprocess.run(["ip", "netns", "delete", namespace], check=False, capture_output=True)
+        for name in names:
+            subprocess.run(["ip", "netns", "delete", name], check=False, capture_output=True)
+
+
+def _link(tag: str, *ends: tuple[str | None, str], local_name: str = LINK) -> None:
+    """A veth pair between two ends, each (namespace or None for this one, address /30).
+    Created with names unique on this host, renamed to LINK once an end is in its own
+    namespace (an end left here gets `local_name`)."""
+    temporary = (f"kvp{tag}", f"kvd{tag}")
+    _checked("link", "add", temporary[0], "type", "veth", "peer", "name", temporary[1])
+    for (namespace, address), link in zip(ends, temporary, strict=True):
+        if namespace is None:
+            _checked("link", "set", link, "name", local_name)
+            _checked("addr", "add", f"{address}/30", "dev", local_name)
+            _checked("link", "set", local_name, "up")
+            continue
+        _checked("link", "set", link, "netns", namespace)
+        _checked("-n", namespace, "link", "set", link, "name", LINK)
+        _checked("-n", namespace, "addr", "add", f"{address}/30", "dev", LINK)
+        _checked("-n", namespace, "link", "set", LINK, "up")
+
+
+def _checked(*args: str) -> None:
+    try:
+        _ip(*args)
+    except subprocess.CalledProcessError as exc:
+        raise NetnsUnavailable(
+            f"cannot create network namespaces here: ip {' '.join(args)}: "
+            f"{exc.stderr.decode().strip()}"
+        ) from None
 
 
 def enter(namespace: str) -> None:

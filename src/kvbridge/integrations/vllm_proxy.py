@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import json
 import logging
 import socket
@@ -30,11 +29,14 @@ import aiohttp
 from aiohttp import web
 
 from kvbridge.integrations.vllm_core import OptionsError
+from kvbridge.integrations.vllm_proxy_pool import Pool
 from kvbridge.integrations.vllm_requests import decode_request, prefill_request
 
 log = logging.getLogger("kvbridge.proxy")
 ROUTES = ("/v1/completions", "/v1/chat/completions")
-UPSTREAM_TIMEOUT_S = 600.0  # the longest an instance may go without sending a byte
+# The longest an instance may go without sending a byte (a hung instance's requests end
+# with 504 then); connecting takes at most CONNECT_TIMEOUT_S of it.
+UPSTREAM_TIMEOUT_S = 600.0
 CONNECT_TIMEOUT_S = 30.0
 KEEPALIVE_S = 4.0
 SHUTDOWN_S = 5.0  # how long a shutdown lets answers in flight finish
@@ -63,18 +65,25 @@ def _check_url(url: str) -> str:
 class PDProxy:
     """A PD proxy over prefill and decode instances (`Pool`: fewest in flight first);
     `serve_forever` (in any thread) until `shutdown`. The listening socket is bound at
-    construction, so `url` is known at once."""
+    construction, so `url` is known at once. `upstream_timeout_s`: how long an instance may
+    go without sending a byte before its request ends with 504, the instance named."""
 
     def __init__(
-        self, prefill: Sequence[str], decode: Sequence[str], host: str = "127.0.0.1", port: int = 0
-    ) -> None:
+        self, prefill: Sequence[str], decode: Sequence[str], host: str = "127.0.0.1",
+        port: int = 0, upstream_timeout_s: float = UPSTREAM_TIMEOUT_S,
+    ) -> None:  # fmt: skip
         if not prefill or not decode:
             raise ValueError("a PD proxy needs at least one prefill and one decode instance")
+        if not upstream_timeout_s > 0:
+            raise ValueError(f"upstream timeout {upstream_timeout_s!r} s: give a positive time")
+        self.upstream_timeout_s = upstream_timeout_s
         self._prefill = Pool([_check_url(url) for url in prefill])
         self._decode = Pool([_check_url(url) for url in decode])
         # The proxy's own time per request (parsing, rewriting, choosing, relaying), without
-        # the time spent waiting on the instances; the latest MAX_TIMINGS.
+        # the time spent waiting on the instances: in all, and before the client's first byte
+        # (what it adds to the time to first token); the latest MAX_TIMINGS requests.
         self.own_seconds: deque[float] = deque(maxlen=MAX_TIMINGS)
+        self.own_first_byte_seconds: deque[float] = deque(maxlen=MAX_TIMINGS)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._socket = socket.socket(family, socket.SOCK_STREAM)
         self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -126,8 +135,11 @@ class PDProxy:
         # keep-alive): a POST on a connection the server just closed is not retried.
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S)
         # No cap on a whole answer (a long stream is fine), only on each wait for bytes.
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S,
-                                        sock_read=UPSTREAM_TIMEOUT_S)  # fmt: skip
+        timeout = aiohttp.ClientTimeout(
+            total=None,
+            sock_connect=min(CONNECT_TIMEOUT_S, self.upstream_timeout_s),
+            sock_read=self.upstream_timeout_s,
+        )
         runner = web.AppRunner(app, access_log=None, shutdown_timeout=SHUTDOWN_S)
         async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
             self._session = session
@@ -153,13 +165,13 @@ class PDProxy:
         decode = self._decode.urls[0]
         try:
             upstream = await self._client.get(decode + "/v1/models")
-            response, _ = await self._relay(request, upstream)
+            response = await self._relay(request, upstream)
         except (aiohttp.ClientError, TimeoutError, UpstreamError) as exc:
             return web.json_response({"error": f"decode {decode}: {exc}"}, status=502)
         return response
 
     async def _post(self, request: web.Request) -> web.StreamResponse:
-        began = time.perf_counter()
+        clock = OwnTime()
         try:
             body = json.loads(await request.read())
             if not isinstance(body, dict):
@@ -167,23 +179,23 @@ class PDProxy:
         except ValueError as exc:
             return web.json_response({"error": f"bad request body: {exc}"}, status=400)
         headers = _forwarded(request)
-        waited = 0.0
         try:
-            with self._prefill.take() as prefill:  # held while prefill works, not decode
-                asked = time.perf_counter()
+            # The prefill instance is held while it works, not while decode does.
+            with self._prefill.take() as prefill, clock.waiting():
                 prefilled = await self._prefill_answer(prefill, request.path, body, headers)
-                waited += time.perf_counter() - asked
             forward = decode_request(body, prefilled)
             with self._decode.take(prefill) as decode:
-                asked = time.perf_counter()
-                upstream = await self._send(decode, request.path, forward, headers, "decode")
-                waited += time.perf_counter() - asked
-                response, relay_waited = await self._relay(request, upstream)
+                with clock.waiting():
+                    upstream = await self._send(decode, request.path, forward, headers, "decode")
+                response = await self._relay(request, upstream, clock)
         except (UpstreamError, OptionsError) as exc:
             status = exc.status if isinstance(exc, UpstreamError) else 502
             log.warning("request failed: %s", exc)
             return web.json_response({"error": str(exc)}, status=status)
-        self.own_seconds.append(time.perf_counter() - began - waited - relay_waited)
+        own = clock.own()
+        first = clock.own_before_first_byte
+        self.own_seconds.append(own)
+        self.own_first_byte_seconds.append(own if first is None else first)  # whole: at the end
         return response
 
     # --- upstream --------------------------------------------------------------------------
@@ -197,13 +209,24 @@ class PDProxy:
                     role: str) -> aiohttp.ClientResponse:  # fmt: skip
         try:
             return await self._client.post(url + path, json=body, headers=headers)
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            raise UpstreamError(502, f"{role} {url} unreachable: {exc!r}") from None
+        except TimeoutError:
+            raise self._silent(role, url) from None
+        except aiohttp.ClientError as exc:
+            raise UpstreamError(502, f"{role} {url} unreachable: {_reason(exc)}") from None
+
+    def _silent(self, role: str, url: str) -> UpstreamError:
+        return UpstreamError(504, f"{role} {url} sent nothing for {self.upstream_timeout_s:g} s")
 
     async def _prefill_answer(self, url: str, path: str, body: dict[str, Any],
                               headers: dict[str, str]) -> dict[str, Any]:  # fmt: skip
         async with await self._send(url, path, prefill_request(body), headers, "prefill") as got:
-            data = await got.read()
+            try:
+                data = await got.read()
+            except TimeoutError:
+                raise self._silent("prefill", url) from None
+            except aiohttp.ClientError as exc:
+                cut = f"prefill {url} answered in part: {_reason(exc)}"
+                raise UpstreamError(502, cut) from None
             if got.status != 200:
                 raise UpstreamError(got.status, f"prefill {url}: {data[:2000]!r}")
         try:
@@ -214,23 +237,25 @@ class PDProxy:
             raise UpstreamError(502, f"prefill {url} answered no JSON object")
         return answer
 
-    async def _relay(self, request: web.Request, upstream: aiohttp.ClientResponse
-                     ) -> tuple[web.StreamResponse, float]:  # fmt: skip
-        """An instance's answer to the client, whole or chunk by chunk as it streams; and the
-        seconds spent waiting for it."""
-        waited = 0.0
+    async def _relay(self, request: web.Request, upstream: aiohttp.ClientResponse,
+                     clock: OwnTime | None = None) -> web.StreamResponse:  # fmt: skip
+        """An instance's answer to the client, whole or chunk by chunk as it streams (the
+        waits for it on `clock`)."""
+        clock = clock or OwnTime()
         async with upstream:
             content_type = upstream.headers.get("Content-Type", "application/json")
             if upstream.headers.get("Content-Length") is not None:
-                asked = time.perf_counter()
                 try:
-                    data = await upstream.read()
-                except (aiohttp.ClientError, TimeoutError) as exc:
-                    raise UpstreamError(502, f"{upstream.url} answered in part: {exc!r}") from None
-                waited = time.perf_counter() - asked
-                whole = web.Response(status=upstream.status, body=data,
-                                     headers={"Content-Type": content_type})  # fmt: skip
-                return whole, waited
+                    with clock.waiting():
+                        data = await upstream.read()
+                except TimeoutError:
+                    raise self._silent("decode", str(upstream.url.origin())) from None
+                except aiohttp.ClientError as exc:
+                    raise UpstreamError(
+                        502, f"decode {upstream.url.origin()} answered in part: {_reason(exc)}"
+                    ) from None
+                return web.Response(status=upstream.status, body=data,
+                                    headers={"Content-Type": content_type})  # fmt: skip
             response = web.StreamResponse(
                 status=upstream.status, headers={"Content-Type": content_type}
             )
@@ -238,9 +263,9 @@ class PDProxy:
             await response.prepare(request)
             chunks = upstream.content.iter_any()
             while True:
-                asked = time.perf_counter()
                 try:
-                    chunk = await chunks.__anext__()
+                    with clock.waiting():
+                        chunk = await chunks.__anext__()
                 except StopAsyncIteration:
                     break
                 except (aiohttp.ClientError, TimeoutError) as exc:
@@ -249,40 +274,45 @@ class PDProxy:
                     log.warning("answer from upstream ended early: %r", exc)
                     if request.transport is not None:
                         request.transport.abort()
-                    return response, waited
-                finally:
-                    waited += time.perf_counter() - asked
+                    return response
                 try:
                     await response.write(chunk)
                 except ConnectionError:  # the client went away: nobody to answer
-                    return response, waited
+                    return response
+                clock.first_byte()
             with contextlib.suppress(ConnectionError):
                 await response.write_eof()
-            return response, waited
+            return response
 
 
-class Pool:
-    """Instances of one role: each request goes to the one with the fewest requests in flight
-    through this proxy (a slow instance gets less), among equals the one used longest ago
-    with the same partner (the prefill instance a decode instance would load from), so that
-    every prefill-decode pairing occurs."""
+class OwnTime:
+    """A request's time in the proxy less its waits on the instances: in all, and until the
+    client's first byte was handed to the socket."""
 
-    def __init__(self, urls: Sequence[str]) -> None:
-        self.urls = list(urls)
-        self._in_flight = dict.fromkeys(self.urls, 0)
-        self._order = itertools.count()
-        self._last_used: dict[tuple[str, str], int] = {}  # (partner, url) → when
+    def __init__(self) -> None:
+        self.began = time.perf_counter()
+        self.waited = 0.0
+        self.own_before_first_byte: float | None = None
 
     @contextlib.contextmanager
-    def take(self, partner: str = "") -> Iterator[str]:
-        url = min(self.urls, key=lambda u: (self._in_flight[u],
-                                            self._last_used.get((partner, u), -1)))  # fmt: skip
-        self._in_flight[url] += 1
-        self._last_used[partner, url] = next(self._order)
+    def waiting(self) -> Iterator[None]:
+        asked = time.perf_counter()
         try:
-            yield url
+            yield
         finally:
-            self._in_flight[url] -= 1
+            self.waited += time.perf_counter() - asked
+
+    def first_byte(self) -> None:
+        if self.own_before_first_byte is None:
+            self.own_before_first_byte = self.own()
+
+    def own(self) -> float:
+        return time.perf_counter() - self.began - self.waited
+
+
+def _reason(exc: BaseException) -> str:
+    """An upstream error for the client, without aiohttp's connection-key repr."""
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
 def _forwarded(request: web.Request) -> dict[str, str]:
