@@ -71,11 +71,12 @@ NIXL_LEASE_S = 3600
 GENERATE_TIMEOUT_S = 1800.0
 
 
-def transfer_config(connector: str, role: str) -> dict[str, Any]:
+def transfer_config(connector: str, role: str, **nixl: Any) -> dict[str, Any]:
+    """A connector's kv_transfer_config; `nixl`: more of NixlConnector's extra config."""
     if connector == "vllm-nixl":
-        return nixl_config(role, kv_lease_duration=NIXL_LEASE_S)
+        return nixl_config(role, kv_lease_duration=NIXL_LEASE_S, **nixl)
     if connector == "vllm-nixl-push":  # NixlConnector's push mode: prefill writes into decode
-        return {**nixl_config(role, kv_lease_duration=NIXL_LEASE_S),
+        return {**nixl_config(role, kv_lease_duration=NIXL_LEASE_S, **nixl),
                 "kv_connector": "NixlPushConnector"}  # fmt: skip
     return kvbridge_config(role, connector.removeprefix("kvbridge-"))
 

@@ -32,6 +32,7 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -64,22 +65,33 @@ DTYPE = ("--dtype", "float32")
 # thread that starts it, and bound to a core that vLLM's compute keeps busy it starved
 # (NixlConnector's TTFT was seconds); unbound, the kernel schedules every connector's threads.
 UNBOUND = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+# NixlConnector's UCX worker threads per instance (its `num_threads`; vLLM's default is 4).
+NIXL_THREADS = 4
 
 
 class Deployment:
     """x prefill and y decode servers with one connector, behind kvbridge's proxy."""
 
-    def __init__(self, connector: str, shape: tuple[int, int], model: Path, logs: Path) -> None:
+    def __init__(self, connector: str, shape: tuple[int, int], model: Path, logs: Path,
+                 nixl_threads: int = NIXL_THREADS) -> None:  # fmt: skip
         self.servers: list[Server] = []
         self.proxy: PDProxy | None = None
         prefills, decodes = shape
         roles = [("prefill", "kv_producer")] * prefills + [("decode", "kv_consumer")] * decodes
+
+        def start(index: int) -> Server:
+            name, role = roles[index]
+            log = logs / f"{connector}-{prefills}p{decodes}d-{name}{index}.log"
+            transfer = transfer_config(connector, role, num_threads=nixl_threads)
+            server = Server(model, transfer, log, environment=UNBOUND, arguments=DTYPE)
+            self.servers.append(server)
+            return server
+
         try:
-            for index, (name, role) in enumerate(roles):
-                log = logs / f"{connector}-{prefills}p{decodes}d-{name}{index}.log"
-                self.servers.append(Server(model, transfer_config(connector, role), log,
-                                           environment=UNBOUND, arguments=DTYPE))  # fmt: skip
-            urls = [server.url for server in self.servers]
+            # Started at once (a start is mostly waiting on imports and the engine's set-up).
+            with ThreadPoolExecutor(len(roles)) as pool:
+                started = list(pool.map(start, range(len(roles))))
+            urls = [server.url for server in started]
             self.proxy = PDProxy(urls[:prefills], urls[prefills:])
         except BaseException:
             self.close()
@@ -142,7 +154,7 @@ def measure(connector: str, deployment: str, model: Path, logs: Path,
             options: argparse.Namespace, rates: list[float]) -> list[dict[str, Any]]:  # fmt: skip
     """One connector's deployment: a capacity run, then one run per rate (set from the
     capacity run if `rates` is empty: the first connector's)."""
-    serving = Deployment(connector, DEPLOYMENTS[deployment], model, logs)
+    serving = Deployment(connector, DEPLOYMENTS[deployment], model, logs, options.nixl_threads)
     rows = []
     try:
         runs: list[float] = [float("inf"), *rates]
@@ -231,8 +243,9 @@ def plot(rows: list[dict[str, Any]], path: Path) -> bool:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true",
-                        help="fewer prompts, kvbridge-nixl against vllm-nixl only")  # fmt: skip
-    parser.add_argument("--deployments", nargs="+", choices=DEPLOYMENTS, default=list(DEPLOYMENTS))
+                        help="1P1D, 16 prompts, kvbridge-nixl and vllm-nixl")  # fmt: skip
+    parser.add_argument("--deployments", nargs="+", choices=DEPLOYMENTS,
+                        help="default: both; quick 1p1d")  # fmt: skip
     parser.add_argument("--connectors", nargs="+", choices=CONNECTORS)
     parser.add_argument(
         "--rates",
@@ -252,8 +265,13 @@ def main() -> None:
     parser.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     parser.add_argument("--slo-tpot-ms", type=float, default=250.0)
     parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--nixl-threads", type=int, default=NIXL_THREADS,
+                        help="NixlConnector's num_threads (UCX threads per instance)")  # fmt: skip
     options = parser.parse_args()
-    options.prompts = options.prompts or (24 if options.quick else 96)
+    # The quick form fits in about 7 minutes here: 2P2D's four servers share two cores, and a
+    # run past NixlConnector's saturation drains for minutes.
+    options.deployments = options.deployments or (["1p1d"] if options.quick else list(DEPLOYMENTS))
+    options.prompts = options.prompts or (16 if options.quick else 96)
     options.input_len = options.input_len or (512 if options.quick else 1024)
     connectors = list(options.connectors or (
         ("kvbridge-nixl", "vllm-nixl") if options.quick else CONNECTORS))  # fmt: skip
