@@ -163,11 +163,11 @@ def measure(connector: str, deployment: str, model: Path, logs: Path,
             rate = runs[index]
             assert serving.proxy is not None
             proxy = serving.proxy
-            before = len(proxy.own_seconds)
+            before = len(proxy.timings()[0])
             out = logs / f"{connector}-{deployment}-{rate:g}.json"
             result = run_client(serving.url, model, rate, options, out)
-            row = row_of(result, list(proxy.own_seconds)[before:],
-                         list(proxy.own_first_byte_seconds)[before:])  # fmt: skip
+            own, before_first_byte = proxy.timings()
+            row = row_of(result, own[before:], before_first_byte[before:])
             row.update(connector=connector, deployment=deployment, rate=rate)
             rows.append(row)
             print(f"{deployment} {connector:18} rate {rate:6g}: TTFT p50 {row['ttft_p50_ms']:8.1f}"

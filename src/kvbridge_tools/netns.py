@@ -96,9 +96,15 @@ def host_away(ip: str = "192.168.232.1", local_ip: str = "192.168.232.2") -> Ite
     cut them. Removed on exit; `NetnsUnavailable` if it cannot be made."""
     tag = uuid.uuid4().hex[:6]
     away = HostAway(f"kvb-a-{tag}", ip, local_ip, f"kvl{tag}")
-    with _namespaces(away.namespace):
-        _link(tag, (away.namespace, ip), (None, local_ip), local_name=away.local_link)
-        yield away
+    try:
+        with _namespaces(away.namespace):
+            _link(tag, (away.namespace, ip), (None, local_ip), local_name=away.local_link)
+            yield away
+    finally:
+        # Gone with the namespace, unless a process still holds the namespace: then the
+        # link's route would outlive it and catch the next run's traffic.
+        subprocess.run(["ip", "link", "delete", away.local_link], check=False,
+                       capture_output=True)  # fmt: skip
 
 
 @contextmanager
@@ -123,16 +129,23 @@ def _link(tag: str, *ends: tuple[str | None, str], local_name: str = LINK) -> No
     namespace (an end left here gets `local_name`)."""
     temporary = (f"kvp{tag}", f"kvd{tag}")
     _checked("link", "add", temporary[0], "type", "veth", "peer", "name", temporary[1])
-    for (namespace, address), link in zip(ends, temporary, strict=True):
-        if namespace is None:
-            _checked("link", "set", link, "name", local_name)
-            _checked("addr", "add", f"{address}/30", "dev", local_name)
-            _checked("link", "set", local_name, "up")
-            continue
-        _checked("link", "set", link, "netns", namespace)
-        _checked("-n", namespace, "link", "set", link, "name", LINK)
-        _checked("-n", namespace, "addr", "add", f"{address}/30", "dev", LINK)
-        _checked("-n", namespace, "link", "set", LINK, "up")
+    try:
+        for (namespace, address), link in zip(ends, temporary, strict=True):
+            if namespace is None:
+                _checked("link", "set", link, "name", local_name)
+                _checked("addr", "add", f"{address}/30", "dev", local_name)
+                _checked("link", "set", local_name, "up")
+                continue
+            _checked("link", "set", link, "netns", namespace)
+            _checked("-n", namespace, "link", "set", link, "name", LINK)
+            _checked("-n", namespace, "addr", "add", f"{address}/30", "dev", LINK)
+            _checked("-n", namespace, "link", "set", LINK, "up")
+    except NetnsUnavailable:
+        # Whichever end is still here (deleting it deletes its peer too).
+        here = (local_name,) if any(namespace is None for namespace, _ in ends) else ()
+        for name in (*temporary, *here):
+            subprocess.run(["ip", "link", "delete", name], check=False, capture_output=True)
+        raise
 
 
 def _checked(*args: str) -> None:

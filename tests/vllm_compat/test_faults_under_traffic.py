@@ -20,6 +20,7 @@ import signal
 import threading
 import time
 import urllib.request
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,6 +48,8 @@ PEER_TIMEOUT_S = 2.0  # kvbridge's liveness: a silent peer is dead after this
 LEASE_S = 4.0  # prefill's lease on blocks no decode asks for
 PROXY_TIMEOUT_S = 10.0  # the proxy's wait for a byte from a hung instance
 OUTAGE_S = 3 * PEER_TIMEOUT_S  # how long a hang or a cut lasts
+# A prefill hang this long outlasts the proxy's timeout: requests it holds end with 504.
+LONG_OUTAGE_S = PROXY_TIMEOUT_S + 2.0
 # The longest a request may take: a proxy timeout, a load failed by liveness then recomputed,
 # and the generation itself on a busy 2-core machine (a request takes about 2 s here).
 REQUEST_BOUND_S = PROXY_TIMEOUT_S + PEER_TIMEOUT_S + 25.0
@@ -60,16 +63,17 @@ class Outcome:
     index: int  # into PROMPTS
     began: float
     ended: float
-    status: int  # 0: no HTTP answer
+    status: int  # 0: no HTTP answer (never through the proxy: it answers every request)
     tokens: list[int] | None = None
     error: str = ""
     params: dict[str, Any] | None = None  # the answer's kv_transfer_params
 
 
 def ask(url: str, model: Path, index: int, params: dict[str, Any] | None = None,
-        max_tokens: int = MAX_TOKENS, timeout_s: float = 120.0) -> Outcome:  # fmt: skip
-    """One greedy completion of PROMPTS[index] (with `kv_transfer_params` if given); whatever
-    happens, an Outcome."""
+        max_tokens: int = MAX_TOKENS, request_id: str | None = None,
+        timeout_s: float = 120.0) -> Outcome:  # fmt: skip
+    """One greedy completion of PROMPTS[index] (with `kv_transfer_params` and vLLM's request
+    id if given); whatever happens, an Outcome."""
     host, port = url.removeprefix("http://").split(":")
     body = {"model": str(model), "prompt": PROMPTS[index], "max_tokens": max_tokens,
             "temperature": 0, "return_token_ids": True,
@@ -77,8 +81,9 @@ def ask(url: str, model: Path, index: int, params: dict[str, Any] | None = None,
     began = time.monotonic()
     connection = http.client.HTTPConnection(host, int(port), timeout=timeout_s)
     try:
-        connection.request("POST", "/v1/completions", json.dumps(body).encode(),
-                           {"Content-Type": "application/json"})  # fmt: skip
+        headers = {"Content-Type": "application/json",
+                   **({"X-Request-Id": request_id} if request_id else {})}  # fmt: skip
+        connection.request("POST", "/v1/completions", json.dumps(body).encode(), headers)
         response = connection.getresponse()
         data = response.read()
     except (OSError, http.client.HTTPException) as exc:
@@ -153,6 +158,7 @@ class Deployment:
     logs: Path
     away: netns.HostAway | None
     kept: set[int]  # the servers' processes, kept over the tests (conftest's leak check)
+    started: list[int] = field(default_factory=list)  # which of them this deployment started
     bootstrap_port: int = field(default_factory=free_port)  # prefill's, kept over restarts
     reference: dict[int, list[int]] = field(default_factory=dict)
     prefill: Server = field(init=False)
@@ -186,6 +192,7 @@ class Deployment:
 
     def _kept(self, server: Server) -> Server:
         self.kept.add(server.process.pid)
+        self.started.append(server.process.pid)
         return server
 
     def scrape(self, server: Server) -> str:
@@ -202,16 +209,17 @@ class Deployment:
 
 class CaughtLoad:
     """A load certainly in flight when a fault strikes prefill or the link: PROMPTS[index]
-    prefilled before the fault (`prepare`), sent to decode once it began (`send`: the load
-    waits on prefill), as the proxy would. `check`: the load failed and the request ended
-    with the plain run's tokens (recomputed)."""
+    prefilled before the fault (`prepare`), then sent to decode under a request id of its own
+    once prefill is hung or cut off (`send`), as the proxy would: decode's load waits on a
+    prefill it cannot yet know is gone (that takes the peer timeout). `check`: decode's log
+    says this request's load failed, and it ended with the plain run's tokens (recomputed)."""
 
     def __init__(self, deployment: Deployment, index: int = 2) -> None:
         self.deployment = deployment
         self.index = index
+        self.request_id = f"caught-{uuid.uuid4().hex}"
         self.outcomes: list[Outcome] = []
         self.params: dict[str, Any] = {}
-        self.failed_before = 0.0
         self.client: threading.Thread | None = None
 
     def prepare(self) -> None:
@@ -220,24 +228,26 @@ class CaughtLoad:
         assert prefilled.status == 200, prefilled
         assert prefilled.params, prefilled
         self.params = prefilled.params
-        self.failed_before = d.failed_loads()
 
     def send(self) -> None:
         d = self.deployment
-        self.client = threading.Thread(target=lambda: self.outcomes.append(
-            ask(d.decode.url, d.model, self.index, self.params)))  # fmt: skip
+        self.client = threading.Thread(target=lambda: self.outcomes.append(ask(
+            d.decode.url, d.model, self.index, self.params, request_id=self.request_id,
+        )), daemon=True)  # fmt: skip
         self.client.start()
-        wait_until(lambda: d.failed_loads() > self.failed_before or metric(
-            d.scrape(d.decode), "vllm:kvbridge_requests_in_flight", 'side="load"') > 0,
-            timeout_s=10, what="a load waits on prefill, or failed")  # fmt: skip
+        time.sleep(PEER_TIMEOUT_S / 4)  # decode has it and asks prefill for the KV
 
     def check(self) -> None:
         assert self.client is not None
         self.client.join(timeout=REQUEST_BOUND_S)
-        d = self.deployment
         assert len(self.outcomes) == 1, "the request was still out"
-        assert self.outcomes[0].tokens == d.reference[self.index], self.outcomes
-        assert d.failed_loads() > self.failed_before  # it failed, then was recomputed
+        assert self.outcomes[0].tokens == self.deployment.reference[self.index], self.outcomes
+        failed = [line for line in self.deployment.decode.log(tail=None).splitlines()
+                  if self.request_id in line and "KV load failed" in line]  # fmt: skip
+        assert failed, f"no failed load logged for {self.request_id}"
+
+
+NO_NETNS: list[str] = []  # why the deployment runs on loopback, if it does
 
 
 @pytest.fixture(scope="module")
@@ -249,7 +259,8 @@ def deployment(
     try:
         with netns.host_away() as away:
             yield from _deployment(Deployment(model, logs, away, kept_processes))
-    except netns.NetnsUnavailable:
+    except netns.NetnsUnavailable as exc:
+        NO_NETNS.append(str(exc))
         yield from _deployment(Deployment(model, logs, None, kept_processes))
 
 
@@ -279,6 +290,7 @@ def _deployment(shell: Deployment) -> Iterator[Deployment]:
             shell.decode.close()
     finally:
         shell.prefill.close()
+        shell.kept.difference_update(shell.started)
 
 
 def under_traffic(deployment: Deployment, fault: Callable[[], None],
@@ -290,8 +302,10 @@ def under_traffic(deployment: Deployment, fault: Callable[[], None],
     try:
         traffic.wait_for_successes(CLIENTS, since=0.0)
         at = time.monotonic()
-        fault()
-        recover()
+        try:
+            fault()
+        finally:  # the next test gets a working deployment either way
+            recover()
         back = time.monotonic()
         loads_before = deployment.loads()
         traffic.wait_for_successes(2 * CLIENTS, since=back)
@@ -304,10 +318,10 @@ def under_traffic(deployment: Deployment, fault: Callable[[], None],
         assert took < REQUEST_BOUND_S, (took, outcome)
         if outcome.status == 200:
             assert outcome.tokens == deployment.reference[outcome.index], outcome
-        else:  # refused or cut off, with the instance named
-            named = (deployment.prefill.url, deployment.decode.url, deployment.proxy.url)
-            assert outcome.status in (0, 502, 504), outcome
-            assert outcome.status == 0 or any(url in outcome.error for url in named), outcome
+        else:  # refused, cut off or timed out by the proxy, with the instance named
+            assert outcome.status in (502, 504), outcome
+            named = (deployment.prefill.url, deployment.decode.url)
+            assert any(url in outcome.error for url in named), outcome
     report(traffic, at)
     return traffic, at
 
@@ -327,40 +341,41 @@ def wait_until(check: Callable[[], bool], timeout_s: float, what: str) -> None:
         time.sleep(0.2)
 
 
-def test_a_prefill_killed_mid_load_and_restarted_on_its_address(deployment: Deployment) -> None:
-    caught = CaughtLoad(deployment)
-
-    def kill() -> None:
-        caught.prepare()
-        deployment.prefill.signal(signal.SIGSTOP)  # hung first: a load waits on it
-        caught.send()
-        deployment.prefill.signal(signal.SIGKILL)
-        deployment.prefill.close()
-        caught.check()
-        # Decode keeps serving: a request it computes itself.
-        assert ask(deployment.decode.url, deployment.model, 0).tokens == deployment.reference[0]
-
-    def restart() -> None:
-        deployment.prefill = deployment.start_prefill(port=deployment.prefill.port)
-
-    under_traffic(deployment, kill, restart)
-    sent = metric(deployment.scrape(deployment.prefill),
-                  "vllm:kvbridge_requests_transferred_total", 'side="send"')  # fmt: skip
-    assert sent > 0  # the new prefill instance moved KV to the same decode instance
+def test_a_prefill_hung_past_the_proxys_timeout_then_continued(deployment: Deployment) -> None:
+    hang_prefill(deployment)
 
 
-def test_a_prefill_hung_then_continued(deployment: Deployment) -> None:
+def hang_prefill(deployment: Deployment) -> None:
     caught = CaughtLoad(deployment)
 
     def hang() -> None:
         caught.prepare()
         deployment.prefill.signal(signal.SIGSTOP)
         caught.send()
+        time.sleep(LONG_OUTAGE_S)
+
+    traffic, _ = under_traffic(deployment, hang,
+                               lambda: deployment.prefill.signal(signal.SIGCONT))  # fmt: skip
+    caught.check()
+    # Requests the hung prefill held ended when the proxy gave up on it.
+    silent = f"prefill {deployment.prefill.url} sent nothing for {PROXY_TIMEOUT_S:g} s"
+    assert any(o.status == 504 and silent in o.error for o in traffic.failures())
+
+
+def test_the_network_cut_between_prefill_and_decode_then_back(deployment: Deployment) -> None:
+    if deployment.away is None:
+        pytest.skip("the cut needs a network namespace: " + "; ".join(NO_NETNS))
+    away = deployment.away
+    caught = CaughtLoad(deployment)
+
+    def cut() -> None:
+        caught.prepare()
+        away.cut()
+        caught.send()
         time.sleep(OUTAGE_S)
 
-    under_traffic(deployment, hang, lambda: deployment.prefill.signal(signal.SIGCONT))
+    under_traffic(deployment, cut, away.heal)
     caught.check()
-    assert "silent for" in deployment.decode.log(tail=None)
 
 
 def expired_leases(deployment: Deployment) -> float:
@@ -403,17 +418,29 @@ def test_a_decode_hung_then_continued(deployment: Deployment) -> None:
     wait_until(lambda: prefill_holds_nothing(deployment), LEASE_S + 10, "prefill holds nothing")
 
 
-def test_the_network_cut_between_prefill_and_decode_then_back(deployment: Deployment) -> None:
-    if deployment.away is None:
-        pytest.skip("the cut needs a network namespace: " + (netns.unavailable_reason() or ""))
-    away = deployment.away
+def test_a_prefill_killed_mid_load_and_restarted_on_its_address(deployment: Deployment) -> None:
     caught = CaughtLoad(deployment)
 
-    def cut() -> None:
+    def kill() -> None:
         caught.prepare()
-        away.cut()
+        deployment.prefill.signal(signal.SIGSTOP)  # hung first: a load waits on it
         caught.send()
-        time.sleep(OUTAGE_S)
+        deployment.prefill.signal(signal.SIGKILL)
+        deployment.prefill.close()
+        caught.check()
+        # Decode keeps serving: a request it computes itself.
+        assert ask(deployment.decode.url, deployment.model, 0).tokens == deployment.reference[0]
 
-    under_traffic(deployment, cut, away.heal)
-    caught.check()
+    def restart() -> None:
+        deployment.prefill = deployment.start_prefill(port=deployment.prefill.port)
+
+    under_traffic(deployment, kill, restart)
+    sent = metric(deployment.scrape(deployment.prefill),
+                  "vllm:kvbridge_requests_transferred_total", 'side="send"')  # fmt: skip
+    assert sent > 0  # the new prefill instance moved KV to the same decode instance
+
+
+def test_a_restarted_prefill_hung_then_continued(deployment: Deployment) -> None:
+    """The previous test restarted the prefill instance: decode's liveness holds for the new
+    one as for the first."""
+    hang_prefill(deployment)

@@ -4,6 +4,7 @@ instance, each with its own connector configuration."""
 
 from __future__ import annotations
 
+import contextlib
 import getpass
 import json
 import os
@@ -302,11 +303,12 @@ class Server:
         if self.process.poll() is None:
             os.killpg(self.process.pid, signal.SIGCONT)  # a stopped one too
             os.killpg(self.process.pid, signal.SIGTERM)  # the server and its engine process
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
+        # Whatever of the group is left (an engine process whose server died first).
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait()
         self._log.close()
         self._temp.close()
 

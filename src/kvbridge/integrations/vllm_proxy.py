@@ -45,6 +45,8 @@ SHUTDOWN_S = 5.0  # how long a shutdown lets answers in flight finish
 FORWARDED_HEADERS = ("Authorization",)
 REQUEST_ID = "X-Request-Id"
 MAX_TIMINGS = 100_000
+UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
+JSON_BODY = {"Content-Type": "application/json"}
 
 
 class UpstreamError(Exception):
@@ -82,8 +84,9 @@ class PDProxy:
         # The proxy's own time per request (parsing, rewriting, choosing, relaying), without
         # the time spent waiting on the instances: in all, and before the client's first byte
         # (what it adds to the time to first token); the latest MAX_TIMINGS requests.
-        self.own_seconds: deque[float] = deque(maxlen=MAX_TIMINGS)
-        self.own_first_byte_seconds: deque[float] = deque(maxlen=MAX_TIMINGS)
+        self._own_seconds: deque[float] = deque(maxlen=MAX_TIMINGS)
+        self._own_first_byte_seconds: deque[float] = deque(maxlen=MAX_TIMINGS)
+        self._timings_lock = threading.Lock()  # appended on the loop, read from any thread
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._socket = socket.socket(family, socket.SOCK_STREAM)
         self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -95,6 +98,12 @@ class PDProxy:
         self._shut = False
         self._done = threading.Event()  # set once the listener is closed
         self._session: aiohttp.ClientSession | None = None
+
+    def timings(self) -> tuple[list[float], list[float]]:
+        """The proxy's own seconds per answered request, oldest first: in all, and before the
+        client's first byte."""
+        with self._timings_lock:
+            return list(self._own_seconds), list(self._own_first_byte_seconds)
 
     @property
     def url(self) -> str:
@@ -164,10 +173,13 @@ class PDProxy:
     async def _models(self, request: web.Request) -> web.StreamResponse:
         decode = self._decode.urls[0]
         try:
-            upstream = await self._client.get(decode + "/v1/models")
-            response = await self._relay(request, upstream)
-        except (aiohttp.ClientError, TimeoutError, UpstreamError) as exc:
-            return web.json_response({"error": f"decode {decode}: {exc}"}, status=502)
+            try:
+                upstream = await self._client.get(decode + "/v1/models")
+            except UPSTREAM_ERRORS as exc:
+                raise self._failure("decode", decode, exc, "failed") from None
+            response = await self._relay(request, upstream, decode)
+        except UpstreamError as exc:
+            return web.json_response({"error": str(exc)}, status=exc.status)
         return response
 
     async def _post(self, request: web.Request) -> web.StreamResponse:
@@ -181,21 +193,24 @@ class PDProxy:
         headers = _forwarded(request)
         try:
             # The prefill instance is held while it works, not while decode does.
-            with self._prefill.take() as prefill, clock.waiting():
-                prefilled = await self._prefill_answer(prefill, request.path, body, headers)
-            forward = decode_request(body, prefilled)
+            with self._prefill.take() as prefill:
+                sent = _json(prefill_request(body))
+                with clock.waiting():
+                    data = await self._prefill_answer(prefill, request.path, sent, headers)
+            forward = _json(decode_request(body, _answer_object(prefill, data)))
             with self._decode.take(prefill) as decode:
                 with clock.waiting():
                     upstream = await self._send(decode, request.path, forward, headers, "decode")
-                response = await self._relay(request, upstream, clock)
+                response = await self._relay(request, upstream, decode, clock)
         except (UpstreamError, OptionsError) as exc:
             status = exc.status if isinstance(exc, UpstreamError) else 502
             log.warning("request failed: %s", exc)
             return web.json_response({"error": str(exc)}, status=status)
         own = clock.own()
         first = clock.own_before_first_byte
-        self.own_seconds.append(own)
-        self.own_first_byte_seconds.append(own if first is None else first)  # whole: at the end
+        with self._timings_lock:
+            self._own_seconds.append(own)
+            self._own_first_byte_seconds.append(own if first is None else first)  # whole: at end
         return response
 
     # --- upstream --------------------------------------------------------------------------
@@ -205,42 +220,41 @@ class PDProxy:
         assert self._session is not None
         return self._session
 
-    async def _send(self, url: str, path: str, body: dict[str, Any], headers: dict[str, str],
+    async def _send(self, url: str, path: str, body: bytes, headers: dict[str, str],
                     role: str) -> aiohttp.ClientResponse:  # fmt: skip
         try:
-            return await self._client.post(url + path, json=body, headers=headers)
-        except TimeoutError:
-            raise self._silent(role, url) from None
-        except aiohttp.ClientError as exc:
-            raise UpstreamError(502, f"{role} {url} unreachable: {_reason(exc)}") from None
+            return await self._client.post(url + path, data=body,
+                                           headers={**headers, **JSON_BODY})  # fmt: skip
+        except UPSTREAM_ERRORS as exc:
+            raise self._failure(role, url, exc, "failed") from None
 
-    def _silent(self, role: str, url: str) -> UpstreamError:
-        return UpstreamError(504, f"{role} {url} sent nothing for {self.upstream_timeout_s:g} s")
+    def _failure(self, role: str, url: str, exc: BaseException, doing: str) -> UpstreamError:
+        """An upstream exception as the client's error, the instance named: 502 for one that
+        cannot be reached or broke off, 504 for one that sent nothing within the timeout."""
+        if isinstance(exc, (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)):
+            return UpstreamError(502, f"{role} {url} unreachable: {_reason(exc)}")
+        # asyncio's, which aiohttp's read timeouts derive from (the builtin from 3.11 only).
+        if isinstance(exc, asyncio.TimeoutError):
+            silent = f"{role} {url} sent nothing for {self.upstream_timeout_s:g} s"
+            return UpstreamError(504, silent)
+        return UpstreamError(502, f"{role} {url} {doing}: {_reason(exc)}")
 
-    async def _prefill_answer(self, url: str, path: str, body: dict[str, Any],
-                              headers: dict[str, str]) -> dict[str, Any]:  # fmt: skip
-        async with await self._send(url, path, prefill_request(body), headers, "prefill") as got:
+    async def _prefill_answer(self, url: str, path: str, body: bytes, headers: dict[str, str]
+                              ) -> bytes:  # fmt: skip
+        async with await self._send(url, path, body, headers, "prefill") as got:
             try:
                 data = await got.read()
-            except TimeoutError:
-                raise self._silent("prefill", url) from None
-            except aiohttp.ClientError as exc:
-                cut = f"prefill {url} answered in part: {_reason(exc)}"
-                raise UpstreamError(502, cut) from None
+            except UPSTREAM_ERRORS as exc:
+                raise self._failure("prefill", url, exc, "answered in part") from None
             if got.status != 200:
                 raise UpstreamError(got.status, f"prefill {url}: {data[:2000]!r}")
-        try:
-            answer = json.loads(data)
-        except ValueError as exc:
-            raise UpstreamError(502, f"prefill {url} answered no JSON: {exc}") from None
-        if not isinstance(answer, dict):
-            raise UpstreamError(502, f"prefill {url} answered no JSON object")
-        return answer
+        return data
 
-    async def _relay(self, request: web.Request, upstream: aiohttp.ClientResponse,
+    async def _relay(self, request: web.Request, upstream: aiohttp.ClientResponse, url: str,
                      clock: OwnTime | None = None) -> web.StreamResponse:  # fmt: skip
-        """An instance's answer to the client, whole or chunk by chunk as it streams (the
-        waits for it on `clock`)."""
+        """Decode's answer (from `url`) to the client, whole or chunk by chunk as it streams
+        (the waits for it on `clock`). A streamed answer cut off upstream cuts the client's
+        connection: its status is already sent."""
         clock = clock or OwnTime()
         async with upstream:
             content_type = upstream.headers.get("Content-Type", "application/json")
@@ -248,12 +262,8 @@ class PDProxy:
                 try:
                     with clock.waiting():
                         data = await upstream.read()
-                except TimeoutError:
-                    raise self._silent("decode", str(upstream.url.origin())) from None
-                except aiohttp.ClientError as exc:
-                    raise UpstreamError(
-                        502, f"decode {upstream.url.origin()} answered in part: {_reason(exc)}"
-                    ) from None
+                except UPSTREAM_ERRORS as exc:
+                    raise self._failure("decode", url, exc, "answered in part") from None
                 return web.Response(status=upstream.status, body=data,
                                     headers={"Content-Type": content_type})  # fmt: skip
             response = web.StreamResponse(
@@ -268,7 +278,7 @@ class PDProxy:
                         chunk = await chunks.__anext__()
                 except StopAsyncIteration:
                     break
-                except (aiohttp.ClientError, TimeoutError) as exc:
+                except UPSTREAM_ERRORS as exc:
                     # The instance went away mid-answer: the client's connection is cut, so
                     # that it sees an error rather than a short answer that looks whole.
                     log.warning("answer from upstream ended early: %r", exc)
@@ -308,6 +318,21 @@ class OwnTime:
 
     def own(self) -> float:
         return time.perf_counter() - self.began - self.waited
+
+
+def _json(body: dict[str, Any]) -> bytes:
+    return json.dumps(body).encode()
+
+
+def _answer_object(url: str, data: bytes) -> dict[str, Any]:
+    """Prefill's answer as a JSON object, or the client's error naming the instance."""
+    try:
+        answer = json.loads(data)
+    except ValueError as exc:
+        raise UpstreamError(502, f"prefill {url} answered no JSON: {exc}") from None
+    if not isinstance(answer, dict):
+        raise UpstreamError(502, f"prefill {url} answered no JSON object")
+    return answer
 
 
 def _reason(exc: BaseException) -> str:
