@@ -78,10 +78,6 @@ class HostAway:
     local_ip: str
     local_link: str
 
-    def command(self, *argv: str) -> list[str]:
-        """`argv` run inside the namespace."""
-        return ["ip", "netns", "exec", self.namespace, *argv]
-
     def cut(self) -> None:
         _ip("-n", self.namespace, "link", "set", LINK, "down")
 
