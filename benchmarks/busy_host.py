@@ -50,24 +50,35 @@ def measure(requests: int, tokens: int, load: HostLoad, repeats: int) -> dict[st
     runs = []
     for _ in range(repeats):
         config = DemoConfig(
-            requests=requests, tokens=tokens, engine="nixl", measure_raw=True, warmup=True,
-            decode_pool_factor=1.0, timeout_s=600.0, prefill_busy_loop=load.busy_loop,
+            requests=requests,
+            tokens=tokens,
+            engine="nixl",
+            measure_raw=True,
+            warmup=True,
+            decode_pool_factor=1.0,
+            timeout_s=600.0,
+            prefill_busy_loop=load.busy_loop,
             prefill_switch_interval_s=load.switch_interval_s,
-        )  # fmt: skip
+        )
         result = run_demo(config)
         if not result.ok:
-            raise SystemExit(f"{requests} × {tokens}, {load.name}: the run failed: "
-                             f"{[r for r in result.reports if not r.ok]}")  # fmt: skip
+            raise SystemExit(
+                f"{requests} × {tokens}, {load.name}: the run failed: "
+                f"{[r for r in result.reports if not r.ok]}"
+            )
         runs.append((result.gbps, result.raw_strategy_gbps(), result.latency_ms(0.5)))
     raw, best = raw_baseline([run[1] for run in runs])
     return {
-        "requests": requests, "tokens": tokens, "load": load.name, "runs": repeats,
+        "requests": requests,
+        "tokens": tokens,
+        "load": load.name,
+        "runs": repeats,
         "kvbridge_gbps": round(statistics.median(run[0] for run in runs), 3),
         "raw_gbps": {way: round(gbps, 3) for way, gbps in raw.items()},
         "raw_best": best,
         "ratio": round(statistics.median(run[0] / run[1][best] for run in runs), 3),
         "p50_ms": round(statistics.median(run[2] for run in runs), 1),
-    }  # fmt: skip
+    }
 
 
 def main() -> None:
@@ -79,17 +90,21 @@ def main() -> None:
         print(f"nixl: skipped ({unavailable})")
         return
     rows = []
-    print("requests × tokens | prefill process | kvbridge GB/s | raw GB/s (best way) | ratio "
-          "| p50 ms")  # fmt: skip
+    print(
+        "requests × tokens | prefill process | kvbridge GB/s | raw GB/s (best way) | ratio | p50 ms"
+    )
     print("--- | --- | --- | --- | --- | ---")
     for requests, tokens in WORKLOADS:
         for load in LOADS:
             row = measure(requests, tokens, load, args.repeats)
             rows.append(row)
             best = row["raw_best"]
-            print(f"{requests} × {tokens} | {load.name} | {row['kvbridge_gbps']:.2f} | "
-                  f"{row['raw_gbps'][best]:.2f} ({best}) | {row['ratio']:.3f} | "
-                  f"{row['p50_ms']:.0f}", flush=True)  # fmt: skip
+            print(
+                f"{requests} × {tokens} | {load.name} | {row['kvbridge_gbps']:.2f} | "
+                f"{row['raw_gbps'][best]:.2f} ({best}) | {row['ratio']:.3f} | "
+                f"{row['p50_ms']:.0f}",
+                flush=True,
+            )
     RESULTS.parent.mkdir(exist_ok=True)
     RESULTS.write_text(json.dumps({"rows": rows}, indent=2))
     print(f"wrote {RESULTS}")

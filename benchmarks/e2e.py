@@ -90,10 +90,16 @@ def run_here(workload: Workload, repeats: int, hosts: dict[str, str] | None) -> 
 
     def demo(options: tuple[tuple[str, str], ...] = ()) -> Any:
         config = DemoConfig(
-            requests=workload.requests, tokens=workload.tokens, engine=workload.engine,
-            engine_options=options, measure_raw=True, decode_pool_factor=1.0, timeout_s=900.0,
-            warmup=True, **(hosts or {}),
-        )  # fmt: skip
+            requests=workload.requests,
+            tokens=workload.tokens,
+            engine=workload.engine,
+            engine_options=options,
+            measure_raw=True,
+            decode_pool_factor=1.0,
+            timeout_s=900.0,
+            warmup=True,
+            **(hosts or {}),
+        )
         result = run_demo(config)
         if not result.ok:
             errors = [r for r in result.reports if not r.ok]
@@ -122,15 +128,17 @@ def run_here(workload: Workload, repeats: int, hosts: dict[str, str] | None) -> 
                 "p99_ms": result.latency_ms(0.99),
                 "wall_ms": max(r.seconds for r in result.decode_reports) * 1e3,
             }
-        runs.append({
-            "transport": sorted({r.transport for r in result.reports})[0],
-            "bytes": result.total_bytes,
-            "settings": settings,
-            "raw_gbps": raw["around"],
-            "raw_gbps_before": raw["before"],
-            "raw_gbps_after": raw["after"],
-            "blocks": sum(r.raw_blocks for r in result.reports),
-        })  # fmt: skip
+        runs.append(
+            {
+                "transport": sorted({r.transport for r in result.reports})[0],
+                "bytes": result.total_bytes,
+                "settings": settings,
+                "raw_gbps": raw["around"],
+                "raw_gbps_before": raw["before"],
+                "raw_gbps_after": raw["after"],
+                "blocks": sum(r.raw_blocks for r in result.reports),
+            }
+        )
     return summarize(workload, runs)
 
 
@@ -142,12 +150,15 @@ def summarize(workload: Workload, runs: list[dict[str, Any]]) -> dict[str, Any]:
     alike, by median, from the same runs (before, only the raw engine had a second setting to
     be best at)."""
     raw, best = raw_baseline([run["raw_gbps"] for run in runs])
-    kvbridge = {label: statistics.median(run["settings"][label]["kvbridge_gbps"] for run in runs)
-                for label in runs[0]["settings"]}  # fmt: skip
+    kvbridge = {
+        label: statistics.median(run["settings"][label]["kvbridge_gbps"] for run in runs)
+        for label in runs[0]["settings"]
+    }
     setting = max(kvbridge, key=lambda label: kvbridge[label])
     chosen = [run["settings"][setting] for run in runs]
-    ratios = [own["kvbridge_gbps"] / run["raw_gbps"][best]
-              for own, run in zip(chosen, runs, strict=True)]  # fmt: skip
+    ratios = [
+        own["kvbridge_gbps"] / run["raw_gbps"][best] for own, run in zip(chosen, runs, strict=True)
+    ]
     shares = [own["p50_ms"] / own["wall_ms"] for own in chosen]
 
     def median(key: str) -> float:
@@ -209,14 +220,22 @@ def measure(workload: Workload, repeats: int) -> dict[str, Any] | str:
     if reason is not None:
         return reason
     with netns.two_hosts() as hosts:
-        placement = {"prefill_host": hosts.prefill_ip, "decode_host": hosts.decode_ip,
-                     "decode_netns": hosts.decode_ns}  # fmt: skip
+        placement = {
+            "prefill_host": hosts.prefill_ip,
+            "decode_host": hosts.decode_ip,
+            "decode_netns": hosts.decode_ns,
+        }
         # Between hosts, UCX over TCP on the link (not shared memory or CMA, which it would
         # pick on one machine); and a shared secret, as a multi-node deployment has.
-        env = {**os.environ, "UCX_TLS": "tcp", "UCX_NET_DEVICES": netns.LINK,
-               "KVBRIDGE_SECRET": os.environ.get("KVBRIDGE_SECRET", "kvbridge-bench")}  # fmt: skip
-        command = hosts.command(hosts.prefill_ns, sys.executable, *arguments,
-                                "--placement", json.dumps(placement))  # fmt: skip
+        env = {
+            **os.environ,
+            "UCX_TLS": "tcp",
+            "UCX_NET_DEVICES": netns.LINK,
+            "KVBRIDGE_SECRET": os.environ.get("KVBRIDGE_SECRET", "kvbridge-bench"),
+        }
+        command = hosts.command(
+            hosts.prefill_ns, sys.executable, *arguments, "--placement", json.dumps(placement)
+        )
         output = subprocess.run(command, check=True, capture_output=True, text=True, env=env)
         row = json.loads(output.stdout.strip().splitlines()[-1])
         return row
@@ -228,8 +247,14 @@ SGLANG_TARGET = 1.0  # kvbridge on Mooncake ÷ sglang's own layer on Mooncake, a
 
 def one_host_mooncake(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The Mooncake row on one host, which sglang's own layer is held against."""
-    return next((row for row in rows if row["workload"]["engine"] == "mooncake"
-                 and not row["workload"]["two_hosts"]), None)  # fmt: skip
+    return next(
+        (
+            row
+            for row in rows
+            if row["workload"]["engine"] == "mooncake" and not row["workload"]["two_hosts"]
+        ),
+        None,
+    )
 
 
 def sglang_row(rows: list[dict[str, Any]], only: str | None) -> dict[str, Any] | None:
@@ -242,20 +267,30 @@ def sglang_row(rows: list[dict[str, Any]], only: str | None) -> dict[str, Any] |
         print(f"sglang's layer: skipped ({SGLANG_PYTHON} is missing: make sglang-env)")
         return None
     workload = mooncake["workload"]
-    print(f"sglang 0.5.23's layer, mooncake: {workload['requests']} × {workload['tokens']} "
-          "tokens ...", flush=True)  # fmt: skip
+    print(
+        f"sglang 0.5.23's layer, mooncake: {workload['requests']} × {workload['tokens']} "
+        "tokens ...",
+        flush=True,
+    )
     script = Path(__file__).with_name("sglang_mooncake.py")
-    arguments = [str(script), "--requests", str(workload["requests"]),
-                 "--tokens", str(workload["tokens"])]  # fmt: skip
+    arguments = [
+        str(script),
+        "--requests",
+        str(workload["requests"]),
+        "--tokens",
+        str(workload["tokens"]),
+    ]
     row: dict[str, Any] = json_in_private_netns(arguments, python=str(SGLANG_PYTHON))
     return row
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repeats", type=int,
-                        help="runs per row (default: the row's own, 3 or 9); the median "
-                             "ratio counts")  # fmt: skip
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        help="runs per row (default: the row's own, 3 or 9); the median ratio counts",
+    )
     parser.add_argument("--only", help="rows whose engine or name contains this")
     parser.add_argument("--run", help=argparse.SUPPRESS)  # one workload, its row as JSON
     parser.add_argument("--placement", help=argparse.SUPPRESS)
@@ -279,8 +314,17 @@ def main() -> None:
 
     sglang = sglang_row(rows, options.only)
     print()
-    header = ("engine", "workload", "transport", "GB", "kvbridge GB/s", "raw GB/s (best way)",
-              "ratio (range)", "target", "p50 / p99 ms")  # fmt: skip
+    header = (
+        "engine",
+        "workload",
+        "transport",
+        "GB",
+        "kvbridge GB/s",
+        "raw GB/s (best way)",
+        "ratio (range)",
+        "target",
+        "p50 / p99 ms",
+    )
     print(" | ".join(header))
     print(" | ".join("---" for _ in header))
     for row in rows:
@@ -300,16 +344,20 @@ def main() -> None:
         workload = Workload(**row["workload"])
         if workload.requests == 32 and not workload.two_hosts:
             met = "met" if row["p50_of_wall"] <= LATENCY_TARGET else "NOT met"
-            print(f"{workload.key}, 32 requests at once: median latency {row['p50_ms']:.0f} ms "
-                  f"= {row['p50_of_wall']} × the batch's {row['wall_ms']:.0f} ms "
-                  f"(target ≤ {LATENCY_TARGET}: {met})")  # fmt: skip
+            print(
+                f"{workload.key}, 32 requests at once: median latency {row['p50_ms']:.0f} ms "
+                f"= {row['p50_of_wall']} × the batch's {row['wall_ms']:.0f} ms "
+                f"(target ≤ {LATENCY_TARGET}: {met})"
+            )
     mooncake = one_host_mooncake(rows)
     if sglang is not None and mooncake is not None:
         ratio = round(mooncake["kvbridge_gbps"] / sglang["gbps"], 3)
         met = "met" if ratio >= SGLANG_TARGET else "NOT met"
-        print(f"sglang 0.5.23's own layer on Mooncake, same workload: {sglang['gbps']} GB/s "
-              f"({sglang['verified']}/{sglang['requests']} verified); kvbridge {ratio}× it "
-              f"(target ≥ {SGLANG_TARGET}: {met})")  # fmt: skip
+        print(
+            f"sglang 0.5.23's own layer on Mooncake, same workload: {sglang['gbps']} GB/s "
+            f"({sglang['verified']}/{sglang['requests']} verified); kvbridge {ratio}× it "
+            f"(target ≥ {SGLANG_TARGET}: {met})"
+        )
     RESULTS.parent.mkdir(exist_ok=True)
     document = {"rows": rows, "sglang_mooncake": sglang}
     RESULTS.write_text(json.dumps(document, indent=2) + "\n")

@@ -55,15 +55,19 @@ def staging_kernels(device: torch.device, tokens: int, one_launch: bool) -> tupl
     rank's 4 heads × 128 dims in bf16 per token), scattered token rows: with one launch for
     all buffers (Triton, where it runs) or one torch copy per buffer."""
     buffers, token_bytes, width = 64, 4 * 128 * 2, 2 * 128 * 2
-    views = [torch.randint(0, 255, (2 * tokens, token_bytes), dtype=torch.uint8, device=device)
-             for _ in range(buffers)]  # fmt: skip
+    views = [
+        torch.randint(0, 255, (2 * tokens, token_bytes), dtype=torch.uint8, device=device)
+        for _ in range(buffers)
+    ]
     rows = torch.randperm(2 * tokens, device=device)[:tokens]
     staged = torch.empty(buffers * tokens * width, dtype=torch.uint8, device=device)
     stream = torch_kernels.side_stream(device)
-    gather_s = timed(lambda: torch_kernels.gather(views, rows, 0, width, staged, stream,
-                                                  one_launch), device)  # fmt: skip
-    scatter_s = timed(lambda: torch_kernels.scatter(staged, views, rows, 0, width, stream,
-                                                    one_launch), device)  # fmt: skip
+    gather_s = timed(
+        lambda: torch_kernels.gather(views, rows, 0, width, staged, stream, one_launch), device
+    )
+    scatter_s = timed(
+        lambda: torch_kernels.scatter(staged, views, rows, 0, width, stream, one_launch), device
+    )
     return staged.numel() / gather_s / 1e9, staged.numel() / scatter_s / 1e9
 
 
@@ -71,9 +75,15 @@ def transfer(
     memory: str, prefill_tp: int, decode_tp: int, requests: int, tokens: int
 ) -> dict[str, Any]:
     config = DemoConfig(
-        requests=requests, tokens=tokens, prefill_tp=prefill_tp, decode_tp=decode_tp,
-        memory=memory, measure_raw=True, decode_pool_factor=1.0, timeout_s=300.0,
-    )  # fmt: skip
+        requests=requests,
+        tokens=tokens,
+        prefill_tp=prefill_tp,
+        decode_tp=decode_tp,
+        memory=memory,
+        measure_raw=True,
+        decode_pool_factor=1.0,
+        timeout_s=300.0,
+    )
     result = run_demo(config)
     return {
         "pair": f"{prefill_tp}->{decode_tp}",
@@ -115,14 +125,18 @@ def main() -> None:
         transfer(options.memory, 2, 4, options.requests, options.tokens),
     ]
     per_buffer = f"{report['gather_per_buffer_gbps']}, {report['scatter_per_buffer_gbps']}"
-    print(f"{report['device']}: device copy {report['copy_ceiling_gbps']} GB/s; staging gather "
-          f"{report['gather_gbps']} GB/s, scatter {report['scatter_gbps']} GB/s (one copy per "
-          f"buffer: {per_buffer})")  # fmt: skip
+    print(
+        f"{report['device']}: device copy {report['copy_ceiling_gbps']} GB/s; staging gather "
+        f"{report['gather_gbps']} GB/s, scatter {report['scatter_gbps']} GB/s (one copy per "
+        f"buffer: {per_buffer})"
+    )
     print("TP | verified | kvbridge GB/s | raw GB/s | staged chunks | p50 ms | transport")
     for row in report["transfers"]:
         transport = ", ".join(row["transport"])
-        print(f"{row['pair']} | {row['verified']} | {row['kvbridge_gbps']} | {row['raw_gbps']} | "
-              f"{row['staged_chunks']} | {row['p50_ms']} | {transport}")  # fmt: skip
+        print(
+            f"{row['pair']} | {row['verified']} | {row['kvbridge_gbps']} | {row['raw_gbps']} | "
+            f"{row['staged_chunks']} | {row['p50_ms']} | {transport}"
+        )
         for process, timings in row["timings"].items():
             print(f"  {process}: " + ", ".join(f"{name} {s}" for name, s in timings.items()))
         for error in row["errors"]:

@@ -35,9 +35,13 @@ def run(
     prefill_tp: int, decode_tp: int, staging: bool, requests: int, tokens: int
 ) -> dict[str, Any]:
     config = DemoConfig(
-        requests=requests, tokens=tokens, prefill_tp=prefill_tp, decode_tp=decode_tp,
-        staging=staging, timeout_s=600.0,
-    )  # fmt: skip
+        requests=requests,
+        tokens=tokens,
+        prefill_tp=prefill_tp,
+        decode_tp=decode_tp,
+        staging=staging,
+        timeout_s=600.0,
+    )
     result = run_demo(config)
     if not result.ok:
         raise SystemExit(f"{prefill_tp}→{decode_tp} staging={staging} failed: {result.reports}")
@@ -60,8 +64,9 @@ def measure_pair(
     for _ in range(repeats):
         staged.append(run(prefill_tp, decode_tp, True, requests, tokens))
         equal.append(run(prefill_tp, prefill_tp, True, requests, tokens))
-    per_token = [run(prefill_tp, decode_tp, False, requests, tokens)
-                 for _ in range(per_token_repeats)]  # fmt: skip
+    per_token = [
+        run(prefill_tp, decode_tp, False, requests, tokens) for _ in range(per_token_repeats)
+    ]
     # Each staged run against the mean of the equal-TP runs just before and after it.
     to_equal = [
         each["gbps"] * 2 / (before["gbps"] + after["gbps"])
@@ -97,15 +102,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=1024)
-    parser.add_argument("--repeats", type=int, default=7,
-                        help="staged runs, each between two equal-TP runs")  # fmt: skip
+    parser.add_argument(
+        "--repeats", type=int, default=7, help="staged runs, each between two equal-TP runs"
+    )
     parser.add_argument("--per-token-repeats", type=int, default=3)
     options = parser.parse_args()
     rows = [
-        measure_pair(prefill_tp, decode_tp, options.repeats, options.per_token_repeats,
-                     options.requests, options.tokens)
+        measure_pair(
+            prefill_tp,
+            decode_tp,
+            options.repeats,
+            options.per_token_repeats,
+            options.requests,
+            options.tokens,
+        )
         for prefill_tp, decode_tp in ((2, 4), (4, 2))
-    ]  # fmt: skip
+    ]
     print(
         "pair | staging GB/s | per-token GB/s | equal-TP GB/s | ×per-token | ×equal (range) | "
         "blocks/request (staging, per-token, equal)"
@@ -123,12 +135,16 @@ def main() -> None:
         )
     for row in rows:
         met = "met" if row["staging_vs_per_token"] >= PER_TOKEN_TARGET else "NOT met"
-        print(f"{row['pair']}: staging {row['staging_vs_per_token']}× per-token "
-              f"(target ≥ {PER_TOKEN_TARGET}: {met})")  # fmt: skip
+        print(
+            f"{row['pair']}: staging {row['staging_vs_per_token']}× per-token "
+            f"(target ≥ {PER_TOKEN_TARGET}: {met})"
+        )
         if row["pair"] == "2->4":
             met = "met" if row["staging_vs_equal_tp"] >= EQUAL_TP_TARGET else "NOT met"
-            print(f"2->4: staging {row['staging_vs_equal_tp']}× equal TP "
-                  f"(target on this CPU host ≥ {EQUAL_TP_TARGET}: {met})")  # fmt: skip
+            print(
+                f"2->4: staging {row['staging_vs_equal_tp']}× equal TP "
+                f"(target on this CPU host ≥ {EQUAL_TP_TARGET}: {met})"
+            )
     RESULTS.parent.mkdir(exist_ok=True)
     RESULTS.write_text(json.dumps(rows, indent=2) + "\n")
     print(f"wrote {RESULTS}")

@@ -84,8 +84,10 @@ def main() -> None:
     def one_at_a_time(per_write: int, notify: bytes) -> float:
         """GB/s of the whole region in writes of `per_write` blocks, each waited for."""
         lengths = np.full(per_write, BLOCK_BYTES, np.uint64)
-        plans = [TransferPlan(src[i : i + per_write], dst[i : i + per_write], lengths)
-                 for i in range(0, blocks, per_write)]  # fmt: skip
+        plans = [
+            TransferPlan(src[i : i + per_write], dst[i : i + per_write], lengths)
+            for i in range(0, blocks, per_write)
+        ]
         started = time.perf_counter()
         for plan in plans:
             handle = engine.write(peer, plan, notify)
@@ -104,14 +106,21 @@ def main() -> None:
             for case in cases if round_index % 2 == 0 else cases[::-1]:
                 measured[case].append(one_at_a_time(*case))
         for (per_write, notify), gbps in measured.items():
-            row = {"target_poll_ms": interval_s * 1e3, "blocks_per_write": per_write,
-                   "notification": bool(notify), "gbps_median": statistics.median(gbps),
-                   "gbps": gbps}  # fmt: skip
+            row = {
+                "target_poll_ms": interval_s * 1e3,
+                "blocks_per_write": per_write,
+                "notification": bool(notify),
+                "gbps_median": statistics.median(gbps),
+                "gbps": gbps,
+            }
             results.append(row)
-            print(f"target polls every {interval_s * 1e3:4.1f} ms, writes of {per_write:4d} "
-                  f"blocks ({per_write * BLOCK_BYTES >> 20} MiB), "
-                  f"{'with' if notify else 'without'} a notification: "
-                  f"{row['gbps_median']:.2f} GB/s (median of {len(gbps)})", flush=True)  # fmt: skip
+            print(
+                f"target polls every {interval_s * 1e3:4.1f} ms, writes of {per_write:4d} "
+                f"blocks ({per_write * BLOCK_BYTES >> 20} MiB), "
+                f"{'with' if notify else 'without'} a notification: "
+                f"{row['gbps_median']:.2f} GB/s (median of {len(gbps)})",
+                flush=True,
+            )
     here.send(None)
     target.join(timeout=30)
     engine.close()

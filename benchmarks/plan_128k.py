@@ -74,16 +74,20 @@ def plan_128k(
 
 
 def main() -> None:
-    print(f"{'destination pages':20} {'fresh ms':>9} {'reused ms':>10} {'blocks':>10} "
-          f"{'GiB planned':>12}")  # fmt: skip
+    print(
+        f"{'destination pages':20} {'fresh ms':>9} {'reused ms':>10} {'blocks':>10} "
+        f"{'GiB planned':>12}"
+    )
     scattered_ms = 0.0
     for name, pages in destination_patterns().items():
         fresh_ms, plan = plan_128k(pages, reuse=False)
         reused_ms, _ = plan_128k(pages)
         if name == "scattered":
             scattered_ms = reused_ms
-        print(f"{name:20} {fresh_ms:9.1f} {reused_ms:10.1f} {len(plan):10d} "
-              f"{plan.total_bytes / 2**30:12.2f}")  # fmt: skip
+        print(
+            f"{name:20} {fresh_ms:9.1f} {reused_ms:10.1f} {len(plan):10d} "
+            f"{plan.total_bytes / 2**30:12.2f}"
+        )
     met = "met" if scattered_ms < TARGET_MS else "NOT met"
     print(f"scattered, reused memory: {scattered_ms:.1f} ms (target < {TARGET_MS:g} ms: {met})")
 

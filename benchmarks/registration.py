@@ -41,8 +41,14 @@ def reserve(size: int) -> int:
     """`size` bytes of address space, never backed unless written: its address."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                          ctypes.c_int, ctypes.c_long]  # fmt: skip
+    libc.mmap.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_long,
+    ]
     flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE
     address = libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, flags, -1, 0)
     if address in (None, ctypes.c_void_p(-1).value):
@@ -110,8 +116,10 @@ def main() -> None:
     print("engine | GiB | regions | register s | deregister s | engine start s")
     print("--- | --- | --- | --- | --- | ---")
     for row in rows:
-        print(f"{row['engine']} | {row['gib']} | {row['regions']} | {row['register_s']} | "
-              f"{row['deregister_s']} | {row['engine_start_s']}")  # fmt: skip
+        print(
+            f"{row['engine']} | {row['gib']} | {row['regions']} | {row['register_s']} | "
+            f"{row['deregister_s']} | {row['engine_start_s']}"
+        )
     pinned = any(row["rdma_device"] for row in rows)
     print("(no RDMA device: the engines register without pinning pages)" if not pinned else "")
     RESULTS.parent.mkdir(exist_ok=True)

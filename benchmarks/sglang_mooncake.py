@@ -65,9 +65,12 @@ def _sglang(role: str) -> dict[str, Any]:
     from sglang.srt.server_args import ServerArgs
 
     server_args = ServerArgs(
-        model_path="dummy", device="cpu", disaggregation_mode=role,
-        disaggregation_transfer_backend="mooncake", disaggregation_bootstrap_port=BOOTSTRAP_PORT,
-    )  # fmt: skip
+        model_path="dummy",
+        device="cpu",
+        disaggregation_mode=role,
+        disaggregation_transfer_backend="mooncake",
+        disaggregation_bootstrap_port=BOOTSTRAP_PORT,
+    )
     publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=0, gpu_id=0))
     get_parallel().override_permanently(pp_group=None)
     init_mooncake_transfer_engine("127.0.0.1", gpu_id=0, ib_device=None)
@@ -99,13 +102,22 @@ def _kv_args(kind: Any, pages: int, slots: int) -> tuple[Any, list[np.ndarray], 
     )
     args.ib_device, args.gpu_id = None, 0
     # setup_state_kv_args for a pool with no state (Llama): every state list empty.
-    for name in ("state_types", "state_data_ptrs", "state_data_lens", "state_item_lens",
-                 "state_dim_per_tensor", "state_slice_outer_counts", "state_layer_ids",
-                 "state_conv_shard_groups"):  # fmt: skip
+    for name in (
+        "state_types",
+        "state_data_ptrs",
+        "state_data_lens",
+        "state_item_lens",
+        "state_dim_per_tensor",
+        "state_slice_outer_counts",
+        "state_layer_ids",
+        "state_conv_shard_groups",
+    ):
         setattr(args, name, [])
     args.is_hybrid_mla_backend, args.swa_kv_cache_layout, args.mla_compression_ratios = (
-        False, None, None,
-    )  # fmt: skip
+        False,
+        None,
+        None,
+    )
     return args, buffers, aux
 
 
@@ -146,8 +158,10 @@ def run_prefill(requests: int, pages_per_request: int, ready: Any, results: Any)
     manager = kind("MANAGER")(args, sglang["mode"], sglang["server_args"], False)
     ready.set()
     address = f"127.0.0.1:{BOOTSTRAP_PORT}"
-    senders = [kind("SENDER")(mgr=manager, bootstrap_addr=address, bootstrap_room=room)
-               for room in range(requests)]  # fmt: skip
+    senders = [
+        kind("SENDER")(mgr=manager, bootstrap_addr=address, bootstrap_room=room)
+        for room in range(requests)
+    ]
     started: set[int] = set()
     deadline = time.monotonic() + 600
     while len(started) < requests and time.monotonic() < deadline:
@@ -155,8 +169,9 @@ def run_prefill(requests: int, pages_per_request: int, ready: Any, results: Any)
             if room not in started and sender.poll() == KVPoll.WaitingForInput:
                 started.add(room)
                 sender.init(pages_per_request, aux_index=room)
-                pages = np.arange(room * pages_per_request, (room + 1) * pages_per_request,
-                                  dtype=np.int32)  # fmt: skip
+                pages = np.arange(
+                    room * pages_per_request, (room + 1) * pages_per_request, dtype=np.int32
+                )
                 for chunk in np.array_split(pages, 2):  # the demo's two chunks
                     sender.send(chunk)
         time.sleep(POLL_S)
@@ -179,8 +194,10 @@ def run_decode(requests: int, pages_per_request: int, ready: Any, results: Any) 
     while not manager.try_ensure_parallel_info(address) and time.monotonic() < deadline:
         time.sleep(0.05)
     scattered = np.random.default_rng(0).permutation(pool).astype(np.int32)
-    receivers = [kind("RECEIVER")(mgr=manager, bootstrap_addr=address, bootstrap_room=room)
-                 for room in range(requests)]  # fmt: skip
+    receivers = [
+        kind("RECEIVER")(mgr=manager, bootstrap_addr=address, bootstrap_room=room)
+        for room in range(requests)
+    ]
     for receiver in receivers:
         receiver.init(0)
     started = time.perf_counter()
@@ -198,14 +215,21 @@ def run_decode(requests: int, pages_per_request: int, ready: Any, results: Any) 
         if receiver.poll() != KVPoll.Success:
             continue
         pages = scattered[room * pages_per_request : (room + 1) * pages_per_request]
-        same = all(np.array_equal(buffer[pages], content(room, index, pages_per_request))
-                   for index, buffer in enumerate(buffers))  # fmt: skip
+        same = all(
+            np.array_equal(buffer[pages], content(room, index, pages_per_request))
+            for index, buffer in enumerate(buffers)
+        )
         verified += int(same and bool((aux[room] == room % 256).all()))
     nbytes = requests * pages_per_request * sum(args.kv_item_lens)
-    results.put({
-        "role": "decode", "seconds": seconds, "bytes": nbytes, "verified": verified,
-        "latencies_ms": sorted((ended[room] - sent_at[room]) * 1e3 for room in ended),
-    })  # fmt: skip
+    results.put(
+        {
+            "role": "decode",
+            "seconds": seconds,
+            "bytes": nbytes,
+            "verified": verified,
+            "latencies_ms": sorted((ended[room] - sent_at[room]) * 1e3 for room in ended),
+        }
+    )
 
 
 def main() -> None:
@@ -232,14 +256,23 @@ def main() -> None:
             process.kill()
     decode = reports["decode"]
     latencies = decode["latencies_ms"]
-    print(json.dumps({
-        "layer": "sglang 0.5.23 MooncakeKVManager", "requests": options.requests,
-        "tokens": options.tokens, "bytes": decode["bytes"], "verified": decode["verified"],
-        "gbps": round(decode["bytes"] / decode["seconds"] / 1e9, 3) if decode["seconds"] else 0,
-        "p50_ms": round(float(np.quantile(latencies, 0.5)), 1) if latencies else None,
-        "p99_ms": round(float(np.quantile(latencies, 0.99)), 1) if latencies else None,
-        "prefill": reports["prefill"]["ended"],
-    }))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "layer": "sglang 0.5.23 MooncakeKVManager",
+                "requests": options.requests,
+                "tokens": options.tokens,
+                "bytes": decode["bytes"],
+                "verified": decode["verified"],
+                "gbps": round(decode["bytes"] / decode["seconds"] / 1e9, 3)
+                if decode["seconds"]
+                else 0,
+                "p50_ms": round(float(np.quantile(latencies, 0.5)), 1) if latencies else None,
+                "p99_ms": round(float(np.quantile(latencies, 0.99)), 1) if latencies else None,
+                "prefill": reports["prefill"]["ended"],
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

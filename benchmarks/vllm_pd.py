@@ -76,8 +76,10 @@ def transfer_config(connector: str, role: str, **nixl: Any) -> dict[str, Any]:
     if connector == "vllm-nixl":
         return nixl_config(role, kv_lease_duration=NIXL_LEASE_S, **nixl)
     if connector == "vllm-nixl-push":  # NixlConnector's push mode: prefill writes into decode
-        return {**nixl_config(role, kv_lease_duration=NIXL_LEASE_S, **nixl),
-                "kv_connector": "NixlPushConnector"}  # fmt: skip
+        return {
+            **nixl_config(role, kv_lease_duration=NIXL_LEASE_S, **nixl),
+            "kv_connector": "NixlPushConnector",
+        }
     return kvbridge_config(role, connector.removeprefix("kvbridge-"))
 
 
@@ -137,9 +139,14 @@ class Deployment:
     """One connector's prefill and decode instance, warmed up, and what its rounds measured."""
 
     def __init__(
-        self, connector: str, model: Path, logs: Path, workloads: list[tuple[int, int]],
-        layers: int, family: str,
-    ) -> None:  # fmt: skip
+        self,
+        connector: str,
+        model: Path,
+        logs: Path,
+        workloads: list[tuple[int, int]],
+        layers: int,
+        family: str,
+    ) -> None:
         self.connector = connector
         self.logs = logs
         self.model = model
@@ -149,13 +156,24 @@ class Deployment:
         # model's groups share one pool of pages), at least vLLM's default here.
         full = 2 * 8 * 128 * BF16 * layers  # per token: Llama's geometry, the largest here
         kv_room = max(256 << 20, int(1.5 * largest * full))
-        env = {**FAMILY_ENV[family], "KVBRIDGE_TEST_KV_BYTES": str(kv_room),
-               "KVBRIDGE_TEST_MAX_MODEL_LEN": str(longest + 64)}  # fmt: skip
-        self.prefill = Instance(model, transfer_config(connector, "kv_producer"),
-                                logs / f"{connector}-prefill.log", env=env)  # fmt: skip
+        env = {
+            **FAMILY_ENV[family],
+            "KVBRIDGE_TEST_KV_BYTES": str(kv_room),
+            "KVBRIDGE_TEST_MAX_MODEL_LEN": str(longest + 64),
+        }
+        self.prefill = Instance(
+            model,
+            transfer_config(connector, "kv_producer"),
+            logs / f"{connector}-prefill.log",
+            env=env,
+        )
         try:
-            self.decode = Instance(model, transfer_config(connector, "kv_consumer"),
-                                   logs / f"{connector}-decode.log", env=env)  # fmt: skip
+            self.decode = Instance(
+                model,
+                transfer_config(connector, "kv_consumer"),
+                logs / f"{connector}-decode.log",
+                env=env,
+            )
         except BaseException:
             self.prefill.close()
             raise
@@ -199,14 +217,18 @@ class Deployment:
             raise RunFailed("decode could not drop its prefix cache")
         began = time.perf_counter()
         decoded = self.decode.generate(
-            prompts, 4, [output["kv_transfer_params"] for output in prefilled["outputs"]],
+            prompts,
+            4,
+            [output["kv_transfer_params"] for output in prefilled["outputs"]],
             GENERATE_TIMEOUT_S,
-        )["outputs"]  # fmt: skip
+        )["outputs"]
         wall = time.perf_counter() - began
         unanswered = failed(decoded)
         if unanswered:
-            raise RunFailed(f"{unanswered} of {concurrent} decode requests of {length} tokens "
-                            f"ended without a token; logs in {self.logs}")  # fmt: skip
+            raise RunFailed(
+                f"{unanswered} of {concurrent} decode requests of {length} tokens "
+                f"ended without a token; logs in {self.logs}"
+            )
         # Prefill frees the blocks once decode has them (NixlConnector: once notified).
         self.prefill.wait_for(lambda s: s["running"] == 0, timeout_s=30)
         if not timed:
@@ -223,7 +245,9 @@ class Deployment:
         ttft, kv_ready = self.samples["ttft"], self.samples["kv_ready"]
         wall = statistics.median(self.samples["walls"])
         return {
-            "connector": self.connector, "tokens": length, "concurrent": concurrent,
+            "connector": self.connector,
+            "tokens": length,
+            "concurrent": concurrent,
             "rounds": rounds,
             "ttft_p50_ms": round(1000 * percentile(ttft, 0.5), 1),
             "ttft_p99_ms": round(1000 * percentile(ttft, 0.99), 1),
@@ -233,7 +257,7 @@ class Deployment:
             "kv_gbps": round(kv_bytes(self.model, length, concurrent) / wall / 1e9, 3),
             "prefill_first_s": round(self.prefill_first_s, 1),
             "tokens_out": self.samples["tokens_out"],
-        }  # fmt: skip
+        }
 
     def close(self) -> None:
         self.decode.close()
@@ -241,9 +265,16 @@ class Deployment:
 
 
 def measure(
-    connectors: list[str], model: Path, logs: Path, workloads: list[tuple[int, int]],
-    layers: int, family: str, rounds: int, rows: list[dict[str, Any]], failures: list[str],
-) -> None:  # fmt: skip
+    connectors: list[str],
+    model: Path,
+    logs: Path,
+    workloads: list[tuple[int, int]],
+    layers: int,
+    family: str,
+    rounds: int,
+    rows: list[dict[str, Any]],
+    failures: list[str],
+) -> None:
     """The connectors' deployments at once, and per workload their rounds interleaved (the
     order alternating from round to round; the others stopped meanwhile), so that a machine
     whose speed drifts from minute to minute moves every connector alike; one connector: its
@@ -289,21 +320,25 @@ def measure(
             for deployment in deployments:
                 rows.append(deployment.row(length, concurrent, timed_rounds))
                 row = rows[-1]
-                print(f"{deployment.connector:18} {length:5} tokens × {concurrent:2}: TTFT p50 "
-                      f"{row['ttft_p50_ms']:7.1f} ms, p99 {row['ttft_p99_ms']:7.1f} ms; KV in "
-                      f"place p50 {row['kv_ready_p50_ms']:6.1f} ms, p99 "
-                      f"{row['kv_ready_p99_ms']:6.1f} ms; {row['kv_gbps']:.2f} GB/s (prefill "
-                      f"computed the batch in {row['prefill_first_s']:.0f} s)",
-                      flush=True)  # fmt: skip
+                print(
+                    f"{deployment.connector:18} {length:5} tokens × {concurrent:2}: TTFT p50 "
+                    f"{row['ttft_p50_ms']:7.1f} ms, p99 {row['ttft_p99_ms']:7.1f} ms; KV in "
+                    f"place p50 {row['kv_ready_p50_ms']:6.1f} ms, p99 "
+                    f"{row['kv_ready_p99_ms']:6.1f} ms; {row['kv_gbps']:.2f} GB/s (prefill "
+                    f"computed the batch in {row['prefill_first_s']:.0f} s)",
+                    flush=True,
+                )
     finally:
         for deployment in deployments:
             deployment.close()
 
 
 METRICS = (
-    ("ttft_p50_ms", "decode TTFT p50 (ms)"), ("ttft_p99_ms", "decode TTFT p99 (ms)"),
-    ("kv_ready_p50_ms", "KV in place p50 (ms)"), ("kv_ready_p99_ms", "KV in place p99 (ms)"),
-)  # fmt: skip
+    ("ttft_p50_ms", "decode TTFT p50 (ms)"),
+    ("ttft_p99_ms", "decode TTFT p99 (ms)"),
+    ("kv_ready_p50_ms", "KV in place p50 (ms)"),
+    ("kv_ready_p99_ms", "KV in place p99 (ms)"),
+)
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> bool:
@@ -359,9 +394,10 @@ def compare(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if base is None or row["connector"] == BASELINE:
             continue
         line: dict[str, Any] = {
-            "connector": row["connector"], "tokens": row["tokens"],
+            "connector": row["connector"],
+            "tokens": row["tokens"],
             "concurrent": row["concurrent"],
-        }  # fmt: skip
+        }
         for key, _ in METRICS:
             line[key.removesuffix("_ms") + "_vs_nixl"] = round(row[key] / base[key], 2)
         line["tokens_equal"] = row["tokens_out"] == base["tokens_out"]
@@ -371,24 +407,31 @@ def compare(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true",
-                        help="llama: 1k and 2k tokens × 8 only; other families 1k × 8")  # fmt: skip
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="llama: 1k and 2k tokens × 8 only; other families 1k × 8",
+    )
     parser.add_argument("--family", choices=FAMILIES, default="llama", help="the model family")
     parser.add_argument("--layers", type=int, default=4, help="llama's layers")
     parser.add_argument(
-        "--rounds", type=int, default=3,
+        "--rounds",
+        type=int,
+        default=3,
         help=f"timed rounds per workload, at least (and at least {MIN_TIMED_REQUESTS} requests)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--interleave", action="store_true",
+        "--interleave",
+        action="store_true",
         help="all deployments at once, rounds interleaved (default: one connector after another)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--connectors", nargs="+", choices=CONNECTORS,
+        "--connectors",
+        nargs="+",
+        choices=CONNECTORS,
         default=[c for c in CONNECTORS if c != "vllm-nixl-push"],
-        help="which connectors to run (default: all but vllm-nixl-push; the ratios need "
-        "vllm-nixl)",
-    )  # fmt: skip
+        help="which connectors to run (default: all but vllm-nixl-push; the ratios need vllm-nixl)",
+    )
     options = parser.parse_args()
     family = options.family
     layers = options.layers if family == "llama" else 4
@@ -407,23 +450,31 @@ def main() -> None:
         # Interleaved, or each connector's deployment alone, one after the other.
         groups = [connectors] if options.interleave else [[c] for c in connectors]
         for group in groups:
-            measure(group, model, logs, workloads, layers, family, options.rounds, rows,
-                    failures)  # fmt: skip
+            measure(group, model, logs, workloads, layers, family, options.rounds, rows, failures)
     summary = compare(rows)
-    print(f"\n{family}: × NixlConnector     workload   TTFT p50   p99   KV in place p50   p99   "
-          "tokens equal")  # fmt: skip
+    print(
+        f"\n{family}: × NixlConnector     workload   TTFT p50   p99   KV in place p50   p99   "
+        "tokens equal"
+    )
     for line in summary:
-        print(f"{line['connector']:18} {line['tokens']:5}×{line['concurrent']:<3}   "
-              f"{line['ttft_p50_vs_nixl']:8.2f} {line['ttft_p99_vs_nixl']:5.2f} "
-              f"{line['kv_ready_p50_vs_nixl']:17.2f} {line['kv_ready_p99_vs_nixl']:5.2f}   "
-              f"{line['tokens_equal']}")  # fmt: skip
+        print(
+            f"{line['connector']:18} {line['tokens']:5}×{line['concurrent']:<3}   "
+            f"{line['ttft_p50_vs_nixl']:8.2f} {line['ttft_p99_vs_nixl']:5.2f} "
+            f"{line['kv_ready_p50_vs_nixl']:17.2f} {line['kv_ready_p99_vs_nixl']:5.2f}   "
+            f"{line['tokens_equal']}"
+        )
     for row in rows:
         del row["tokens_out"]
     document = {
-        "date": time.strftime("%Y-%m-%d"), "family": family, "layers": layers,
-        "rounds": options.rounds, "model": MODELS[family].format(layers=layers),
-        "rows": rows, "vs_nixl_connector": summary, "failures": failures,
-    }  # fmt: skip
+        "date": time.strftime("%Y-%m-%d"),
+        "family": family,
+        "layers": layers,
+        "rounds": options.rounds,
+        "model": MODELS[family].format(layers=layers),
+        "rows": rows,
+        "vs_nixl_connector": summary,
+        "failures": failures,
+    }
     name = "vllm" if family == "llama" else f"vllm-{family}"
     (RESULTS / f"{name}.json").write_text(json.dumps(document, indent=2) + "\n")
     plotted = plot(rows, RESULTS / f"{name}.png")

@@ -72,8 +72,14 @@ NIXL_THREADS = 4
 class Deployment:
     """x prefill and y decode servers with one connector, behind kvbridge's proxy."""
 
-    def __init__(self, connector: str, shape: tuple[int, int], model: Path, logs: Path,
-                 nixl_threads: int = NIXL_THREADS) -> None:  # fmt: skip
+    def __init__(
+        self,
+        connector: str,
+        shape: tuple[int, int],
+        model: Path,
+        logs: Path,
+        nixl_threads: int = NIXL_THREADS,
+    ) -> None:
         self.servers: list[Server] = []
         self.proxy: PDProxy | None = None
         prefills, decodes = shape
@@ -110,39 +116,84 @@ class Deployment:
             server.close()
 
 
-def run_client(url: str, model: Path, rate: float, options: argparse.Namespace,
-               out: Path) -> dict[str, Any]:  # fmt: skip
+def run_client(
+    url: str, model: Path, rate: float, options: argparse.Namespace, out: Path
+) -> dict[str, Any]:
     """vLLM's benchmark client against the proxy; its result file."""
     arguments = [
-        "--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions",
-        "--model", str(model), "--tokenizer", str(model), "--dataset-name", "random",
-        "--random-input-len", str(options.input_len), "--random-output-len",
-        str(options.output_len), "--random-prefix-len", str(options.prefix_len),
-        "--random-range-ratio", "0.25", "--num-prompts", str(options.prompts),
-        "--request-rate", str(rate), "--burstiness", "1", "--seed", "0", "--ignore-eos",
-        "--percentile-metrics", ",".join(KEYS), "--metric-percentiles", "50,99",
-        "--goodput", f"ttft:{options.slo_ttft_ms}", f"tpot:{options.slo_tpot_ms}",
-        "--save-result", "--result-dir", str(out.parent), "--result-filename", out.name,
-        "--disable-tqdm", "--ready-check-timeout-sec", "120",
-    ]  # fmt: skip
+        "--backend",
+        "openai",
+        "--base-url",
+        url,
+        "--endpoint",
+        "/v1/completions",
+        "--model",
+        str(model),
+        "--tokenizer",
+        str(model),
+        "--dataset-name",
+        "random",
+        "--random-input-len",
+        str(options.input_len),
+        "--random-output-len",
+        str(options.output_len),
+        "--random-prefix-len",
+        str(options.prefix_len),
+        "--random-range-ratio",
+        "0.25",
+        "--num-prompts",
+        str(options.prompts),
+        "--request-rate",
+        str(rate),
+        "--burstiness",
+        "1",
+        "--seed",
+        "0",
+        "--ignore-eos",
+        "--percentile-metrics",
+        ",".join(KEYS),
+        "--metric-percentiles",
+        "50,99",
+        "--goodput",
+        f"ttft:{options.slo_ttft_ms}",
+        f"tpot:{options.slo_tpot_ms}",
+        "--save-result",
+        "--result-dir",
+        str(out.parent),
+        "--result-filename",
+        out.name,
+        "--disable-tqdm",
+        "--ready-check-timeout-sec",
+        "120",
+    ]
     with open(out.with_suffix(".log"), "w") as log:
-        subprocess.run([sys.executable, "-c", CLIENT, *arguments], stdout=log,
-                       stderr=subprocess.STDOUT, check=True, timeout=1800)  # fmt: skip
+        subprocess.run(
+            [sys.executable, "-c", CLIENT, *arguments],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            check=True,
+            timeout=1800,
+        )
     return dict(json.loads(out.read_text()))
 
 
-def row_of(result: dict[str, Any], proxy_s: list[float], proxy_first_s: list[float]
-           ) -> dict[str, Any]:  # fmt: skip
+def row_of(
+    result: dict[str, Any], proxy_s: list[float], proxy_first_s: list[float]
+) -> dict[str, Any]:
     """A run's row: the client's figures and the proxy's own time per request, before the
     first byte (what it adds to TTFT) and in all (relaying every streamed chunk included)."""
-    row = {f"{key}_{p}_ms": round(result[f"{'median' if p == 'p50' else 'p99'}_{key}_ms"], 1)
-           for key in KEYS for p in ("p50", "p99")}  # fmt: skip
+    row = {
+        f"{key}_{p}_ms": round(result[f"{'median' if p == 'p50' else 'p99'}_{key}_ms"], 1)
+        for key in KEYS
+        for p in ("p50", "p99")
+    }
     row.update(
-        completed=result["completed"], failed=result.get("failed", 0),
+        completed=result["completed"],
+        failed=result.get("failed", 0),
         request_throughput=round(result["request_throughput"], 3),
         output_throughput=round(result["output_throughput"], 1),
         goodput=round(result.get("request_goodput") or 0.0, 3),
-    )  # fmt: skip
+    )
     for name, seconds in (("proxy_first", proxy_first_s), ("proxy", proxy_s)):
         ordered = sorted(seconds) or [0.0]
         row[f"{name}_p50_ms"] = round(1000 * statistics.median(ordered), 3)
@@ -150,8 +201,14 @@ def row_of(result: dict[str, Any], proxy_s: list[float], proxy_first_s: list[flo
     return row
 
 
-def measure(connector: str, deployment: str, model: Path, logs: Path,
-            options: argparse.Namespace, rates: list[float]) -> list[dict[str, Any]]:  # fmt: skip
+def measure(
+    connector: str,
+    deployment: str,
+    model: Path,
+    logs: Path,
+    options: argparse.Namespace,
+    rates: list[float],
+) -> list[dict[str, Any]]:
     """One connector's deployment: a capacity run, then one run per rate (set from the
     capacity run if `rates` is empty: the first connector's)."""
     serving = Deployment(connector, DEPLOYMENTS[deployment], model, logs, options.nixl_threads)
@@ -170,12 +227,14 @@ def measure(connector: str, deployment: str, model: Path, logs: Path,
             row = row_of(result, own[before:], before_first_byte[before:])
             row.update(connector=connector, deployment=deployment, rate=rate)
             rows.append(row)
-            print(f"{deployment} {connector:18} rate {rate:6g}: TTFT p50 {row['ttft_p50_ms']:8.1f}"
-                  f" p99 {row['ttft_p99_ms']:8.1f} ms, TPOT p50 {row['tpot_p50_ms']:6.1f} ms, "
-                  f"{row['request_throughput']:.2f} req/s, goodput {row['goodput']:.2f}, "
-                  f"proxy p50 {row['proxy_first_p50_ms']:.3f} ms to first byte, "
-                  f"{row['proxy_p50_ms']:.3f} ms in all, failed {row['failed']}",
-                  flush=True)  # fmt: skip
+            print(
+                f"{deployment} {connector:18} rate {rate:6g}: TTFT p50 {row['ttft_p50_ms']:8.1f}"
+                f" p99 {row['ttft_p99_ms']:8.1f} ms, TPOT p50 {row['tpot_p50_ms']:6.1f} ms, "
+                f"{row['request_throughput']:.2f} req/s, goodput {row['goodput']:.2f}, "
+                f"proxy p50 {row['proxy_first_p50_ms']:.3f} ms to first byte, "
+                f"{row['proxy_p50_ms']:.3f} ms in all, failed {row['failed']}",
+                flush=True,
+            )
             if rate == float("inf") and not rates:  # the first connector sets the rates
                 capacity = row["request_throughput"]
                 rates.extend(round(capacity * f, 3) for f in RATE_FRACTIONS)
@@ -193,19 +252,28 @@ def compare(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for row in rows:
         if row["connector"] in VLLM_CONNECTORS:
             continue
-        theirs = [r for r in rows if r["connector"] in VLLM_CONNECTORS
-                  and (r["deployment"], r["rate"]) == (row["deployment"], row["rate"])]  # fmt: skip
+        theirs = [
+            r
+            for r in rows
+            if r["connector"] in VLLM_CONNECTORS
+            and (r["deployment"], r["rate"]) == (row["deployment"], row["rate"])
+        ]
         if not theirs:
             continue
         best = min(theirs, key=lambda r: r["ttft_p50_ms"])
-        lines.append({
-            "connector": row["connector"], "deployment": row["deployment"], "rate": row["rate"],
-            "best_vllm": best["connector"],
-            "ttft_p50_vs_best": round(row["ttft_p50_ms"] / best["ttft_p50_ms"], 2),
-            "ttft_p99_vs_best": round(row["ttft_p99_ms"] / best["ttft_p99_ms"], 2),
-            "throughput_vs_best": round(
-                row["request_throughput"] / best["request_throughput"], 2),
-        })  # fmt: skip
+        lines.append(
+            {
+                "connector": row["connector"],
+                "deployment": row["deployment"],
+                "rate": row["rate"],
+                "best_vllm": best["connector"],
+                "ttft_p50_vs_best": round(row["ttft_p50_ms"] / best["ttft_p50_ms"], 2),
+                "ttft_p99_vs_best": round(row["ttft_p99_ms"] / best["ttft_p99_ms"], 2),
+                "throughput_vs_best": round(
+                    row["request_throughput"] / best["request_throughput"], 2
+                ),
+            }
+        )
     return lines
 
 
@@ -218,8 +286,9 @@ def plot(rows: list[dict[str, Any]], path: Path) -> bool:
     except ImportError:
         return False
     deployments = sorted({row["deployment"] for row in rows})
-    figure, axes = plt.subplots(len(deployments), 2, figsize=(11, 4 * len(deployments)),
-                                squeeze=False)  # fmt: skip
+    figure, axes = plt.subplots(
+        len(deployments), 2, figsize=(11, 4 * len(deployments)), squeeze=False
+    )
     for line, deployment in zip(axes, deployments, strict=True):
         for key, axis in zip(("ttft_p50_ms", "ttft_p99_ms"), line, strict=True):
             for connector in CONNECTORS:
@@ -242,10 +311,12 @@ def plot(rows: list[dict[str, Any]], path: Path) -> bool:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true",
-                        help="1P1D, 16 prompts, kvbridge-nixl and vllm-nixl")  # fmt: skip
-    parser.add_argument("--deployments", nargs="+", choices=DEPLOYMENTS,
-                        help="default: both; quick 1p1d")  # fmt: skip
+    parser.add_argument(
+        "--quick", action="store_true", help="1P1D, 16 prompts, kvbridge-nixl and vllm-nixl"
+    )
+    parser.add_argument(
+        "--deployments", nargs="+", choices=DEPLOYMENTS, help="default: both; quick 1p1d"
+    )
     parser.add_argument("--connectors", nargs="+", choices=CONNECTORS)
     parser.add_argument(
         "--rates",
@@ -265,16 +336,21 @@ def main() -> None:
     parser.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     parser.add_argument("--slo-tpot-ms", type=float, default=250.0)
     parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--nixl-threads", type=int, default=NIXL_THREADS,
-                        help="NixlConnector's num_threads (UCX threads per instance)")  # fmt: skip
+    parser.add_argument(
+        "--nixl-threads",
+        type=int,
+        default=NIXL_THREADS,
+        help="NixlConnector's num_threads (UCX threads per instance)",
+    )
     options = parser.parse_args()
     # The quick form fits in about 7 minutes here: 2P2D's four servers share two cores, and a
     # run past NixlConnector's saturation drains for minutes.
     options.deployments = options.deployments or (["1p1d"] if options.quick else list(DEPLOYMENTS))
     options.prompts = options.prompts or (16 if options.quick else 96)
     options.input_len = options.input_len or (512 if options.quick else 1024)
-    connectors = list(options.connectors or (
-        ("kvbridge-nixl", "vllm-nixl") if options.quick else CONNECTORS))  # fmt: skip
+    connectors = list(
+        options.connectors or (("kvbridge-nixl", "vllm-nixl") if options.quick else CONNECTORS)
+    )
     if "kvbridge-mooncake" in connectors and importlib.util.find_spec("mooncake") is None:
         print("kvbridge-mooncake: Mooncake is not installed, skipped")
         connectors.remove("kvbridge-mooncake")
@@ -297,22 +373,36 @@ def main() -> None:
     summary = compare(rows)
     print("\n× best vLLM connector   deployment  rate   TTFT p50   p99   throughput")
     for line in summary:
-        print(f"{line['connector']:20} {line['deployment']:10} {line['rate']:6g} "
-              f"{line['ttft_p50_vs_best']:9.2f} {line['ttft_p99_vs_best']:5.2f} "
-              f"{line['throughput_vs_best']:10.2f}   ({line['best_vllm']})")  # fmt: skip
+        print(
+            f"{line['connector']:20} {line['deployment']:10} {line['rate']:6g} "
+            f"{line['ttft_p50_vs_best']:9.2f} {line['ttft_p99_vs_best']:5.2f} "
+            f"{line['throughput_vs_best']:10.2f}   ({line['best_vllm']})"
+        )
     document = {
-        "date": time.strftime("%Y-%m-%d"), "wall_s": round(time.monotonic() - began),
+        "date": time.strftime("%Y-%m-%d"),
+        "wall_s": round(time.monotonic() - began),
         "model": f"random Llama, {options.layers} layers, 8 KV heads × 128, float32, blocks of 32",
-        "workload": {"prompts": options.prompts, "input_len": options.input_len,
-                     "output_len": options.output_len, "prefix_len": options.prefix_len,
-                     "range_ratio": 0.25, "burstiness": 1, "seed": 0},
+        "workload": {
+            "prompts": options.prompts,
+            "input_len": options.input_len,
+            "output_len": options.output_len,
+            "prefix_len": options.prefix_len,
+            "range_ratio": 0.25,
+            "burstiness": 1,
+            "seed": 0,
+        },
         "slo": {"ttft_ms": options.slo_ttft_ms, "tpot_ms": options.slo_tpot_ms},
-        "rows": rows, "vs_best_vllm": summary, "failures": failures,
-    }  # fmt: skip
+        "rows": rows,
+        "vs_best_vllm": summary,
+        "failures": failures,
+    }
     (RESULTS / "vllm-serve.json").write_text(json.dumps(document, indent=2) + "\n")
     plotted = plot(rows, RESULTS / "vllm-serve.png")
-    print(f"wrote {RESULTS}/vllm-serve.json" + (" and vllm-serve.png" if plotted else "")
-          + f" in {document['wall_s']} s")  # fmt: skip
+    print(
+        f"wrote {RESULTS}/vllm-serve.json"
+        + (" and vllm-serve.png" if plotted else "")
+        + f" in {document['wall_s']} s"
+    )
     if failures:
         raise SystemExit("runs that did not finish:\n" + "\n".join(failures))
 

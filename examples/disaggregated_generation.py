@@ -56,14 +56,19 @@ def join_tp_group(rank: int, size: int, port: int) -> None:
         )
 
 
-def kv_args(cache: PagedCache, first_tokens: torch.Tensor, shape: Shape, rank: int,
-            tp: int) -> KVArgs:  # fmt: skip
+def kv_args(
+    cache: PagedCache, first_tokens: torch.Tensor, shape: Shape, rank: int, tp: int
+) -> KVArgs:
     """What kvbridge registers: the rank's KV pages, and one aux slot per request (the first
     generated token, int64)."""
     return KVArgs.from_torch(
-        cache.buffers, kv_layout=KVLayout.MHA, total_kv_heads=shape.kv_heads,
-        attn_tp_rank=rank, attn_tp_size=tp, aux=[first_tokens],
-    )  # fmt: skip
+        cache.buffers,
+        kv_layout=KVLayout.MHA,
+        total_kv_heads=shape.kv_heads,
+        attn_tp_rank=rank,
+        attn_tp_size=tp,
+        aux=[first_tokens],
+    )
 
 
 def wait_finished(rooms: list[Any]) -> None:
@@ -75,9 +80,15 @@ def wait_finished(rooms: list[Any]) -> None:
 
 
 def prefill_rank(
-    rank: int, tp: int, port: int, url: str, shape: Shape, prompts: list[torch.Tensor],
-    results: Any, decode_done: Event,
-) -> None:  # fmt: skip
+    rank: int,
+    tp: int,
+    port: int,
+    url: str,
+    shape: Shape,
+    prompts: list[torch.Tensor],
+    results: Any,
+    decode_done: Event,
+) -> None:
     from kvbridge.prefill import PrefillManager
 
     join_tp_group(rank, tp, port)
@@ -110,9 +121,13 @@ def prefill_rank(
 
 
 def received_kv_error(
-    shape: Shape, prompts: list[torch.Tensor], cache: PagedCache, request_pages: list[list[int]],
-    rank: int, tp: int,
-) -> float:  # fmt: skip
+    shape: Shape,
+    prompts: list[torch.Tensor],
+    cache: PagedCache,
+    request_pages: list[list[int]],
+    rank: int,
+    tp: int,
+) -> float:
     """The largest difference between the prompt K/V this rank received and its heads of the
     whole model's K/V (computed here): ~1e-7 (float32 rounding) when the bytes arrived right."""
     whole = make_weights(shape)
@@ -131,9 +146,15 @@ def received_kv_error(
 
 
 def decode_rank(
-    rank: int, tp: int, port: int, url: str, shape: Shape, prompts: list[torch.Tensor],
-    new_tokens: int, results: Any,
-) -> None:  # fmt: skip
+    rank: int,
+    tp: int,
+    port: int,
+    url: str,
+    shape: Shape,
+    prompts: list[torch.Tensor],
+    new_tokens: int,
+    results: Any,
+) -> None:
     from kvbridge.decode import DecodeManager
 
     join_tp_group(rank, tp, port)
@@ -165,9 +186,14 @@ def decode_rank(
                 tokens = [int(first_tokens[room, 0])]  # prefill's token, from the aux slot
                 for step in range(new_tokens - 1):
                     logits = forward(
-                        shape, weights, cache, request_pages[room],
-                        torch.tensor([tokens[-1]]), prompt.numel() + step, tp,
-                    )  # fmt: skip
+                        shape,
+                        weights,
+                        cache,
+                        request_pages[room],
+                        torch.tensor([tokens[-1]]),
+                        prompt.numel() + step,
+                        tp,
+                    )
                     tokens.append(int(logits.argmax()))
                 generated[room] = tokens
         results.put(("decode", rank, failures, generated, kv_error))
@@ -233,14 +259,18 @@ def run(prefill_tp: int, decode_tp: int, prompt_lengths: list[int], new_tokens: 
                 ok &= same
                 if rank == 0 or not same:
                     verdict = "identical" if same else f"DIFFERENT from {expected[room]}"
-                    print(f"request {room} ({prompts[room].numel()} prompt tokens), decode rank "
-                          f"{rank}: {tokens} — {verdict} to the single-process run")  # fmt: skip
+                    print(
+                        f"request {room} ({prompts[room].numel()} prompt tokens), decode rank "
+                        f"{rank}: {tokens} — {verdict} to the single-process run"
+                    )
     if len(reports) < len(processes):
         print(f"only {len(reports)} of {len(processes)} ranks reported")
     worst = max((r[4] for r in reports if r[0] == "decode"), default=float("nan"))
     verdict = "all tokens identical" if ok else "MISMATCH"
-    print(f"TP {prefill_tp}→{decode_tp}: {verdict}; received KV within {worst:.2g} of the "
-          "whole model's")  # fmt: skip
+    print(
+        f"TP {prefill_tp}→{decode_tp}: {verdict}; received KV within {worst:.2g} of the "
+        "whole model's"
+    )
     return ok
 
 
@@ -248,8 +278,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prefill-tp", type=int, default=1, choices=(1, 2, 4))
     parser.add_argument("--decode-tp", type=int, default=1, choices=(1, 2, 4))
-    parser.add_argument("--prompts", type=int, nargs="+", default=[37, 5, 64],
-                        help="prompt lengths, one request each")  # fmt: skip
+    parser.add_argument(
+        "--prompts",
+        type=int,
+        nargs="+",
+        default=[37, 5, 64],
+        help="prompt lengths, one request each",
+    )
     parser.add_argument("--new-tokens", type=int, default=12)
     options = parser.parse_args()
     ok = run(options.prefill_tp, options.decode_tp, options.prompts, options.new_tokens)

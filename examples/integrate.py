@@ -19,11 +19,16 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvbridge.cache import KVArgs
-from kvbridge.config import ManagerConfig
-from kvbridge.decode import DecodeManager, KVReceiver
-from kvbridge.prefill import KVSender, PrefillManager
-from kvbridge.wire import KVLayout, KVPoll
+from kvbridge import (
+    DecodeManager,
+    KVArgs,
+    KVLayout,
+    KVPoll,
+    KVReceiver,
+    KVSender,
+    ManagerConfig,
+    PrefillManager,
+)
 
 # A small Llama-like cache: 4 layers, 8 KV heads of 128, pages of 16 tokens.
 LAYERS, KV_HEADS, HEAD_DIM, PAGE_SIZE = 4, 8, 128, 16
@@ -49,9 +54,13 @@ def describe(kv: list[npt.NDArray[Any]], aux: npt.NDArray[np.uint8]) -> KVArgs:
     # attn_tp_rank/size: this rank within its attention-TP group (both groups have 1 here).
     # The arrays must stay allocated while the manager runs; KVArgs keeps them referenced.
     return KVArgs.from_numpy(
-        kv, kv_layout=KVLayout.MHA, total_kv_heads=KV_HEADS, attn_tp_rank=0, attn_tp_size=1,
+        kv,
+        kv_layout=KVLayout.MHA,
+        total_kv_heads=KV_HEADS,
+        attn_tp_rank=0,
+        attn_tp_size=1,
         aux=[aux],
-    )  # fmt: skip
+    )
 
 
 def wait(room: KVSender | KVReceiver) -> KVPoll:
@@ -104,11 +113,16 @@ def decode_rank(host: str, bootstrap_url: str, requests: int) -> int:
         for room, receiver in receivers.items():
             if wait(receiver) == KVPoll.Success:
                 source = np.arange(room * PAGES_PER_REQUEST, (room + 1) * PAGES_PER_REQUEST)
-                same = all(np.array_equal(got[placed[room]], want[source])
-                           for got, want in zip(kv, expected, strict=True))  # fmt: skip
+                same = all(
+                    np.array_equal(got[placed[room]], want[source])
+                    for got, want in zip(kv, expected, strict=True)
+                )
                 same = same and bool((aux[room % AUX_SLOTS] == room).all())
-                print(f"decode: room {room}: {PAGES_PER_REQUEST} pages "
-                      f"{'arrived intact' if same else 'DIFFER'}", flush=True)  # fmt: skip
+                print(
+                    f"decode: room {room}: {PAGES_PER_REQUEST} pages "
+                    f"{'arrived intact' if same else 'DIFFER'}",
+                    flush=True,
+                )
                 failures += not same
             else:
                 print(f"decode: room {room} failed: {receiver.failure_reason}", flush=True)
@@ -124,9 +138,12 @@ def decode_rank(host: str, bootstrap_url: str, requests: int) -> int:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=4)
-    parser.add_argument("--host", default="127.0.0.1",
-                        help="address both ranks bind and advertise (this host's, on the "
-                             "network between them; 127.0.0.1 when both run here)")  # fmt: skip
+    parser.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address both ranks bind and advertise (this host's, on the "
+        "network between them; 127.0.0.1 when both run here)",
+    )
     options = parser.parse_args()
     context = multiprocessing.get_context("spawn")
     url_queue = context.Queue()

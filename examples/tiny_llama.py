@@ -64,8 +64,16 @@ def make_weights(shape: Shape, tp_rank: int = 0, tp_size: int = 1) -> Weights:
         embed=normal(shape.vocab, shape.dim) * math.sqrt(shape.dim),
         lm_head=normal(shape.vocab, shape.dim),
         final_norm=1 + 0.1 * normal(shape.dim),
-        attn_norm=[], mlp_norm=[], wq=[], wk=[], wv=[], wo=[], w_gate=[], w_up=[], w_down=[],
-    )  # fmt: skip
+        attn_norm=[],
+        mlp_norm=[],
+        wq=[],
+        wk=[],
+        wv=[],
+        wo=[],
+        w_gate=[],
+        w_up=[],
+        w_down=[],
+    )
     for _ in range(shape.layers):
         weights.attn_norm.append(1 + 0.1 * normal(shape.dim))
         weights.mlp_norm.append(1 + 0.1 * normal(shape.dim))
@@ -104,9 +112,13 @@ class PagedCache:
         return table[positions // self.page_size], positions % self.page_size
 
     def write(
-        self, layer: int, pages: list[int], positions: torch.Tensor, k: torch.Tensor,
+        self,
+        layer: int,
+        pages: list[int],
+        positions: torch.Tensor,
+        k: torch.Tensor,
         v: torch.Tensor,
-    ) -> None:  # fmt: skip
+    ) -> None:
         page, offset = self.slots(pages, positions)
         self.k(layer)[page, offset] = k.to(torch.float32)
         self.v(layer)[page, offset] = v.to(torch.float32)
@@ -140,9 +152,14 @@ def _all_reduce(x: torch.Tensor, tp_size: int) -> torch.Tensor:
 
 
 def forward(
-    shape: Shape, weights: Weights, cache: PagedCache, pages: list[int], tokens: torch.Tensor,
-    start: int, tp_size: int = 1,
-) -> torch.Tensor:  # fmt: skip
+    shape: Shape,
+    weights: Weights,
+    cache: PagedCache,
+    pages: list[int],
+    tokens: torch.Tensor,
+    start: int,
+    tp_size: int = 1,
+) -> torch.Tensor:
     """Run `tokens` at positions start.. of a request whose KV lives in `pages` (their K and
     V are written there); the logits of the last token."""
     positions = torch.arange(start, start + tokens.numel())

@@ -20,8 +20,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 WHEELS = ROOT / ".whl"
 SITE = WHEELS / "site"
-PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_26_x86_64", "manylinux_2_17_x86_64",
-             "manylinux2014_x86_64")  # fmt: skip
+PLATFORMS = (
+    "manylinux_2_28_x86_64",
+    "manylinux_2_26_x86_64",
+    "manylinux_2_17_x86_64",
+    "manylinux2014_x86_64",
+)
 PACKAGES = ("pyzmq==27.3.0", "nvidia-cuda-runtime-cu12==12.9.79")
 KEPT_PLUGINS = ("libplugin_UCX.so", "libplugin_POSIX.so")
 # UCX modules kept: shared memory between processes and CUDA (copy and IPC). The InfiniBand
@@ -41,11 +45,25 @@ def download(requirements: list[str]) -> list[Path]:
     WHEELS.mkdir(exist_ok=True)
     platforms = [argument for platform in PLATFORMS for argument in ("--platform", platform)]
     subprocess.run(
-        [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
-         "--python-version", "3.12", "--implementation", "cp", *platforms, "-d", str(WHEELS),
-         *requirements],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--quiet",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--python-version",
+            "3.12",
+            "--implementation",
+            "cp",
+            *platforms,
+            "-d",
+            str(WHEELS),
+            *requirements,
+        ],
         check=True,
-    )  # fmt: skip
+    )
     # The pinned versions' wheels only (older downloads may lie beside them).
     prefixes = tuple(r.replace("-", "_").replace("==", "-").lower() + "-" for r in requirements)
     return [w for w in WHEELS.glob("*.whl") if w.name.lower().startswith(prefixes)]
@@ -79,8 +97,11 @@ def prune() -> None:
         for folder in (SITE / "nixl_cu12.libs", SITE / ".nixl_cu12.mesonpy.libs")
         for path in folder.glob("*.so*")
     }
-    roots = [*SITE.glob("nixl_cu12/*.so"), *SITE.glob("*nixl_cu12*/**/libplugin_*.so"),
-             *(SITE / "nixl_cu12.libs" / "ucx").glob("*.so*")]  # fmt: skip
+    roots = [
+        *SITE.glob("nixl_cu12/*.so"),
+        *SITE.glob("*nixl_cu12*/**/libplugin_*.so"),
+        *(SITE / "nixl_cu12.libs" / "ucx").glob("*.so*"),
+    ]
     reached: set[Path] = set()
     pending = list(roots)
     while pending:

@@ -43,15 +43,18 @@ SGLANG_SAMPLES = {
     "nixl-status": ("sglang-nixl", "KV_STATUS", None),
     "abort": ("sglang-mooncake", "ABORT with a generation (both backends)", "generation"),
     "abort-ack": ("sglang-mooncake", "ABORT_ACK with a generation (both backends)", "generation"),
-    "legacy-abort-ack": ("sglang-mooncake", "2-frame ABORT_ACK of a prefill without deferred "
-                         "release", None),
+    "legacy-abort-ack": (
+        "sglang-mooncake",
+        "2-frame ABORT_ACK of a prefill without deferred release",
+        None,
+    ),
     "chunk-ready": ("sglang-mooncake", "CHUNK_READY (both backends)", None),
     "aux-data": ("sglang-mooncake", "AUX_DATA (Mooncake)", None),
     "staging-req": ("sglang-mooncake", "STAGING_REQ with a pp rank (both backends)", "pp"),
     "staging-rsp": ("sglang-mooncake", "STAGING_RSP 'never fits' (both backends)", "never"),
     "watermark": ("sglang-mooncake", "WATERMARK (both backends)", None),
     "bootstrap": ("sglang-mooncake", "BOOTSTRAP (Mooncake, prefill_complete policy)", None),
-}  # fmt: skip
+}
 
 
 def _wanted(record: dict[str, Any], want: str | None) -> bool:
@@ -74,9 +77,25 @@ def sglang_samples() -> None:
         write(f"sglang-{kind}", frames, profile, f"sglang 0.5.23's own {what}")
     # The seed-era registration (18 frames, before frames 18-19), as older peers send it.
     seed_era = [
-        b"None", b"127.0.0.1", b"1234", b"session", pointer(0x1000), pointer(0x2000), b"",
-        b"0", b"1", b"128", b"", b"", b"", b"", pointer(0x3000), b"4096", b"4", b"2",
-    ]  # fmt: skip
+        b"None",
+        b"127.0.0.1",
+        b"1234",
+        b"session",
+        pointer(0x1000),
+        pointer(0x2000),
+        b"",
+        b"0",
+        b"1",
+        b"128",
+        b"",
+        b"",
+        b"",
+        b"",
+        pointer(0x3000),
+        b"4096",
+        b"4",
+        b"2",
+    ]
     write(
         "sglang-mooncake-registration-seed-era",
         seed_era,
@@ -91,16 +110,31 @@ def main() -> None:
     sglang_samples()
     layers, page_bytes = 32, 16 * 4 * 128 * 2
     registration = Registration(
-        peer_id="decode-0/tp1", host=DECODE_IP, control_port=17001, engine="nixl",
-        engine_descriptor=b"\x00agent-metadata", tp_rank=1, attn_tp_size=2, dcp_rank=0,
-        dcp_size=1, kv_layout=KVLayout.MHA, total_kv_heads=8, head_dim=128, dtype="bfloat16",
-        page_size=16, kv_layer_ids=list(range(layers)),
+        peer_id="decode-0/tp1",
+        host=DECODE_IP,
+        control_port=17001,
+        engine="nixl",
+        engine_descriptor=b"\x00agent-metadata",
+        tp_rank=1,
+        attn_tp_size=2,
+        dcp_rank=0,
+        dcp_size=1,
+        kv_layout=KVLayout.MHA,
+        total_kv_heads=8,
+        head_dim=128,
+        dtype="bfloat16",
+        page_size=16,
+        kv_layer_ids=list(range(layers)),
         kv_ptrs=[0x7F0000000000 + i * (1 << 30) for i in range(2 * layers)],
-        kv_item_lens=[page_bytes] * (2 * layers), kv_lengths=[page_bytes * 4096] * (2 * layers),
-        aux_ptrs=[0x7E0000000000], aux_item_lens=[64], aux_lengths=[64 * 4096],
-        staging_base_ptr=0x7D0000000000, staging_total_size=256 << 20,
+        kv_item_lens=[page_bytes] * (2 * layers),
+        kv_lengths=[page_bytes * 4096] * (2 * layers),
+        aux_ptrs=[0x7E0000000000],
+        aux_item_lens=[64],
+        aux_lengths=[64 * 4096],
+        staging_base_ptr=0x7D0000000000,
+        staging_total_size=256 << 20,
         capabilities=frozenset({"staging", "dcp"}),
-    )  # fmt: skip
+    )
     write(
         "native-registration",
         NATIVE.encode(registration),
@@ -108,10 +142,15 @@ def main() -> None:
         "kvbridge/1 registration of a Llama-3-8B-like decode rank (TP 2, 32 layers, page 16)",
     )
     transfer = TransferRequest(
-        room=42, peer_id="decode-0/tp1", is_dummy=False,
-        dst_kv_indices=np.arange(0, 512, 2, dtype=np.int32), dst_aux_index=7,
-        dst_state_indices=[], required_dst_info_num=1, decode_prefix_len=0,
-    )  # fmt: skip
+        room=42,
+        peer_id="decode-0/tp1",
+        is_dummy=False,
+        dst_kv_indices=np.arange(0, 512, 2, dtype=np.int32),
+        dst_aux_index=7,
+        dst_state_indices=[],
+        required_dst_info_num=1,
+        decode_prefix_len=0,
+    )
     write(
         "native-transfer-request",
         NATIVE.encode(transfer),

@@ -39,8 +39,6 @@ class ManagerConfig:
         ones move; enough for a room's chunks (which may go as one transfer) and one more.
         Rooms toward a peer are written oldest first, so they complete in the order they
         arrived.
-    keep_plans: prefill keeps every (room, peer, plan) it wrote, for benchmarks that replay
-        the identical blocks through the raw engine.
     staging: use the staging path when the TP sizes differ (decode registers a ring, prefill
         gathers each chunk into one write); off: every head slice is a separate block.
     staging_bytes: decode's ring, and prefill's local staging buffer, in bytes; a chunk that
@@ -67,7 +65,6 @@ class ManagerConfig:
     request_timeout_s: float = 300.0
     write_timeout_s: float = 60.0
     writes_in_flight: int = 4
-    keep_plans: bool = False
     staging: bool = True
     staging_bytes: int = DEFAULT_STAGING_BYTES
     staging_timeout_s: float = 30.0
@@ -96,5 +93,7 @@ class ManagerConfig:
         if self.exposed_without_secret:
             logger.warning(
                 "%s rank binds %s without a secret: anyone who can reach its ports is trusted "
-                "(set KVBRIDGE_SECRET or ManagerConfig.secret)", role, self.host,
-            )  # fmt: skip
+                "(set KVBRIDGE_SECRET or ManagerConfig.secret)",
+                role,
+                self.host,
+            )

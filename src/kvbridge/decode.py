@@ -153,8 +153,10 @@ class DecodeManager(RankManager):
         # Only DCP rank 0 of a decode rank sends the dummies (the prefill ranks count so).
         dummies = route.dummies if args.dcp_rank == 0 else ()
         decode_route = DecodeRoute(route.decode_rank, route.sources, dummies)
-        required = {rank: mapping.required_requests(rank, args.dcp_size)
-                    for rank in decode_route.prefill_ranks}  # fmt: skip
+        required = {
+            rank: mapping.required_requests(rank, args.dcp_size)
+            for rank in decode_route.prefill_ranks
+        }
         endpoints = {
             rank: self.ensure_registered(group[rank]) for rank in decode_route.prefill_ranks
         }
@@ -221,8 +223,9 @@ class DecodeManager(RankManager):
         with self.channel.sending_now(FIRST_SEND_WAIT_S):
             self._handle(RoomOpened(state, tuple(requests)))
 
-    def abort_room(self, status: RoomStatus, room: int, reason: str,
-                   endpoints: Sequence[str]) -> None:  # fmt: skip
+    def abort_room(
+        self, status: RoomStatus, room: int, reason: str, endpoints: Sequence[str]
+    ) -> None:
         self._handle(RoomAborted(room, status, reason, tuple(endpoints)))
 
     def pages_safe(self, room: int, status: RoomStatus) -> bool:
@@ -269,8 +272,11 @@ class DecodeManager(RankManager):
             try:
                 self._scatter(scatter)
             except Exception:  # a broken chunk fails its room, never this thread
-                log.exception("scatter of room %d chunk %d failed", scatter.ready.room,
-                              scatter.ready.chunk_idx)  # fmt: skip
+                log.exception(
+                    "scatter of room %d chunk %d failed",
+                    scatter.ready.room,
+                    scatter.ready.chunk_idx,
+                )
                 failed = True
             self._handle(ChunkScattered(scatter.ready, scatter.allocation, failed))
 
@@ -282,9 +288,13 @@ class DecodeManager(RankManager):
                 return
         args = self.kv_args
         rows = dst_token_rows(
-            ready.token_start, ready.token_count, scatter.dst_pages, args.page_size,
-            args.dcp_size, args.dcp_rank,
-        )  # fmt: skip
+            ready.token_start,
+            ready.token_count,
+            scatter.dst_pages,
+            args.page_size,
+            args.dcp_size,
+            args.dcp_rank,
+        )
         column, width = scatter.source.columns(args.head_bytes, "dst")
         started = time.perf_counter()
         ring.scatter(scatter.allocation.offset, scatter.allocation.end, rows, column, width)
@@ -391,8 +401,12 @@ class KVReceiver:
         self.manager.open_room(
             state, [(self._endpoints[rank], message) for rank, message in requests]
         )
-        log.debug("room %d: asked prefill rank(s) %s for %d page(s)", self.room,
-                  sorted(rank for rank, _ in requests), pages.size)  # fmt: skip
+        log.debug(
+            "room %d: asked prefill rank(s) %s for %d page(s)",
+            self.room,
+            sorted(rank for rank, _ in requests),
+            pages.size,
+        )
 
     # A status's failure kind and reason are set before its state reads Failed: the reads
     # below need no lock.

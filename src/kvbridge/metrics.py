@@ -72,26 +72,36 @@ class ManagerMetrics:
         self.registry = CollectorRegistry()
         labels = {"role": role, "rank": str(rank)}
         self.write_seconds = Histogram(
-            "kvbridge_write_seconds", "seconds per engine write", list(labels),
+            "kvbridge_write_seconds",
+            "seconds per engine write",
+            list(labels),
             registry=self.registry,
-        ).labels(**labels)  # fmt: skip
+        ).labels(**labels)
         self.write_blocks = Histogram(
-            "kvbridge_write_blocks", "blocks (descriptors) per engine write", list(labels),
-            buckets=(1, 8, 64, 512, 4096, 32768, 262144, 2097152), registry=self.registry,
-        ).labels(**labels)  # fmt: skip
-        self.bytes_written = Counter(
-            "kvbridge_written_bytes", "bytes written through the engine", list(labels),
+            "kvbridge_write_blocks",
+            "blocks (descriptors) per engine write",
+            list(labels),
+            buckets=(1, 8, 64, 512, 4096, 32768, 262144, 2097152),
             registry=self.registry,
-        ).labels(**labels)  # fmt: skip
+        ).labels(**labels)
+        self.bytes_written = Counter(
+            "kvbridge_written_bytes",
+            "bytes written through the engine",
+            list(labels),
+            registry=self.registry,
+        ).labels(**labels)
         self.registration_seconds = Gauge(
             "kvbridge_registration_seconds",
             "seconds spent registering this rank's memory with the engine (at start)",
-            list(labels), registry=self.registry,
-        ).labels(**labels)  # fmt: skip
+            list(labels),
+            registry=self.registry,
+        ).labels(**labels)
         self.registered_bytes = Gauge(
-            "kvbridge_registered_bytes", "bytes of memory registered with the engine",
-            list(labels), registry=self.registry,
-        ).labels(**labels)  # fmt: skip
+            "kvbridge_registered_bytes",
+            "bytes of memory registered with the engine",
+            list(labels),
+            registry=self.registry,
+        ).labels(**labels)
         self.registry.register(_SnapshotCollector(role, rank, snapshot))
         # Appended on the transfer thread, taken on the host's (deque ends are thread-safe);
         # None until a host asks (`keep_writes`).

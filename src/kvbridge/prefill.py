@@ -26,7 +26,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -67,6 +67,9 @@ from kvbridge.runtime import RankManager, RankRuntime
 from kvbridge.wire import FailureKind, KVPoll, Message
 
 log = logging.getLogger("kvbridge.prefill")
+
+# Told (room, engine peer, plan) of each write that ended, on the engine thread.
+WriteObserver = Callable[[int, str, TransferPlan], None]
 # How long the worker sleeps between polls of a write in flight. A polling loop that never
 # sleeps keeps the GIL: the process's other threads (the control channel sending statuses,
 # vLLM's engine step) then wait up to Python's 5 ms switch interval for each turn. Measured in
@@ -199,9 +202,9 @@ class PrefillManager(RankManager):
         self._connect_errors: dict[str, str] = {}
         # Time the engine thread spent in engine calls, and off a CPU in them (engine thread).
         self.engine_waits = EngineWaits()
-        # (room, engine peer, plan) of every write, kept with `keep_plans` (benchmarks).
-        self.written_plans: list[tuple[int, str, TransferPlan]] = []
-        # Address arrays of large plans, reused once their write ended (not with keep_plans).
+        # Told (room, engine peer, plan) of every write that ended (benchmarks replay them).
+        self._write_observers: list[WriteObserver] = []
+        # Address arrays of large plans, reused once their write ended (not while observed).
         self._plan_memory = PlanArena()
         self._to_prepare: queue.SimpleQueue[Write | Connect | _Wake | None] = queue.SimpleQueue()
         self._to_engine: queue.SimpleQueue[_Wake | None] = queue.SimpleQueue()
@@ -221,13 +224,14 @@ class PrefillManager(RankManager):
         self._last_handed: Write | None = None
         self._posting = threading.Event()
         self._threads = [
-            threading.Thread(target=self._run_preparer, name="kvbridge-prefill-prepare",
-                             daemon=True),
-            threading.Thread(target=self._run_engine, name="kvbridge-prefill-engine",
-                             daemon=True),
-            threading.Thread(target=self._run_reporter, name="kvbridge-prefill-report",
-                             daemon=True),
-        ]  # fmt: skip
+            threading.Thread(
+                target=self._run_preparer, name="kvbridge-prefill-prepare", daemon=True
+            ),
+            threading.Thread(target=self._run_engine, name="kvbridge-prefill-engine", daemon=True),
+            threading.Thread(
+                target=self._run_reporter, name="kvbridge-prefill-report", daemon=True
+            ),
+        ]
         self.bootstrap: BootstrapServer | None = None
         self._lease: LeaseRenewer | None = None
         for thread in self._threads:
@@ -245,9 +249,12 @@ class PrefillManager(RankManager):
                 self.rank, kv_args.attn_tp_size, config.host, self.channel.port, config.engine
             )
             lease_s = register_prefill(
-                self.bootstrap_url, rank, timeout_s=config.bootstrap_timeout_s,
-                secret=config.secret, wait_out_conflicts=True,
-            )  # fmt: skip
+                self.bootstrap_url,
+                rank,
+                timeout_s=config.bootstrap_timeout_s,
+                secret=config.secret,
+                wait_out_conflicts=True,
+            )
             self._lease = LeaseRenewer(self.bootstrap_url, rank, lease_s, config.secret)
         except BaseException:
             self.close()  # no thread, socket or registration left behind
@@ -286,9 +293,15 @@ class PrefillManager(RankManager):
         state = self.protocol.rooms.get(room)
         return state.status if state is not None else None
 
-    def room_pages_free(self, room: int) -> bool:
+    def pages_safe(self, room: int) -> bool:
         with self._lock:
-            return self.protocol.pages_free(room)
+            return self.protocol.pages_safe(room)
+
+    def observe_writes(self, observer: WriteObserver) -> None:
+        """Tell `observer` the plan of every write that ends from now on (benchmarks replay
+        them through the raw engine). An observed plan's memory is never reused, so observe
+        before the first write and only where the plans are wanted."""
+        self._write_observers.append(observer)
 
     # --- control thread --------------------------------------------------------------------
 
@@ -301,15 +314,23 @@ class PrefillManager(RankManager):
         write = self._last_handed
         # Only for a write that can go now: one that waits for its lease waits for the answer
         # to a heartbeat, which this thread receives.
-        if (idle and write is not handed and write is not None
-                and self._lease_problem(write.job.peer_id) is None):  # fmt: skip
+        if (
+            idle
+            and write is not handed
+            and write is not None
+            and self._lease_problem(write.job.peer_id) is None
+        ):
             self._posting.wait(FIRST_POST_WAIT_S)
 
     def _engine_idle(self) -> bool:
         """Whether nothing is on its way to the engine or moving (read without the locks that
         guard these: a wrong answer costs at most one `FIRST_POST_WAIT_S`)."""
-        return (self._transfers_out == 0 and self._next is None and not self._ready
-                and self._to_prepare.empty())  # fmt: skip
+        return (
+            self._transfers_out == 0
+            and self._next is None
+            and not self._ready
+            and self._to_prepare.empty()
+        )
 
     def _on_tick(self) -> bool:
         self._handle(Tick())
@@ -394,8 +415,7 @@ class PrefillManager(RankManager):
             assert self._staging is not None
             staged = write.staged
             started = time.perf_counter()
-            self._staging.gather(staged.src_rows, staged.column, staged.width,
-                                 staged.local_offset)  # fmt: skip
+            self._staging.gather(staged.src_rows, staged.column, staged.width, staged.local_offset)
             self.stats.gather_s += time.perf_counter() - started
             staging_ptr = self._staging.ptr
         started = time.perf_counter()
@@ -476,8 +496,11 @@ class PrefillManager(RankManager):
                 "to waiting for the GIL or a CPU, not to moving data: another thread of this "
                 "process keeps the GIL (one that never blocks holds it for the switch interval, "
                 "%.1f ms now: sys.setswitchinterval), or the host's CPUs are all busy",
-                self.rank, share * 100, WINDOW_S, sys.getswitchinterval() * 1e3,
-            )  # fmt: skip
+                self.rank,
+                share * 100,
+                WINDOW_S,
+                sys.getswitchinterval() * 1e3,
+            )
 
     # --- reporting thread: ended writes into the protocol ----------------------------------
 
@@ -554,8 +577,16 @@ class PrefillManager(RankManager):
             self._release(starting.writes, starting.plan)
             self._to_report.put([(prepared.write, exc, False) for prepared in starting.writes])
             return []
-        return [_Posted(starting.writes, starting.plan, starting.engine_peer, handle, started,
-                        starting.completing)]  # fmt: skip
+        return [
+            _Posted(
+                starting.writes,
+                starting.plan,
+                starting.engine_peer,
+                handle,
+                started,
+                starting.completing,
+            )
+        ]
 
     def _release(self, group: list[_Prepared], plan: TransferPlan, reuse: bool = True) -> None:
         """These plans are done with: their memory may serve the next ones (unless a
@@ -563,7 +594,7 @@ class PrefillManager(RankManager):
         moves writes on its own: its memory is only forgotten, never reused."""
         plans = [prepared.plan for prepared in group] + ([plan] if len(group) > 1 else [])
         for done in plans:
-            if reuse and not self.config.keep_plans:
+            if reuse and not self._write_observers:
                 self._plan_memory.give_back(done)
             else:
                 self._plan_memory.forget(done)
@@ -598,15 +629,18 @@ class PrefillManager(RankManager):
             self.stats.write_s += elapsed
             self.stats.blocks_written += blocks
             self.metrics.observe_write(elapsed, blocks, nbytes)
-            log.debug("room(s) %s: %d block(s), %d bytes to %s in %.2f ms",
-                      ", ".join(str(p.write.room) for p in item.writes), blocks, nbytes,
-                      peer_id, elapsed * 1e3)  # fmt: skip
+            log.debug(
+                "room(s) %s: %d block(s), %d bytes to %s in %.2f ms",
+                ", ".join(str(p.write.room) for p in item.writes),
+                blocks,
+                nbytes,
+                peer_id,
+                elapsed * 1e3,
+            )
             self._release(item.writes, item.plan)
             for prepared in item.writes:
-                if self.config.keep_plans:
-                    self.written_plans.append(
-                        (prepared.write.room, item.engine_peer, prepared.plan)
-                    )
+                for observer in self._write_observers:
+                    observer(prepared.write.room, item.engine_peer, prepared.plan)
                 ended.append((prepared.write, None, prepared.write is item.completing))
         return still, ended
 
@@ -664,10 +698,10 @@ class KVSender:
         return status.failure_kind if status is not None else FailureKind.UNKNOWN
 
     @property
-    def pages_free(self) -> bool:
+    def pages_safe(self) -> bool:
         """Whether the room's pages can go back to the allocator: the room ended and no write
         of it is in flight (an engine may read them until then)."""
-        return self.manager.room_pages_free(self.room)
+        return self.manager.pages_safe(self.room)
 
     @property
     def asked(self) -> bool:

@@ -44,17 +44,23 @@ class RankRuntime:
         self.config = config
         config.warn_if_exposed(logging.getLogger(f"kvbridge.{role}"), role)
         self.engine: TransferEngine = create_engine(
-            config.engine, f"{role}-{self.rank}-{uuid.uuid4().hex[:8]}", config.host,
+            config.engine,
+            f"{role}-{self.rank}-{uuid.uuid4().hex[:8]}",
+            config.host,
             config.engine_options,
-        )  # fmt: skip
+        )
         # Prefill gathers staged chunks into this buffer; decode's is the ring prefill writes.
         self.staging: StagingBuffer | None = None
         if config.staging:
             try:
                 self.staging = open_staging(kv_args, config.staging_bytes, config.staging_kernels)
             except StagingUnavailable as exc:
-                log.warning("%s rank %d: no staging buffer, chunks go token by token: %s",
-                            role, self.rank, exc)  # fmt: skip
+                log.warning(
+                    "%s rank %d: no staging buffer, chunks go token by token: %s",
+                    role,
+                    self.rank,
+                    exc,
+                )
         self.lock = threading.Lock()
         # Set whenever a room may have ended or its pages come free: what an owner waiting for
         # that waits on (a vLLM engine step with nothing to compute); may be set spuriously.
@@ -79,8 +85,10 @@ class RankRuntime:
         server. `execute_own` carries out the actions only this side has; `side_counters`
         (called under the lock) adds the side's own counters to the metrics."""
         self._protocol, self._execute_own, self._side_counters = (
-            protocol, execute_own, side_counters,
-        )  # fmt: skip
+            protocol,
+            execute_own,
+            side_counters,
+        )
         self.channel.start()
         if self.config.metrics_port is not None:
             self.metrics.serve(self.config.host, self.config.metrics_port)
@@ -131,8 +139,15 @@ class RankRuntime:
         self.registration_s += seconds
         total = sum(region.length for region in regions)
         self.metrics.observe_registration(self.registration_s, total)
-        log.info("%s rank %d: registered %d region(s), %.2f GiB, with %s in %.3f s", self.role,
-                 self.rank, len(regions), total / 2**30, self.engine.name, seconds)  # fmt: skip
+        log.info(
+            "%s rank %d: registered %d region(s), %.2f GiB, with %s in %.3f s",
+            self.role,
+            self.rank,
+            len(regions),
+            total / 2**30,
+            self.engine.name,
+            seconds,
+        )
 
     def watch(self, thread: threading.Thread) -> None:
         """A thread of the manager that must stay alive for the rank to be healthy."""

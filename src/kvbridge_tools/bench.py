@@ -165,11 +165,18 @@ def demo_config(
     """The demo run of a cell, with requests scaled to the preset and the memory budget; or
     why the cell cannot run on this machine."""
     config = DemoConfig(
-        model=cell.model, tokens=cell.tokens, page_size=cell.page_size,
-        prefill_tp=cell.prefill_tp, decode_tp=cell.decode_tp, engine=cell.engine,
-        requests=1, measure_raw=True, decode_pool_factor=1.0, timeout_s=600.0,
+        model=cell.model,
+        tokens=cell.tokens,
+        page_size=cell.page_size,
+        prefill_tp=cell.prefill_tp,
+        decode_tp=cell.decode_tp,
+        engine=cell.engine,
+        requests=1,
+        measure_raw=True,
+        decode_pool_factor=1.0,
+        timeout_s=600.0,
         log_level=log_level,
-    )  # fmt: skip
+    )
     per_request = cell.tokens * config.shape.bytes_per_token()  # one full copy of the cache
     # Both groups hold a copy; a replicated (MLA) cache is held by every rank.
     copies = 2 if config.shape.kv_layout == KVLayout.MHA else cell.prefill_tp + cell.decode_tp
@@ -233,8 +240,17 @@ def json_in_private_netns(arguments: list[str], python: str = sys.executable) ->
     listeners, is measured without touching the host's network. The namespace has no name
     (`unshare --net`): it ends with the last process in it, so a run that is killed leaves
     none behind (named ones, deleted in a `finally`, outlived a SIGTERM)."""
-    command = ["unshare", "--net", "--", "sh", "-c", 'ip link set lo up && exec "$@"',
-               "kvbridge-private-netns", python, *arguments]  # fmt: skip
+    command = [
+        "unshare",
+        "--net",
+        "--",
+        "sh",
+        "-c",
+        'ip link set lo up && exec "$@"',
+        "kvbridge-private-netns",
+        python,
+        *arguments,
+    ]
     output = subprocess.run(command, check=True, capture_output=True, text=True).stdout
     return json.loads(output.strip().splitlines()[-1])
 
@@ -307,8 +323,11 @@ def plot(rows: list[CellResult], path: Path) -> None:
         return
     plain = FuncFormatter(lambda value, _: f"{value:g}")
     equal = [r for r in every if r.cell.prefill_tp == r.cell.decode_tp]
-    page = 16 if any(r.cell.page_size == 16 for r in equal) else (
-        equal[0].cell.page_size if equal else 0)  # fmt: skip
+    page = (
+        16
+        if any(r.cell.page_size == 16 for r in equal)
+        else (equal[0].cell.page_size if equal else 0)
+    )
     measured = [r for r in equal if r.cell.page_size == page]
     models = sorted({r.cell.model for r in measured}) or ["-"]
     figure = plt.figure(figsize=(max(10, 5 * len(models)), 13))
@@ -325,10 +344,17 @@ def plot(rows: list[CellResult], path: Path) -> None:
                 continue
             lengths = [r.cell.tokens for r in line]
             lengths_seen.update(lengths)
-            drawn = top.plot(lengths, [r.kvbridge_gbps for r in line], "o-",
-                             label=f"kvbridge ({engine})")  # fmt: skip
-            top.plot(lengths, [r.raw_gbps for r in line], "s--", color=drawn[0].get_color(),
-                     alpha=0.6, label=f"raw {engine}, same blocks")  # fmt: skip
+            drawn = top.plot(
+                lengths, [r.kvbridge_gbps for r in line], "o-", label=f"kvbridge ({engine})"
+            )
+            top.plot(
+                lengths,
+                [r.raw_gbps for r in line],
+                "s--",
+                color=drawn[0].get_color(),
+                alpha=0.6,
+                label=f"raw {engine}, same blocks",
+            )
         top.set_xscale("log", base=2)
         top.xaxis.set_major_locator(FixedLocator(sorted(lengths_seen)))
         top.xaxis.set_minor_locator(NullLocator())
@@ -349,8 +375,13 @@ def plot(rows: list[CellResult], path: Path) -> None:
             if len(row.latencies_ms) >= MIN_BOX_SAMPLES:
                 middle.boxplot([row.latencies_ms], positions=[position], widths=0.5)
             else:  # too few for a distribution: the samples themselves
-                middle.plot([position] * len(row.latencies_ms), row.latencies_ms, "o",
-                            color="tab:blue", alpha=0.7)  # fmt: skip
+                middle.plot(
+                    [position] * len(row.latencies_ms),
+                    row.latencies_ms,
+                    "o",
+                    color="tab:blue",
+                    alpha=0.7,
+                )
         middle.set_xticks(range(1, len(cells_drawn) + 1))
         middle.set_xticklabels(
             [f"{r.cell.engine}\n{r.cell.tokens}\n({len(r.latencies_ms)} req)" for r in cells_drawn],
@@ -360,8 +391,9 @@ def plot(rows: list[CellResult], path: Path) -> None:
         if samples and max(samples) > 20 * min(samples):  # spans decades: log, plain numbers
             middle.set_yscale("log")
             middle.yaxis.set_major_formatter(plain)
-            middle.yaxis.set_minor_formatter(FuncFormatter(
-                lambda value, _: f"{value:g}" if f"{value:.0e}"[0] in "25" else ""))  # fmt: skip
+            middle.yaxis.set_minor_formatter(
+                FuncFormatter(lambda value, _: f"{value:g}" if f"{value:.0e}"[0] in "25" else "")
+            )
         else:
             middle.set_ylim(bottom=0, top=max(samples, default=1) * 1.1)
         middle.set_ylabel("per-request latency, ms")
@@ -374,10 +406,16 @@ def plot(rows: list[CellResult], path: Path) -> None:
         for r in every
     ]
     positions = range(len(every))
-    bottom.bar([p - 0.2 for p in positions], [r.kvbridge_gbps for r in every], 0.4,
-               label="kvbridge")  # fmt: skip
-    bottom.bar([p + 0.2 for p in positions], [r.raw_gbps for r in every], 0.4, alpha=0.6,
-               label="raw engine, same blocks")  # fmt: skip
+    bottom.bar(
+        [p - 0.2 for p in positions], [r.kvbridge_gbps for r in every], 0.4, label="kvbridge"
+    )
+    bottom.bar(
+        [p + 0.2 for p in positions],
+        [r.raw_gbps for r in every],
+        0.4,
+        alpha=0.6,
+        label="raw engine, same blocks",
+    )
     bottom.set_xticks(list(positions))
     bottom.set_xticklabels(labels, rotation=60, ha="right", fontsize=7)
     bottom.set_ylabel("GB/s (10^9 B/s)")
@@ -412,9 +450,20 @@ def write_json(rows: list[CellResult], preset_name: str, path: Path) -> None:
 
 
 MARKDOWN_COLUMNS = (
-    "engine", "model", "tokens", "page", "TP", "requests", "kvbridge GB/s", "raw GB/s", "ratio",
-    "p50 / p99 ms", "descriptors / request", "plan ms / request", "control CPU ms / request",
-)  # fmt: skip
+    "engine",
+    "model",
+    "tokens",
+    "page",
+    "TP",
+    "requests",
+    "kvbridge GB/s",
+    "raw GB/s",
+    "ratio",
+    "p50 / p99 ms",
+    "descriptors / request",
+    "plan ms / request",
+    "control CPU ms / request",
+)
 
 
 def markdown(rows: list[CellResult]) -> str:
@@ -422,18 +471,27 @@ def markdown(rows: list[CellResult]) -> str:
     lines = ["| " + " | ".join(MARKDOWN_COLUMNS) + " |", "|" + "---|" * len(MARKDOWN_COLUMNS)]
     for row in rows:
         cell = row.cell
-        head = [cell.engine, cell.model, str(cell.tokens), str(cell.page_size),
-                f"{cell.prefill_tp}→{cell.decode_tp}"]  # fmt: skip
+        head = [
+            cell.engine,
+            cell.model,
+            str(cell.tokens),
+            str(cell.page_size),
+            f"{cell.prefill_tp}→{cell.decode_tp}",
+        ]
         if row.skipped or row.error:
             rest = [f"skipped: {row.skipped}" if row.skipped else f"failed: {row.error}"]
             rest += [""] * (len(MARKDOWN_COLUMNS) - len(head) - 1)
         else:
             rest = [
-                str(row.requests), f"{row.kvbridge_gbps:.2f}", f"{row.raw_gbps:.2f}",
+                str(row.requests),
+                f"{row.kvbridge_gbps:.2f}",
+                f"{row.raw_gbps:.2f}",
                 f"{row.ratio:.2f}" if row.ratio is not None else "-",
-                f"{row.p50_ms:.0f} / {row.p99_ms:.0f}", f"{row.descriptors_per_request:g}",
-                f"{row.plan_ms_per_request:.2f}", f"{row.control_cpu_ms_per_request:.1f}",
-            ]  # fmt: skip
+                f"{row.p50_ms:.0f} / {row.p99_ms:.0f}",
+                f"{row.descriptors_per_request:g}",
+                f"{row.plan_ms_per_request:.2f}",
+                f"{row.control_cpu_ms_per_request:.1f}",
+            ]
         lines.append("| " + " | ".join(head + rest) + " |")
     return "\n".join(lines) + "\n"
 

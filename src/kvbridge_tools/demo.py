@@ -137,14 +137,13 @@ class DemoConfig:
         return MODELS[self.model]
 
     def manager_config(self, bootstrap_url: str, host: str) -> ManagerConfig:
-        """Either side's manager settings (only prefill keeps its plans: the raw replay). Torch
-        memory gets torch staging kernels: forced on CPU tensors, chosen by `auto` on a GPU."""
+        """Either side's manager settings. Torch memory gets torch staging kernels: forced on
+        CPU tensors, chosen by `auto` on a GPU."""
         return ManagerConfig(
             host=host,
             engine=self.engine,
             engine_options=dict(self.engine_options),
             bootstrap_url=bootstrap_url,
-            keep_plans=self.measure_raw,
             staging=self.staging,
             staging_kernels="torch" if self.memory == "torch-cpu" else "auto",
         )
@@ -216,8 +215,10 @@ class DemoConfig:
             if not torch.cuda.is_available():
                 raise DemoConfigError("--memory cuda needs a CUDA GPU; torch sees none here")
         if self.prefill_switch_interval_s is not None and self.prefill_switch_interval_s <= 0:
-            raise DemoConfigError("the prefill switch interval must be a positive number of "
-                                  f"seconds, not {self.prefill_switch_interval_s}")  # fmt: skip
+            raise DemoConfigError(
+                "the prefill switch interval must be a positive number of "
+                f"seconds, not {self.prefill_switch_interval_s}"
+            )
         needed, available = self.memory_needed(), available_memory()
         if needed > available:
             raise DemoConfigError(
@@ -371,9 +372,12 @@ def allocate_rank(config: DemoConfig, rank: int, tp: int, pool_pages: int) -> Ra
     if config.with_state:
         state = np.zeros((config.requests, STATE_ROWS // tp, STATE_ROW_BYTES), dtype=np.uint8)
     geometry: dict[str, Any] = dict(
-        kv_layout=shape.kv_layout, total_kv_heads=shape.kv_heads, attn_tp_rank=rank,
-        attn_tp_size=tp, state_dims=[STATE_ROWS // tp] if state is not None else [],
-    )  # fmt: skip
+        kv_layout=shape.kv_layout,
+        total_kv_heads=shape.kv_heads,
+        attn_tp_rank=rank,
+        attn_tp_size=tp,
+        state_dims=[STATE_ROWS // tp] if state is not None else [],
+    )
     if config.memory == "host":
         args = KVArgs.from_numpy(
             kv, aux=[aux], state=[state] if state is not None else [], **geometry
@@ -388,8 +392,9 @@ def allocate_rank(config: DemoConfig, rank: int, tp: int, pool_pages: int) -> Ra
         device_tensors = []
     else:
         kv_tensors = [torch.zeros(array.shape, dtype=torch.bfloat16, device="cuda") for array in kv]
-        slot_tensors = [torch.zeros(array.shape, dtype=torch.uint8, device="cuda")
-                        for array in slots]  # fmt: skip
+        slot_tensors = [
+            torch.zeros(array.shape, dtype=torch.uint8, device="cuda") for array in slots
+        ]
         device_tensors = [*kv_tensors, *slot_tensors]
     args = KVArgs.from_torch(kv_tensors, aux=slot_tensors[:1], state=slot_tensors[1:], **geometry)
     return RankMemory(kv, aux, state, args, device_tensors)
@@ -427,6 +432,9 @@ def run_prefill(
         kv, aux, state, args = memory.kv, memory.aux, memory.state, memory.args
         heads = rank_head_range(config, rank, tp)
         manager = PrefillManager(args, config.manager_config(bootstrap_url, config.prefill_host))
+        written: list[tuple[int, str, TransferPlan]] = []
+        if config.measure_raw:  # the raw replay rewrites the blocks kvbridge wrote
+            manager.observe_writes(lambda room, peer, plan: written.append((room, peer, plan)))
         report.transport = manager.engine.transport
         for room in range(config.requests):
             pages = np.arange(room * pages_per_request, (room + 1) * pages_per_request)
@@ -444,8 +452,9 @@ def run_prefill(
         if config.prefill_switch_interval_s is not None:
             sys.setswitchinterval(config.prefill_switch_interval_s)
         if config.prefill_busy_loop:
-            threading.Thread(target=_busy_loop, args=(stop_busy_loop,), name="demo-busy-loop",
-                             daemon=True).start()  # fmt: skip
+            threading.Thread(
+                target=_busy_loop, args=(stop_busy_loop,), name="demo-busy-loop", daemon=True
+            ).start()
         events.filled[rank].set()
         active = []
         for room in range(config.rooms):
@@ -465,7 +474,7 @@ def run_prefill(
             if config.measure_raw and wait_all(events.warmed, config.timeout_s):
                 rooms = range(config.requests, config.rooms)
                 report.raw_seconds_before, warmup_bytes, _ = _replay_raw(
-                    manager, config, events, rooms
+                    manager, written, config, events, rooms
                 )
             events.replayed[rank].set()
         _wait_for_rooms(manager, timed, deadline)
@@ -477,19 +486,25 @@ def run_prefill(
         report.staging_fallbacks = manager.stats.staging_fallbacks
         report.blocks_written = manager.stats.blocks_written
         stats = manager.stats
-        report.timings = {"staging_wait_s": stats.staging_wait_s, "gather_s": stats.gather_s,
-                          "plan_s": stats.plan_s, "write_s": stats.write_s,
-                          "control_cpu_s": manager.channel.stats.cpu_seconds,
-                          "engine_call_s": manager.engine_waits.busy_s,
-                          "engine_call_wait_s": manager.engine_waits.waited_s}  # fmt: skip
+        report.timings = {
+            "staging_wait_s": stats.staging_wait_s,
+            "gather_s": stats.gather_s,
+            "plan_s": stats.plan_s,
+            "write_s": stats.write_s,
+            "control_cpu_s": manager.channel.stats.cpu_seconds,
+            "engine_call_s": manager.engine_waits.busy_s,
+            "engine_call_wait_s": manager.engine_waits.waited_s,
+        }
         report.ok = not report.failed_rooms
         if config.measure_raw and report.ok and wait_all(events.verified, config.timeout_s):
             report.raw_seconds, report.raw_bytes, report.raw_blocks = _replay_raw(
-                manager, config, events, range(config.requests)
+                manager, written, config, events, range(config.requests)
             )
             if report.raw_seconds_before and warmup_bytes != report.raw_bytes:
-                raise RuntimeError(f"the warm-up batch wrote {warmup_bytes} bytes, the timed "
-                                   f"batch {report.raw_bytes}: not the same blocks")  # fmt: skip
+                raise RuntimeError(
+                    f"the warm-up batch wrote {warmup_bytes} bytes, the timed "
+                    f"batch {report.raw_bytes}: not the same blocks"
+                )
     except Exception as exc:
         report.error = f"{type(exc).__name__}: {exc}"
     finally:
@@ -539,13 +554,17 @@ def _wait_for_rooms(manager: Any, senders: list[Any], deadline: float) -> None:
 
 
 def _replay_raw(
-    manager: Any, config: DemoConfig, events: DemoEvents, rooms: range
+    manager: Any,
+    observed: list[tuple[int, str, TransferPlan]],
+    config: DemoConfig,
+    events: DemoEvents,
+    rooms: range,
 ) -> tuple[dict[str, float], int, int]:
     """The blocks kvbridge wrote for `rooms`, through the engine alone, in every way of
     `RAW_STRATEGIES`: (seconds of each way, bytes, blocks). Called once decode has verified
     what kvbridge delivered (the replays rewrite the same bytes); the prefill ranks start
-    each way together."""
-    written = [(peer, plan) for room, peer, plan in manager.written_plans if room in rooms]
+    each way together. `observed`: (room, engine peer, plan) of every write that ended."""
+    written = [(peer, plan) for room, peer, plan in observed if room in rooms]
     by_peer: dict[str, list[TransferPlan]] = {}
     for peer, plan in written:
         by_peer.setdefault(peer, []).append(plan)
@@ -692,8 +711,10 @@ def run_decode(
             report.warmup_done_at = time.monotonic()
         timed = range(config.requests)
         if memory.holds_data([pages_of(room)[0] for room in timed]):
-            raise RuntimeError("decode's pages hold data before the timed batch: its bytes "
-                               "could not be told from what was there")  # fmt: skip
+            raise RuntimeError(
+                "decode's pages hold data before the timed batch: its bytes "
+                "could not be told from what was there"
+            )
         events.timed_start.wait(config.timeout_s)
         report.timed_started_at = time.monotonic()
         started = time.perf_counter()
@@ -707,8 +728,10 @@ def run_decode(
                 report.latencies_ms.append((done[room] - sent_at[room]) * 1e3)
                 report.bytes += tokens * args.token_bytes * len(kv) + AUX_BYTES
         report.rooms = len(timed)
-        report.timings = {"scatter_s": manager.stats.scatter_s,
-                          "control_cpu_s": manager.channel.stats.cpu_seconds}  # fmt: skip
+        report.timings = {
+            "scatter_s": manager.stats.scatter_s,
+            "control_cpu_s": manager.channel.stats.cpu_seconds,
+        }
         report.ok = not report.failed_rooms and not report.mismatched_rooms
     except Exception as exc:
         report.error = f"{type(exc).__name__}: {exc}"
@@ -754,22 +777,32 @@ class DemoResult:
         config = self.config
         return {
             "ok": self.ok,
-            "model": config.model, "requests": config.requests, "tokens": config.tokens,
-            "page_size": config.page_size, "prefill_tp": config.prefill_tp,
-            "decode_tp": config.decode_tp, "dcp": config.dcp, "engine": config.engine,
+            "model": config.model,
+            "requests": config.requests,
+            "tokens": config.tokens,
+            "page_size": config.page_size,
+            "prefill_tp": config.prefill_tp,
+            "decode_tp": config.decode_tp,
+            "dcp": config.dcp,
+            "engine": config.engine,
             "transport": sorted({r.transport for r in self.reports if r.transport}),
-            "requests_verified": self.requests_verified, "bytes": self.total_bytes,
-            "gbps": round(self.gbps, 3), "p50_ms": round(self.latency_ms(0.5), 1),
+            "requests_verified": self.requests_verified,
+            "bytes": self.total_bytes,
+            "gbps": round(self.gbps, 3),
+            "p50_ms": round(self.latency_ms(0.5), 1),
             "p99_ms": round(self.latency_ms(0.99), 1),
             "failures": [
                 {"role": r.role, "rank": r.rank, "room": room, "reason": why}
-                for r in self.reports for room, why in sorted(r.failed_rooms.items())
-            ] + [
+                for r in self.reports
+                for room, why in sorted(r.failed_rooms.items())
+            ]
+            + [
                 {"role": r.role, "rank": r.rank, "room": None, "reason": r.error}
-                for r in self.reports if r.error
+                for r in self.reports
+                if r.error
             ],
             "mismatched_rooms": sorted({room for r in self.reports for room in r.mismatched_rooms}),
-        }  # fmt: skip
+        }
 
     @property
     def gbps(self) -> float:
@@ -799,8 +832,10 @@ class DemoResult:
             return before
         if when == "after":
             return after
-        return {name: (before[name] + gbps) / 2 if name in before else gbps
-                for name, gbps in after.items()}  # fmt: skip
+        return {
+            name: (before[name] + gbps) / 2 if name in before else gbps
+            for name, gbps in after.items()
+        }
 
     @property
     def raw_gbps(self) -> float:

@@ -99,8 +99,7 @@ def host_away(ip: str = "192.168.232.1", local_ip: str = "192.168.232.2") -> Ite
     finally:
         # Gone with the namespace, unless a process still holds the namespace: then the
         # link's route would outlive it and catch the next run's traffic.
-        subprocess.run(["ip", "link", "delete", away.local_link], check=False,
-                       capture_output=True)  # fmt: skip
+        subprocess.run(["ip", "link", "delete", away.local_link], check=False, capture_output=True)
 
 
 @contextmanager
@@ -161,5 +160,6 @@ def enter(namespace: str) -> None:
     with open(f"/var/run/netns/{namespace}") as handle:
         if libc.setns(handle.fileno(), CLONE_NEWNET) != 0:
             error = ctypes.get_errno()
-            raise NetnsUnavailable(f"cannot enter network namespace {namespace}: "
-                                   f"{os.strerror(error)}")  # fmt: skip
+            raise NetnsUnavailable(
+                f"cannot enter network namespace {namespace}: {os.strerror(error)}"
+            )

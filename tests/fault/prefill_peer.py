@@ -98,8 +98,9 @@ def main() -> None:
         second.send([6, 7], last=True)
         finish(second, 2)
     elif mode == "slow":
-        config = ManagerConfig(engine="nixl", run_bootstrap=True, heartbeat_interval_s=0.1,
-                               peer_timeout_s=1.0)  # fmt: skip
+        config = ManagerConfig(
+            engine="nixl", run_bootstrap=True, heartbeat_interval_s=0.1, peer_timeout_s=1.0
+        )
         prefill = PrefillManager(cache.args, config)
         say(bootstrap=prefill.bootstrap_url)
         sys.stdin.readline()
@@ -116,8 +117,11 @@ def main() -> None:
         config = ManagerConfig(engine="nixl", run_bootstrap=True, secret=secret, metrics_port=0)
         prefill = PrefillManager(cache.args, config)
         assert prefill.metrics.port is not None
-        say(bootstrap=prefill.bootstrap_url, control=prefill.channel.endpoint,
-            metrics=prefill.metrics.port)  # fmt: skip
+        say(
+            bootstrap=prefill.bootstrap_url,
+            control=prefill.channel.endpoint,
+            metrics=prefill.metrics.port,
+        )
         sender = prefill.sender(6)
         sender.send([2, 3], last=True)
         finish(sender, 6)

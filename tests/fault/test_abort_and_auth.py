@@ -119,9 +119,13 @@ def test_with_a_secret_forged_and_replayed_messages_are_refused(
     # An intruder registers its own memory as a decode peer: no tag, so refused unread.
     intruder = rank_cache(num_pages=16, seed=None, **GEOMETRY)
     forged = registration_for(
-        intruder.args, peer_id="intruder", host="127.0.0.1", control_port=1,
-        engine="nixl", engine_descriptor=b"not an agent",
-    )  # fmt: skip
+        intruder.args,
+        peer_id="intruder",
+        host="127.0.0.1",
+        control_port=1,
+        engine="nixl",
+        engine_descriptor=b"not an agent",
+    )
     signed = NATIVE.encode(Heartbeat("decode-0@tcp://127.0.0.1:1", 1, 1000), secret=secret)
     context = zmq.Context()
     push = context.socket(zmq.PUSH)
@@ -136,10 +140,12 @@ def test_with_a_secret_forged_and_replayed_messages_are_refused(
         context.term()
     # Writing to the bootstrap service needs the token.
     put = urllib.request.Request(
-        f"{said['bootstrap']}/prefill", method="PUT",
-        data=json.dumps({"rank": 0, "attn_tp_size": 1, "host": "127.0.0.1", "port": 1,
-                         "engine": "nixl"}).encode(),
-    )  # fmt: skip
+        f"{said['bootstrap']}/prefill",
+        method="PUT",
+        data=json.dumps(
+            {"rank": 0, "attn_tp_size": 1, "host": "127.0.0.1", "port": 1, "engine": "nixl"}
+        ).encode(),
+    )
     with pytest.raises(urllib.error.HTTPError) as refused:
         urllib.request.urlopen(put, timeout=5)
     assert refused.value.code == 401

@@ -102,12 +102,28 @@ def test_forged_registrations_are_refused_and_nothing_is_written() -> None:
     try:
         page = src.args.page_bytes
         honest = Registration(
-            peer_id="forger", host="127.0.0.1", control_port=1, engine=ENGINE,
-            engine_descriptor=b"loopback-x", tp_rank=0, attn_tp_size=1, dcp_rank=0, dcp_size=1,
-            kv_layout=KVLayout.MHA, total_kv_heads=2, head_dim=8, dtype="bfloat16",
-            page_size=4, kv_layer_ids=[0, 1], kv_ptrs=[0x1000] * 4, kv_item_lens=[page] * 4,
-            kv_lengths=[page * 16] * 4, aux_ptrs=[], aux_item_lens=[], aux_lengths=[],
-        )  # fmt: skip
+            peer_id="forger",
+            host="127.0.0.1",
+            control_port=1,
+            engine=ENGINE,
+            engine_descriptor=b"loopback-x",
+            tp_rank=0,
+            attn_tp_size=1,
+            dcp_rank=0,
+            dcp_size=1,
+            kv_layout=KVLayout.MHA,
+            total_kv_heads=2,
+            head_dim=8,
+            dtype="bfloat16",
+            page_size=4,
+            kv_layer_ids=[0, 1],
+            kv_ptrs=[0x1000] * 4,
+            kv_item_lens=[page] * 4,
+            kv_lengths=[page * 16] * 4,
+            aux_ptrs=[],
+            aux_item_lens=[],
+            aux_lengths=[],
+        )
         frames = NATIVE.encode(honest)
         # The encoder refuses a forged one, so swap forged pointers into honest frames.
         index = NATIVE.layout_for(Registration).frame_index("kv_ptrs")

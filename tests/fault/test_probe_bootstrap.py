@@ -34,8 +34,10 @@ def start(secret: str | None = None) -> tuple[subprocess.Popen[str], str]:
         env["KVBRIDGE_SECRET"] = secret
     process = subprocess.Popen(
         [sys.executable, "-m", "kvbridge", "bootstrap", "--port", "0"],
-        stdout=subprocess.PIPE, text=True, env=env,
-    )  # fmt: skip
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     assert process.stdout is not None
     url = process.stdout.readline().split()[-1]
     return process, url
@@ -84,8 +86,10 @@ def test_half_open_connections_neither_grow_threads_nor_stop_the_service(service
     for client in clients:
         client.close()
     assert call(f"{url}/health")[0] == 503
-    print(f"{HALF_OPEN} half-open clients: /health in {answered_s:.2f} s, "
-          f"{threads(process)} threads (idle {idle})")  # fmt: skip
+    print(
+        f"{HALF_OPEN} half-open clients: /health in {answered_s:.2f} s, "
+        f"{threads(process)} threads (idle {idle})"
+    )
     process.send_signal(signal.SIGTERM)
     assert process.wait(15) == 0
 

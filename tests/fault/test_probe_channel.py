@@ -96,10 +96,18 @@ def test_hostile_messages_are_counted_and_both_channels_keep_serving() -> None:
         sender.clear()
         before = prefill.channel.stats.received
         subprocess.run(
-            [sys.executable, "-c", ATTACKER, prefill.channel.endpoint, decode.channel.endpoint,
-             decode.channel.host, str(decode.channel.port)],
-            check=True, timeout=120,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-c",
+                ATTACKER,
+                prefill.channel.endpoint,
+                decode.channel.endpoint,
+                decode.channel.host,
+                str(decode.channel.port),
+            ],
+            check=True,
+            timeout=120,
+        )
         wait_for(lambda: prefill.channel.stats.received >= before + 2 + 2 * ENDPOINTS, 60)
         wait_for(lambda: decode.stats.ignored >= 1, 10)
         # The wildcard abort and registration are malformed (frame and field named, dropped);
@@ -239,8 +247,11 @@ def test_a_frame_over_the_limit_is_refused_before_it_is_held_and_the_channel_ser
     the channel keeps serving others. With no limit the same frame arrives whole (received,
     then dropped as malformed) — what a frame of many GB would do to a rank's memory."""
     channel, peer, got = limited_pair.channel, limited_pair.peer, limited_pair.got
-    subprocess.run([sys.executable, "-c", OVERSIZED, channel.endpoint, str(64 * FRAME_LIMIT)],
-                   check=True, timeout=60)  # fmt: skip
+    subprocess.run(
+        [sys.executable, "-c", OVERSIZED, channel.endpoint, str(64 * FRAME_LIMIT)],
+        check=True,
+        timeout=60,
+    )
     peer.send(channel.endpoint, Heartbeat(peer.endpoint, 2, 1000))
     wait_for(lambda: len(got) == 1, 10)
     assert channel.stats.received == 1  # the heartbeat; the oversized message never came

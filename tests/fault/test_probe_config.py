@@ -116,8 +116,11 @@ def test_impossible_demo_configurations_are_refused_at_once_in_words() -> None:
         started = time.monotonic()
         done = subprocess.run(
             [sys.executable, "-m", "kvbridge", "demo", *args],
-            capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "200"},
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "COLUMNS": "200"},
+        )
         assert done.returncode == 2, (args, done.stdout, done.stderr)
         assert reason in done.stderr, (args, done.stderr)
         assert "Traceback" not in done.stderr

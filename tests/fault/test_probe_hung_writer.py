@@ -49,14 +49,19 @@ def said(process: subprocess.Popen[str], key: str) -> dict[str, Any]:
 
 def test_a_stopped_writer_cannot_write_into_pages_decode_handed_back() -> None:
     child = subprocess.Popen(
-        [sys.executable, str(PEER), "slow"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        [sys.executable, str(PEER), "slow"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
         text=True,
-    )  # fmt: skip
+    )
     dst = rank_cache(num_pages=len(ROOMS) * CHUNKS, seed=None, **GEOMETRY)
     config = ManagerConfig(
-        engine="nixl", bootstrap_url=said(child, "bootstrap")["bootstrap"],
-        heartbeat_interval_s=0.1, peer_timeout_s=1.0, transfer_timeout_s=60,
-    )  # fmt: skip
+        engine="nixl",
+        bootstrap_url=said(child, "bootstrap")["bootstrap"],
+        heartbeat_interval_s=0.1,
+        peer_timeout_s=1.0,
+        transfer_timeout_s=60,
+    )
     decode = DecodeManager(dst.args, config)
     try:
         pages = {room: np.arange(i * CHUNKS, (i + 1) * CHUNKS) for i, room in enumerate(ROOMS)}
@@ -85,8 +90,9 @@ def test_a_stopped_writer_cannot_write_into_pages_decode_handed_back() -> None:
         assert all("silent for" in str(r.failure_reason) for r in receivers.values())
         wait_for(lambda: all(r.pages_safe for r in receivers.values()), 10)
         safe_s = time.monotonic() - stopped
-        print(f"stopped writer: rooms failed after {failed_s:.2f} s, pages safe after "
-              f"{safe_s:.2f} s")  # fmt: skip
+        print(
+            f"stopped writer: rooms failed after {failed_s:.2f} s, pages safe after {safe_s:.2f} s"
+        )
         for buffer in dst.kv:  # hand the pages back: a marker in every byte
             buffer[...] = MARKER
         child.send_signal(signal.SIGCONT)

@@ -85,13 +85,18 @@ def as_torch(cache: RankCache) -> RankCache:
     tensors = [torch.from_numpy(array).view(torch.bfloat16) for array in cache.kv]
     args = cache.args
     torch_args = KVArgs.from_torch(
-        tensors, kv_layout=args.kv_layout, layer_ids=args.layer_ids,
-        total_kv_heads=args.total_kv_heads, attn_tp_rank=args.attn_tp_rank,
+        tensors,
+        kv_layout=args.kv_layout,
+        layer_ids=args.layer_ids,
+        total_kv_heads=args.total_kv_heads,
+        attn_tp_rank=args.attn_tp_rank,
         attn_tp_size=args.attn_tp_size,
-    )  # fmt: skip
+    )
     # Aux and state stay as the numpy arrays describe them.
     args = dataclasses.replace(
-        torch_args, aux_buffers=args.aux_buffers, state_buffers=args.state_buffers,
+        torch_args,
+        aux_buffers=args.aux_buffers,
+        state_buffers=args.state_buffers,
         state_dims=args.state_dims,
-    )  # fmt: skip
+    )
     return RankCache(cache.kv, cache.aux, cache.state, args)

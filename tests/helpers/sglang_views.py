@@ -66,10 +66,14 @@ def sglang_view(kind: str, message: Message, hint: dict[str, Any]) -> Any:
     if isinstance(message, mooncake.KVArgsRegisterInfo):
         view = fields_of(message, "staging_slot_layer_ids")
         view["staging"] = (
-            {"base_ptr": message.staging_base_ptr, "total_size": message.staging_total_size,
-             "slot_layer_ids": message.staging_slot_layer_ids}
-            if message.staging_registered else None
-        )  # fmt: skip
+            {
+                "base_ptr": message.staging_base_ptr,
+                "total_size": message.staging_total_size,
+                "slot_layer_ids": message.staging_slot_layer_ids,
+            }
+            if message.staging_registered
+            else None
+        )
         return view
     if isinstance(message, mooncake.TransferInfo):
         return fields_of(message) | {"is_dummy": message.is_dummy, "staging": None}
@@ -78,27 +82,45 @@ def sglang_view(kind: str, message: Message, hint: dict[str, Any]) -> Any:
     if isinstance(message, nixl.TransferInfo):
         return fields_of(message, "dummy_rank") | {"is_dummy": message.is_dummy, "staging": None}
     if isinstance(message, TransferStatus):
-        return {"room": message.room, "status": int(message.status),
-                "prefill_rank": message.prefill_rank, "reason": message.reason or None}  # fmt: skip
+        return {
+            "room": message.room,
+            "status": int(message.status),
+            "prefill_rank": message.prefill_rank,
+            "reason": message.reason or None,
+        }
     if isinstance(message, common.AbortNotification):
         address = message.ack_address
-        return {"room": message.room, "decode_ip": address and address[0],
-                "decode_port": address and address[1],
-                "generation": message.generation if address else None}  # fmt: skip
+        return {
+            "room": message.room,
+            "decode_ip": address and address[0],
+            "decode_port": address and address[1],
+            "generation": message.generation if address else None,
+        }
     if isinstance(message, common.AbortAck):
         return None if message.prefill_rank is None else fields_of(message)
     if isinstance(message, ChunkReady):
-        return {"room": message.room, "chunk_idx": message.chunk_idx,
-                "page_start": message.page_start, "num_pages": message.num_pages,
-                "writer_id": message.session_id}  # fmt: skip
+        return {
+            "room": message.room,
+            "chunk_idx": message.chunk_idx,
+            "page_start": message.page_start,
+            "num_pages": message.num_pages,
+            "writer_id": message.session_id,
+        }
     if isinstance(message, common.AuxData):
-        return {"buffer_index": message.buffer_index, "aux_index": message.aux_index,
-                "data": message.data.hex()}  # fmt: skip
+        return {
+            "buffer_index": message.buffer_index,
+            "aux_index": message.aux_index,
+            "data": message.data.hex(),
+        }
     if isinstance(message, StagingRequest):
         pp = message.requester_pp_rank
-        return {"room": message.room, "chunk_idx": message.chunk_idx,
-                "chunk_num_pages": message.chunk_num_pages, "session_id": message.session_id,
-                "answered_pp_ranks": [0, 1, 2, 3] if pp is None else [pp]}  # fmt: skip
+        return {
+            "room": message.room,
+            "chunk_idx": message.chunk_idx,
+            "chunk_num_pages": message.chunk_num_pages,
+            "session_id": message.session_id,
+            "answered_pp_ranks": [0, 1, 2, 3] if pp is None else [pp],
+        }
     if isinstance(message, StagingResponse):
         if (message.room, message.session_id) != (hint["room"], hint["session_id"]):
             return None
@@ -136,7 +158,9 @@ def expected_message(kind: str, inputs: dict[str, Any], parsed: Any) -> Message:
     if kind == "mooncake-transfer-info":
         dummy = inputs["is_dummy"]
         return mooncake.TransferInfo(
-            room=inputs["room"], endpoint=LOCAL_IP, dst_port=RANK_PORT,
+            room=inputs["room"],
+            endpoint=LOCAL_IP,
+            dst_port=RANK_PORT,
             mooncake_session_id=SESSION,
             dst_kv_indices=_indices([] if dummy else inputs["kv_indices"]),
             dst_aux_index=None if dummy else inputs["aux_index"],
@@ -144,24 +168,29 @@ def expected_message(kind: str, inputs: dict[str, Any], parsed: Any) -> Message:
             required_dst_info_num=inputs["required_dst_info_num"],
             decode_prefix_len=inputs["decode_prefix_len"] or 0,
             dst_device_kv_indices=None if dummy else _indices(inputs.get("device_kv_indices")),
-        )  # fmt: skip
+        )
     if kind == "nixl-transfer-info":
         dummy = inputs["is_dummy"]
         states = inputs["state_indices"]
         return nixl.TransferInfo(
-            room=inputs["room"], endpoint=LOCAL_IP, dst_port=RANK_PORT,
+            room=inputs["room"],
+            endpoint=LOCAL_IP,
+            dst_port=RANK_PORT,
             agent_name=inputs["agent_name"],
             dst_kv_indices=_indices([] if dummy else inputs["kv_indices"]),
             dst_aux_index=inputs["aux_index"],
             required_dst_info_num=inputs["required_dst_info_num"],
             dst_state_indices=[] if dummy or states is None else states,
-            decode_prefix_len=inputs["decode_prefix_len"] or 0, dummy_rank=dummy,
-        )  # fmt: skip
+            decode_prefix_len=inputs["decode_prefix_len"] or 0,
+            dummy_rank=dummy,
+        )
     if kind in ("mooncake-status", "nixl-status"):
         return TransferStatus(
-            inputs["room"], KVPoll(inputs["status"]), inputs["prefill_rank"],
+            inputs["room"],
+            KVPoll(inputs["status"]),
+            inputs["prefill_rank"],
             inputs["reason"] or "",
-        )  # fmt: skip
+        )
     if kind == "abort":
         return common.AbortNotification(**inputs)
     if kind == "abort-ack":
@@ -170,26 +199,39 @@ def expected_message(kind: str, inputs: dict[str, Any], parsed: Any) -> Message:
         return common.AbortAck(inputs["room"])
     if kind == "chunk-ready":
         return ChunkReady(
-            inputs["room"], inputs["chunk_idx"], inputs["page_start"], inputs["num_pages"],
-            inputs["writer_id"], inputs["prefill_rank"],
-        )  # fmt: skip
+            inputs["room"],
+            inputs["chunk_idx"],
+            inputs["page_start"],
+            inputs["num_pages"],
+            inputs["writer_id"],
+            inputs["prefill_rank"],
+        )
     if kind == "aux-data":
         return common.AuxData.of(
-            inputs["room"], inputs["buffer_index"], inputs["aux_index"],
+            inputs["room"],
+            inputs["buffer_index"],
+            inputs["aux_index"],
             bytes.fromhex(inputs["data"]),
-        )  # fmt: skip
+        )
     if kind == "staging-req":
         return StagingRequest(
-            parsed["room"], parsed["chunk_idx"], parsed["chunk_num_pages"],
-            parsed["session_id"], requester_pp_rank=inputs["pp_rank"],
-        )  # fmt: skip
+            parsed["room"],
+            parsed["chunk_idx"],
+            parsed["chunk_num_pages"],
+            parsed["session_id"],
+            requester_pp_rank=inputs["pp_rank"],
+        )
     if kind == "staging-rsp":
         never = inputs["never_fits"]
         offset, round_ = (-2, 0) if never else (inputs["offset"], inputs["round"])
         return StagingResponse(
-            inputs["room"], inputs["chunk_idx"], offset, round_,
-            -1 if never else offset + 4096, inputs["session_id"],
-        )  # fmt: skip
+            inputs["room"],
+            inputs["chunk_idx"],
+            offset,
+            round_,
+            -1 if never else offset + 4096,
+            inputs["session_id"],
+        )
     if kind == "watermark":
         return Watermark(inputs["round"], inputs["tail"], inputs["session_id"])
     if kind == "bootstrap":

@@ -13,8 +13,13 @@ import torch  # type: ignore[import-not-found,unused-ignore]
 
 from kvbridge.staging import torch_kernels, triton_kernels
 
-CASES = [(64, 16, 32, 40, 7), (1024, 512, 512, 300, 257), (30, 5, 3, 50, 33),
-         (12, 4, 6, 20, 20), (40000, 8, 39992, 6, 4)]  # fmt: skip
+CASES = [
+    (64, 16, 32, 40, 7),
+    (1024, 512, 512, 300, 257),
+    (30, 5, 3, 50, 33),
+    (12, 4, 6, 20, 20),
+    (40000, 8, 39992, 6, 4),
+]
 BUFFERS = 5
 
 
@@ -22,8 +27,10 @@ def main() -> None:
     torch.manual_seed(0)
     triton_kernels.warm_up(torch.device("cpu"))  # what registration does on a GPU
     for row_bytes, column, width, buffer_rows, copied in CASES:
-        views = [torch.randint(0, 256, (buffer_rows, row_bytes), dtype=torch.uint8)
-                 for _ in range(BUFFERS)]  # fmt: skip
+        views = [
+            torch.randint(0, 256, (buffer_rows, row_bytes), dtype=torch.uint8)
+            for _ in range(BUFFERS)
+        ]
         rows = torch.randperm(buffer_rows)[:copied]
         size = BUFFERS * copied * width
         expected, staged_bytes = (

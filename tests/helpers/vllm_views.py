@@ -21,17 +21,29 @@ LAYOUTS = {
 
 
 def layer_views(
-    layers: int, blocks: int, heads: int, tokens: int, content: int, dtype: torch.dtype,
-    layout: str, device: str = "cpu", first_layer: int = 0,
-) -> dict[str, torch.Tensor]:  # fmt: skip
+    layers: int,
+    blocks: int,
+    heads: int,
+    tokens: int,
+    content: int,
+    dtype: torch.dtype,
+    layout: str,
+    device: str = "cpu",
+    first_layer: int = 0,
+) -> dict[str, torch.Tensor]:
     """What `register_kv_caches` gets for one KV cache group: per layer a
     ``[blocks, heads, tokens, content]`` view of one int8 allocation, laid out as `layout`
     (vLLM's `create_kv_cache_views`), filled with distinct random bytes."""
     order = LAYOUTS[layout]
     size = torch.empty((), dtype=dtype).element_size()
     logical = (layers, blocks, heads, tokens, content * size)
-    raw = torch.randint(-128, 128, (layers * blocks * heads * tokens * content * size,),
-                        dtype=torch.int8, device=device)  # fmt: skip
+    raw = torch.randint(
+        -128,
+        128,
+        (layers * blocks * heads * tokens * content * size,),
+        dtype=torch.int8,
+        device=device,
+    )
     physical = raw.view(*[logical[axis] for axis in order])
     pool = physical.permute(*[order.index(axis) for axis in range(5)])
     return {
@@ -44,8 +56,9 @@ def execute(plan: TransferPlan, src: KVArgs, dst: KVArgs) -> None:
     """Copy every block of `plan` from `src`'s registered memory to `dst`'s, through torch
     byte views of the tensors both keep alive (so CUDA memory works too)."""
     src_memory, dst_memory = _memory(src), _memory(dst)
-    for src_addr, dst_addr, length in zip(plan.src.tolist(), plan.dst.tolist(),
-                                          plan.length.tolist(), strict=True):  # fmt: skip
+    for src_addr, dst_addr, length in zip(
+        plan.src.tolist(), plan.dst.tolist(), plan.length.tolist(), strict=True
+    ):
         source = _slice(src_memory, int(src_addr), int(length))
         _slice(dst_memory, int(dst_addr), int(length)).copy_(source)
 

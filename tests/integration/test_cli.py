@@ -72,9 +72,15 @@ def test_inspect_names_the_bad_frame_and_exits_1(tmp_path: Path) -> None:
 def test_inspect_reads_stdin_and_honours_profile_and_type() -> None:
     frames, _ = load_frames(samples.sample_bytes("sglang-nixl-registration"))
     result = kvbridge(
-        "inspect", "--file", "-", "--profile", "sglang-nixl", "--type", "KVArgsRegisterInfo",
+        "inspect",
+        "--file",
+        "-",
+        "--profile",
+        "sglang-nixl",
+        "--type",
+        "KVArgsRegisterInfo",
         stdin=dump_binary(frames),
-    )  # fmt: skip
+    )
     assert result.returncode == 0, result.stderr
     assert "b'NixlMsgGuard' stripped" in result.stdout
     assert "24 frames: the sglang 0.5.23 layout" in result.stdout
@@ -113,18 +119,36 @@ def test_protocol_doc_check_fails_on_a_stale_file(tmp_path: Path) -> None:
 def test_demo_counts_requests_fits_80_columns_and_prints_json() -> None:
     env = {**os.environ, "COLUMNS": "80"}
     table = subprocess.run(
-        [sys.executable, "-m", "kvbridge", "demo", "-n", "2", "-l", "64", "--prefill-tp", "2",
-         "--decode-tp", "4"],
-        capture_output=True, text=True, timeout=120, env=env,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "kvbridge",
+            "demo",
+            "-n",
+            "2",
+            "-l",
+            "64",
+            "--prefill-tp",
+            "2",
+            "--decode-tp",
+            "4",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert table.returncode == 0, table.stdout + table.stderr
     assert max(len(line) for line in table.stdout.splitlines()) <= 80
     assert "2/2" in table.stdout  # requests, not rooms × decode ranks
     assert "2 requests × 64 tokens" in table.stdout
     one = subprocess.run(
         [sys.executable, "-m", "kvbridge", "demo", "-n", "1", "-l", "64", "--json"],
-        capture_output=True, text=True, timeout=120, env=env,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert one.returncode == 0, one.stderr
     summary = json.loads(one.stdout)
     assert summary["ok"] is True

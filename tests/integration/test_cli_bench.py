@@ -16,11 +16,25 @@ require_engine()
 def bench(output: Path, columns: int, *extra: str) -> subprocess.CompletedProcess[str]:
     """`kvbridge bench --preset smoke` on the test engine, in a terminal `columns` wide."""
     return subprocess.run(
-        [sys.executable, "-m", "kvbridge", "bench", "--preset", "smoke", "--engine", ENGINE,
-         "--output", str(output), *extra],
-        capture_output=True, text=True, timeout=240, cwd=ROOT,
+        [
+            sys.executable,
+            "-m",
+            "kvbridge",
+            "bench",
+            "--preset",
+            "smoke",
+            "--engine",
+            ENGINE,
+            "--output",
+            str(output),
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=ROOT,
         env={"COLUMNS": str(columns), "PATH": "/usr/bin:/bin"},
-    )  # fmt: skip
+    )
 
 
 def test_bench_measures_each_cell_and_writes_json_and_plots(tmp_path: Path) -> None:

@@ -19,9 +19,12 @@ def kvbridge(*args: str, user: str | None = None) -> subprocess.CompletedProcess
     if user is not None:
         command = ["setpriv", "--reuid", user, "--regid", user, "--clear-groups", *command]
     return subprocess.run(
-        command, capture_output=True, text=True, timeout=60,
+        command,
+        capture_output=True,
+        text=True,
+        timeout=60,
         env={**os.environ, "COLUMNS": "200"},
-    )  # fmt: skip
+    )
 
 
 def said_once(done: subprocess.CompletedProcess[str], status: int, *words: str) -> None:
@@ -48,8 +51,10 @@ def test_a_bad_host() -> None:
     said_once(kvbridge("bootstrap", "--host", "not a host"), 2, "--host", "not an IP address")
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,
-                    reason="needs root to run the command as another user")  # fmt: skip
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("setpriv") is None,
+    reason="needs root to run the command as another user",
+)
 def test_a_privileged_port_as_a_normal_user() -> None:
     said_once(kvbridge("bootstrap", "--port", "1", user="65534"), 1, "1024")
 
@@ -57,8 +62,12 @@ def test_a_privileged_port_as_a_normal_user() -> None:
 def test_an_unwritable_bench_output_is_refused_before_the_run(tmp_path: Path) -> None:
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    said_once(kvbridge("bench", "--preset", "smoke", "--output", str(blocker / "results")),
-              2, "--output", "cannot write")  # fmt: skip
+    said_once(
+        kvbridge("bench", "--preset", "smoke", "--output", str(blocker / "results")),
+        2,
+        "--output",
+        "cannot write",
+    )
 
 
 def test_verbose_after_the_command_gets_a_hint() -> None:
@@ -95,11 +104,19 @@ def test_every_option_has_help_and_every_command_an_example() -> None:
 
 
 def test_an_engine_option_the_engine_does_not_have() -> None:
-    said_once(kvbridge("demo", "--engine-option", "progres_thread=on"), 2,
-              "--engine-option for nixl", "no option 'progres_thread'",
-              "(its options: progress_thread)")  # fmt: skip
-    said_once(kvbridge("demo", "--engine-option", "progress_thread=maybe"), 2,
-              "progress_thread='maybe'", "off, on")  # fmt: skip
+    said_once(
+        kvbridge("demo", "--engine-option", "progres_thread=on"),
+        2,
+        "--engine-option for nixl",
+        "no option 'progres_thread'",
+        "(its options: progress_thread)",
+    )
+    said_once(
+        kvbridge("demo", "--engine-option", "progress_thread=maybe"),
+        2,
+        "progress_thread='maybe'",
+        "off, on",
+    )
 
 
 def test_an_engine_option_without_a_value() -> None:

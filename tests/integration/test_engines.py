@@ -85,8 +85,10 @@ def test_mooncake_batches_stay_within_its_per_peer_queue(
     reason = unavailable_reason("mooncake")
     if reason is not None:
         pytest.skip(f"mooncake cannot be used here: {reason}")
-    limits = {"MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": "16",
-              "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER": "16"}  # fmt: skip
+    limits = {
+        "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": "16",
+        "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER": "16",
+    }
     report = scattered_write("mooncake", private_netns, tmp_path, peers, limits)
     assert report["blocks"] == 40 * 6
     assert report["batch_blocks"] == 16 // default_submit_threads()
@@ -96,13 +98,18 @@ def test_mooncake_refuses_batches_beyond_its_per_peer_queue(private_netns: list[
     reason = unavailable_reason("mooncake")
     if reason is not None:
         pytest.skip(f"mooncake cannot be used here: {reason}")
-    code = ("from kvbridge.engines import create_engine\n"
-            "create_engine('mooncake', 'x', options={'batch_blocks': '1024', "
-            "'submit_threads': '2'})")  # fmt: skip
+    code = (
+        "from kvbridge.engines import create_engine\n"
+        "create_engine('mooncake', 'x', options={'batch_blocks': '1024', "
+        "'submit_threads': '2'})"
+    )
     result = subprocess.run(
-        [*private_netns, sys.executable, "-c", code], capture_output=True, text=True,
-        timeout=TIMEOUT_S, env={**os.environ, "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": "1024"},
-    )  # fmt: skip
+        [*private_netns, sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        env={**os.environ, "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": "1024"},
+    )
     assert result.returncode != 0
     assert (
         "2 submit thread(s) × batches of 1024 blocks exceed Mooncake's TCP queue of 1024 blocks "

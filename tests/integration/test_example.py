@@ -20,10 +20,23 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "disaggregated_gene
 @pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 2), (2, 1), (1, 2)])
 def test_disaggregated_tokens_equal_a_single_process_run(prefill_tp: int, decode_tp: int) -> None:
     result = subprocess.run(
-        [sys.executable, str(EXAMPLE), "--prefill-tp", str(prefill_tp),
-         "--decode-tp", str(decode_tp), "--prompts", "37", "5", "--new-tokens", "8"],
-        capture_output=True, text=True, timeout=240,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(EXAMPLE),
+            "--prefill-tp",
+            str(prefill_tp),
+            "--decode-tp",
+            str(decode_tp),
+            "--prompts",
+            "37",
+            "5",
+            "--new-tokens",
+            "8",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     assert result.stdout.count("identical to the single-process run") == 2
     summary = result.stdout.strip().splitlines()[-1]

@@ -37,9 +37,15 @@ from kvbridge.wire.native import NativeProfile
 
 require_engine()
 GEOMETRY = dict(
-    layer_ids=(0, 1), page_size=4, total_kv_heads=2, head_dim=8,
-    aux_slots=4, aux_item_bytes=(32,), state_slots=3, state_item_bytes=(128, 16),
-)  # fmt: skip
+    layer_ids=(0, 1),
+    page_size=4,
+    total_kv_heads=2,
+    head_dim=8,
+    aux_slots=4,
+    aux_item_bytes=(32,),
+    state_slots=3,
+    state_item_bytes=(128, 16),
+)
 
 
 @contextmanager
@@ -65,8 +71,10 @@ def move_from_groups(
 ) -> None:
     """One prefill group (bootstrap service) per source and one decode rank; per group one
     room: (room, source pages, decode pages). Every room must succeed."""
-    prefills = [PrefillManager(src.args, ManagerConfig(engine=ENGINE, run_bootstrap=True))
-                for src in sources]  # fmt: skip
+    prefills = [
+        PrefillManager(src.args, ManagerConfig(engine=ENGINE, run_bootstrap=True))
+        for src in sources
+    ]
     decode = DecodeManager(dst.args, ManagerConfig(engine=ENGINE))
     try:
         ends: list[KVSender | KVReceiver] = []
@@ -115,10 +123,17 @@ def test_each_pipeline_stage_writes_its_layers_into_one_decode_rank() -> None:
     opens a room with each stage; every layer arrives from the stage that holds it."""
     from kvbridge.integrations.vllm_requests import stage_room
 
-    geometry = {**GEOMETRY, "aux_slots": 0, "aux_item_bytes": (), "state_slots": 0,
-                "state_item_bytes": ()}  # fmt: skip
-    stages = [rank_cache(num_pages=16, seed=20 + s, **{**geometry, "layer_ids": layers})
-              for s, layers in enumerate([(0, 1), (2, 3)])]  # fmt: skip
+    geometry = {
+        **GEOMETRY,
+        "aux_slots": 0,
+        "aux_item_bytes": (),
+        "state_slots": 0,
+        "state_item_bytes": (),
+    }
+    stages = [
+        rank_cache(num_pages=16, seed=20 + s, **{**geometry, "layer_ids": layers})
+        for s, layers in enumerate([(0, 1), (2, 3)])
+    ]
     dst = rank_cache(num_pages=16, seed=None, **{**geometry, "layer_ids": (0, 1, 2, 3)})
     src_pages, dst_pages = np.array([3, 9, 4]), np.array([7, 0, 12])
     move_from_groups(stages, dst, [(stage_room(41, s), src_pages, dst_pages) for s in (0, 1)])
@@ -224,16 +239,24 @@ def test_two_prefill_groups_feed_one_decode_rank() -> None:
     """xPyD: rooms of one decode rank come from different prefill groups (bootstraps)."""
     sources = [rank_cache(num_pages=16, seed=seed, **GEOMETRY) for seed in (21, 22)]
     dst = rank_cache(num_pages=32, seed=None, **GEOMETRY)
-    move_from_groups(sources, dst, [(room, np.arange(4, 8), np.arange(room * 8, room * 8 + 4))
-                                    for room in (0, 1)])  # fmt: skip
+    move_from_groups(
+        sources,
+        dst,
+        [(room, np.arange(4, 8), np.arange(room * 8, room * 8 + 4)) for room in (0, 1)],
+    )
     for room, src in enumerate(sources):
         for got, want in zip(dst.kv, src.kv, strict=True):
             assert np.array_equal(got[room * 8 : room * 8 + 4], want[4:8])
 
 
-def move_two_to_one(sources: list[RankCache], dst: RankCache, config: ManagerConfig,
-                    dst_pages: npt.NDArray[np.int64], ring_bytes: int | None = None,
-                    prefix: int = 0) -> list[PrefillStats]:  # fmt: skip
+def move_two_to_one(
+    sources: list[RankCache],
+    dst: RankCache,
+    config: ManagerConfig,
+    dst_pages: npt.NDArray[np.int64],
+    ring_bytes: int | None = None,
+    prefix: int = 0,
+) -> list[PrefillStats]:
     """TP 2 → 1: both prefill ranks send room pages 2-3, then 8-10 (the last chunk), into
     decode's `dst_pages` (after `prefix` tokens decode has); the room must succeed. The
     prefill ranks' stats."""
@@ -324,9 +347,12 @@ def test_head_major_pages_move_by_head_slices_between_tp_sizes(
     """vLLM's CPU cache at different TP sizes: each decode rank gets its heads of every page
     (one block per page and layer, no staging ring), from every prefill rank that holds them."""
     geometry = dict(
-        kv_layout=KVLayout.MHA_HEAD_MAJOR, layer_ids=(0, 1), page_size=4, total_kv_heads=4,
+        kv_layout=KVLayout.MHA_HEAD_MAJOR,
+        layer_ids=(0, 1),
+        page_size=4,
+        total_kv_heads=4,
         head_dim=8,
-    )  # fmt: skip
+    )
     sources = [
         rank_cache(
             num_pages=16, seed=41 + rank, attn_tp_rank=rank, attn_tp_size=prefill_tp, **geometry
@@ -416,9 +442,9 @@ def test_with_a_secret_unauthenticated_and_replayed_messages_are_refused() -> No
         src.args, ManagerConfig(engine=ENGINE, run_bootstrap=True, secret=secret)
     )
     decode = DecodeManager(
-        dst.args, ManagerConfig(engine=ENGINE, bootstrap_url=prefill.bootstrap_url,
-                                secret=secret),
-    )  # fmt: skip
+        dst.args,
+        ManagerConfig(engine=ENGINE, bootstrap_url=prefill.bootstrap_url, secret=secret),
+    )
     context = zmq.Context()
     push = context.socket(zmq.PUSH)
     try:
@@ -621,7 +647,7 @@ def test_the_activity_events_wake_a_waiter_when_rooms_end() -> None:
         sender.send([0, 9], last=False)
         sender.send([3], last=True)
         ends_wake(decode.activity, lambda: receiver.poll() == KVPoll.Success)
-        ends_wake(prefill.activity, lambda: sender.pages_free)
+        ends_wake(prefill.activity, lambda: sender.pages_safe)
         aborted = decode.receiver(7)
         aborted.init([2])
         aborted.abort("the request ended on decode")  # prefill's acknowledgement wakes it

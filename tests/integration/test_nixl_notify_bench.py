@@ -21,8 +21,11 @@ def test_every_case_is_measured(tmp_path: Path) -> None:
         pytest.skip(reason)
     run = subprocess.run(
         [sys.executable, str(SCRIPT), "--rounds", "1", "--blocks-per-write", "64"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     rows = json.loads((tmp_path / "bench-results" / "nixl_notify.json").read_text())["rows"]
     cases = {(row["target_poll_ms"], row["notification"]) for row in rows}

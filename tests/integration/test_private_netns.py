@@ -30,8 +30,9 @@ print(json.dumps({"interfaces": names, "netns": os.readlink("/proc/self/ns/net")
 
 
 def named_netns() -> str:
-    return subprocess.run(["ip", "netns", "list"], check=True, capture_output=True,
-                          text=True).stdout  # fmt: skip
+    return subprocess.run(
+        ["ip", "netns", "list"], check=True, capture_output=True, text=True
+    ).stdout
 
 
 def test_a_run_sees_only_its_own_loopback_and_leaves_no_namespace_behind() -> None:
@@ -53,8 +54,9 @@ def test_a_run_killed_midway_leaves_no_namespace_behind(tmp_path: Path) -> None:
     outlived such runs (three were found after benchmark runs had been stopped)."""
     before = named_netns()
     pid_file = tmp_path / "pid"
-    inside = (f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); "
-              "time.sleep(60)")  # fmt: skip
+    inside = (
+        f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(60)"
+    )
     run = f"from kvbridge_tools.bench import json_in_private_netns as run; run(['-c', {inside!r}])"
     runner = subprocess.Popen([sys.executable, "-c", run])
     try:

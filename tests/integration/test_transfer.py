@@ -44,9 +44,15 @@ def test_nixl_requests_arrive_byte_exact(
 ) -> None:
     require("nixl")
     config = DemoConfig(
-        requests=6, tokens=300, page_size=page_size, prefill_tp=prefill_tp,
-        decode_tp=decode_tp, engine="nixl", chunks=chunks, staging=staging,
-    )  # fmt: skip
+        requests=6,
+        tokens=300,
+        page_size=page_size,
+        prefill_tp=prefill_tp,
+        decode_tp=decode_tp,
+        engine="nixl",
+        chunks=chunks,
+        staging=staging,
+    )
     result = run_demo(config)
     assert result.ok, [report for report in result.reports if not report.ok]
     staged = sum(report.staged_chunks for report in result.reports)
@@ -75,9 +81,15 @@ def test_a_warm_up_batch_and_raw_replays_around_the_timed_one(
     when the timed batch starts: its bytes must be kvbridge's own."""
     require("nixl")
     config = DemoConfig(
-        requests=4, tokens=200, prefill_tp=prefill_tp, decode_tp=decode_tp, dcp=dcp,
-        engine="nixl", warmup=True, measure_raw=True,
-    )  # fmt: skip
+        requests=4,
+        tokens=200,
+        prefill_tp=prefill_tp,
+        decode_tp=decode_tp,
+        dcp=dcp,
+        engine="nixl",
+        warmup=True,
+        measure_raw=True,
+    )
     result = run_demo(config)
     assert result.ok, [report for report in result.reports if not report.ok]
     assert result.requests_verified == 4
@@ -93,8 +105,9 @@ def test_decode_ranks_start_the_timed_batch_together_after_the_warm_up() -> None
     """No decode rank times its batch while another still verifies the warm-up or zeroes its
     pages on the same CPUs (with no raw replays between them, nothing else lines them up)."""
     require("nixl")
-    config = DemoConfig(requests=4, tokens=200, prefill_tp=1, decode_tp=2, engine="nixl",
-                        warmup=True)  # fmt: skip
+    config = DemoConfig(
+        requests=4, tokens=200, prefill_tp=1, decode_tp=2, engine="nixl", warmup=True
+    )
     result = run_demo(config)
     assert result.ok, [report for report in result.reports if not report.ok]
     decode = result.decode_reports
@@ -109,8 +122,13 @@ def test_a_prefill_process_whose_python_never_waits() -> None:
     loses nothing; progress is reported once per verified room, after the timed batch."""
     require("nixl")
     progressed: list[int] = []
-    config = DemoConfig(requests=4, tokens=64, engine="nixl", prefill_busy_loop=True,
-                        prefill_switch_interval_s=0.001)  # fmt: skip
+    config = DemoConfig(
+        requests=4,
+        tokens=64,
+        engine="nixl",
+        prefill_busy_loop=True,
+        prefill_switch_interval_s=0.001,
+    )
     result = run_demo(config, progressed.append)
     assert result.ok, [report for report in result.reports if not report.ok]
     assert result.requests_verified == 4
@@ -122,8 +140,15 @@ def test_a_prefill_process_whose_python_never_waits() -> None:
         DemoConfig(prefill_switch_interval_s=0.0).check()
 
 
-@pytest.mark.parametrize("memory", ["torch-cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not _cuda_available(), reason="no CUDA device here"))])  # fmt: skip
+@pytest.mark.parametrize(
+    "memory",
+    [
+        "torch-cpu",
+        pytest.param(
+            "cuda", marks=pytest.mark.skipif(not _cuda_available(), reason="no CUDA device here")
+        ),
+    ],
+)
 @pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(1, 1), (2, 4), (4, 2)])
 def test_torch_tensors_arrive_byte_exact(memory: str, prefill_tp: int, decode_tp: int) -> None:
     """KVArgs from torch tensors; where TP differs, the torch staging kernels gather and
@@ -131,9 +156,14 @@ def test_torch_tensors_arrive_byte_exact(memory: str, prefill_tp: int, decode_tp
     require("nixl")
     pytest.importorskip("torch", reason="torch memory needs torch")
     config = DemoConfig(
-        requests=4, tokens=200, page_size=16, prefill_tp=prefill_tp, decode_tp=decode_tp,
-        engine="nixl", memory=memory,
-    )  # fmt: skip
+        requests=4,
+        tokens=200,
+        page_size=16,
+        prefill_tp=prefill_tp,
+        decode_tp=decode_tp,
+        engine="nixl",
+        memory=memory,
+    )
     result = run_demo(config)
     assert result.ok, [report for report in result.reports if not report.ok]
     staged = sum(report.staged_chunks for report in result.reports)
@@ -145,9 +175,13 @@ def test_mla_model_arrives_byte_exact(prefill_tp: int, decode_tp: int) -> None:
     """MLA: one prefill rank feeds each decode rank, the others answer dummy requests."""
     require("nixl")
     config = DemoConfig(
-        model="deepseek-v3", requests=3, tokens=64, engine="nixl",
-        prefill_tp=prefill_tp, decode_tp=decode_tp,
-    )  # fmt: skip
+        model="deepseek-v3",
+        requests=3,
+        tokens=64,
+        engine="nixl",
+        prefill_tp=prefill_tp,
+        decode_tp=decode_tp,
+    )
     result = run_demo(config)
     assert result.ok, result.reports
     writers = [r for r in result.reports if r.role == "prefill" and r.blocks_written]
@@ -157,10 +191,24 @@ def test_mla_model_arrives_byte_exact(prefill_tp: int, decode_tp: int) -> None:
 def test_mooncake_requests_arrive_byte_exact(private_netns: list[str]) -> None:
     require("mooncake")
     command = [
-        *private_netns, sys.executable, "-m", "kvbridge", "demo", "--engine", "mooncake",
-        "--requests", "6", "--tokens", "300", "--prefill-tp", "2", "--decode-tp", "4",
-        "--chunks", "3",
-    ]  # fmt: skip
+        *private_netns,
+        sys.executable,
+        "-m",
+        "kvbridge",
+        "demo",
+        "--engine",
+        "mooncake",
+        "--requests",
+        "6",
+        "--tokens",
+        "300",
+        "--prefill-tp",
+        "2",
+        "--decode-tp",
+        "4",
+        "--chunks",
+        "3",
+    ]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "all bytes" in result.stdout
@@ -182,9 +230,15 @@ def test_decode_context_parallelism(
     """Token i lands on DCP rank i % dcp at local token i // dcp, on every decode process."""
     require("nixl")
     config = DemoConfig(
-        model=model, requests=3, tokens=333, prefill_tp=prefill_tp, decode_tp=decode_tp,
-        dcp=dcp, staging=staging, engine="nixl",
-    )  # fmt: skip
+        model=model,
+        requests=3,
+        tokens=333,
+        prefill_tp=prefill_tp,
+        decode_tp=decode_tp,
+        dcp=dcp,
+        staging=staging,
+        engine="nixl",
+    )
     result = run_demo(config)
     assert result.ok, [report for report in result.reports if not report.ok]
     assert len(result.decode_reports) == decode_tp * dcp

@@ -82,8 +82,11 @@ def mooncake_registration(rng: random.Random) -> dict[str, Any]:
 
 def nixl_registration(rng: random.Random) -> dict[str, Any]:
     metadata = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 64)))
-    return {**_registration(rng), "agent_name": f"decode-{rng.randrange(100)}",
-            "agent_metadata": metadata.hex()}  # fmt: skip
+    return {
+        **_registration(rng),
+        "agent_name": f"decode-{rng.randrange(100)}",
+        "agent_metadata": metadata.hex(),
+    }
 
 
 def _transfer_info(rng: random.Random) -> dict[str, Any]:
@@ -120,16 +123,22 @@ def nixl_transfer_info(rng: random.Random) -> dict[str, Any]:
 def _status(rng: random.Random, reasons: bool) -> dict[str, Any]:
     status = rng.randrange(0, 5)
     reason = rng.choice([None, "", "KV transfer failed", "décodé: timeout"]) if reasons else None
-    return {"room": rng.randrange(0, 1 << 63), "status": status,
-            "prefill_rank": rng.randrange(0, 16), "reason": reason}  # fmt: skip
+    return {
+        "room": rng.randrange(0, 1 << 63),
+        "status": status,
+        "prefill_rank": rng.randrange(0, 16),
+        "reason": reason,
+    }
 
 
 def abort(rng: random.Random) -> dict[str, Any]:
     shape = rng.randrange(3)
     inputs: dict[str, Any] = {"room": rng.randrange(0, 1 << 63)}
     if shape >= 1:
-        inputs |= {"decode_ip": f"10.0.0.{rng.randrange(1, 255)}",
-                   "decode_port": rng.randrange(1, 65536)}  # fmt: skip
+        inputs |= {
+            "decode_ip": f"10.0.0.{rng.randrange(1, 255)}",
+            "decode_port": rng.randrange(1, 65536),
+        }
     if shape == 2:
         inputs["generation"] = rng.randrange(1, 1 << 31)
     return inputs
@@ -143,35 +152,54 @@ def abort_ack(rng: random.Random) -> dict[str, Any]:
 
 
 def chunk_ready(rng: random.Random) -> dict[str, Any]:
-    return {"room": rng.randrange(0, 1 << 63), "chunk_idx": rng.randrange(64),
-            "page_start": rng.randrange(1 << 16), "num_pages": rng.randrange(1, 512),
-            "writer_id": f"10.0.0.{rng.randrange(1, 255)}:15001",
-            "prefill_rank": rng.randrange(16)}  # fmt: skip
+    return {
+        "room": rng.randrange(0, 1 << 63),
+        "chunk_idx": rng.randrange(64),
+        "page_start": rng.randrange(1 << 16),
+        "num_pages": rng.randrange(1, 512),
+        "writer_id": f"10.0.0.{rng.randrange(1, 255)}:15001",
+        "prefill_rank": rng.randrange(16),
+    }
 
 
 def aux_data(rng: random.Random) -> dict[str, Any]:
     data = bytes(rng.randrange(256) for _ in range(rng.randrange(0, 96)))
-    return {"room": rng.randrange(0, 1 << 63), "buffer_index": rng.randrange(4),
-            "aux_index": rng.randrange(4096), "data": data.hex()}  # fmt: skip
+    return {
+        "room": rng.randrange(0, 1 << 63),
+        "buffer_index": rng.randrange(4),
+        "aux_index": rng.randrange(4096),
+        "data": data.hex(),
+    }
 
 
 def staging_req(rng: random.Random) -> dict[str, Any]:
-    return {"room": rng.randrange(0, 1 << 63), "session_id": f"decode-{rng.randrange(9)}",
-            "total_pages": rng.randrange(1, 40), "page_size": 1,
-            "chunked_prefill_size": rng.choice([8, 16, 64]),
-            "pp_rank": rng.choice([None, 0, 1, 3])}  # fmt: skip
+    return {
+        "room": rng.randrange(0, 1 << 63),
+        "session_id": f"decode-{rng.randrange(9)}",
+        "total_pages": rng.randrange(1, 40),
+        "page_size": 1,
+        "chunked_prefill_size": rng.choice([8, 16, 64]),
+        "pp_rank": rng.choice([None, 0, 1, 3]),
+    }
 
 
 def staging_rsp(rng: random.Random) -> dict[str, Any]:
-    return {"room": rng.randrange(0, 1 << 63), "chunk_idx": rng.randrange(16),
-            "session_id": f"10.0.0.{rng.randrange(1, 255)}:15001",
-            "never_fits": rng.random() < 0.3, "offset": rng.randrange(1 << 30),
-            "round": rng.randrange(64)}  # fmt: skip
+    return {
+        "room": rng.randrange(0, 1 << 63),
+        "chunk_idx": rng.randrange(16),
+        "session_id": f"10.0.0.{rng.randrange(1, 255)}:15001",
+        "never_fits": rng.random() < 0.3,
+        "offset": rng.randrange(1 << 30),
+        "round": rng.randrange(64),
+    }
 
 
 def watermark(rng: random.Random) -> dict[str, Any]:
-    return {"session_id": f"10.0.0.{rng.randrange(1, 255)}:15001",
-            "round": rng.randrange(1 << 20), "tail": rng.randrange(1 << 34)}  # fmt: skip
+    return {
+        "session_id": f"10.0.0.{rng.randrange(1, 255)}:15001",
+        "round": rng.randrange(1 << 20),
+        "tail": rng.randrange(1 << 34),
+    }
 
 
 def bootstrap(rng: random.Random) -> dict[str, Any]:

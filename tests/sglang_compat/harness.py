@@ -403,10 +403,15 @@ def parse_chunk_ready(frames: list[bytes]) -> Any:
     manager = mooncake_conn.MooncakeKVManager.__new__(mooncake_conn.MooncakeKVManager)
     handler = SimpleNamespace(
         handle_chunk_arrived=lambda room, chunk, start, pages, writer: arrived.append(
-            {"room": room, "chunk_idx": chunk, "page_start": start, "num_pages": pages,
-             "writer_id": writer}
+            {
+                "room": room,
+                "chunk_idx": chunk,
+                "page_start": start,
+                "num_pages": pages,
+                "writer_id": writer,
+            }
         )
-    )  # fmt: skip
+    )
     manager._staging_handler = handler
     manager.request_status = _Everything()
     assert manager.handle_chunk_ready(frames)

@@ -112,9 +112,19 @@ def test_kvbridge_frames_to_sglang_parsers(
     assert harness.PARSERS[kind](frames, hint) == sglang_view(kind, message, hint)
 
 
-OLDER_SHAPES = ["mooncake-registration", "mooncake-transfer-info", "nixl-registration",
-                "nixl-transfer-info", "abort", "abort-ack", "staging-req", "watermark",
-                "chunk-ready", "nixl-status", "mooncake-status"]  # fmt: skip
+OLDER_SHAPES = [
+    "mooncake-registration",
+    "mooncake-transfer-info",
+    "nixl-registration",
+    "nixl-transfer-info",
+    "abort",
+    "abort-ack",
+    "staging-req",
+    "watermark",
+    "chunk-ready",
+    "nixl-status",
+    "mooncake-status",
+]
 
 
 @pytest.mark.parametrize("kind", OLDER_SHAPES)

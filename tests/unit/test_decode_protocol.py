@@ -57,18 +57,42 @@ def sends(actions: list[Action]) -> list[Send]:
 def protocol(staging_bytes: int | None = RING) -> DecodeProtocol:
     return DecodeProtocol(
         DecodeSettings(
-            rank=0, peer_id="decode-0@tcp://10.0.0.9:7100", host="10.0.0.9", control_port=7100,
-            session_token=TOKEN, heartbeat_interval_s=0.5, peer_timeout_s=LEASE_S,
+            rank=0,
+            peer_id="decode-0@tcp://10.0.0.9:7100",
+            host="10.0.0.9",
+            control_port=7100,
+            session_token=TOKEN,
+            heartbeat_interval_s=0.5,
+            peer_timeout_s=LEASE_S,
             staging_bytes=staging_bytes,
         )
-    )  # fmt: skip
+    )
 
 
 def registration() -> Registration:
     return Registration(
-        "decode-0@tcp://10.0.0.9:7100", "10.0.0.9", 7100, "nixl", b"agent", 0, 1, 0, 1,
-        1, 2, 8, "bfloat16", 4, [0], [4096, 8192], [64, 64], [640, 640], [], [], [],
-    )  # fmt: skip
+        "decode-0@tcp://10.0.0.9:7100",
+        "10.0.0.9",
+        7100,
+        "nixl",
+        b"agent",
+        0,
+        1,
+        0,
+        1,
+        1,
+        2,
+        8,
+        "bfloat16",
+        4,
+        [0],
+        [4096, 8192],
+        [64, 64],
+        [640, 640],
+        [],
+        [],
+        [],
+    )
 
 
 def register_all(decode: DecodeProtocol, now: float = 0.0) -> None:
@@ -339,8 +363,20 @@ class Model:
 EVENTS = st.lists(
     st.tuples(
         st.sampled_from(
-            ["open", "beat", "success", "failed", "ack", "abort", "tick", "notify", "stage",
-             "ready", "scattered", "clear"]
+            [
+                "open",
+                "beat",
+                "success",
+                "failed",
+                "ack",
+                "abort",
+                "tick",
+                "notify",
+                "stage",
+                "ready",
+                "scattered",
+                "clear",
+            ]
         ),
         st.integers(1, 2),  # room
         st.integers(0, 1),  # prefill rank
@@ -349,7 +385,7 @@ EVENTS = st.lists(
         st.sampled_from([0.01, 0.01, 0.01, 0.1, 0.1, 0.3, 1.0, LEASE_S + 0.1, 4.0]),
     ),
     max_size=60,
-)  # fmt: skip
+)
 
 
 @settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -38,12 +38,14 @@ def run(kvbridge: float, one: float, chunked: float, **others: float) -> dict[st
         for label, gbps in {"kvbridge's defaults": kvbridge, **others}.items()
     }
     return {
-        "transport": "ucx", "bytes": 10**9, "settings": settings,
+        "transport": "ucx",
+        "bytes": 10**9,
+        "settings": settings,
         "raw_gbps": {"one write": one, "per-chunk": chunked},
         "raw_gbps_before": {"one write": one, "per-chunk": chunked},
         "raw_gbps_after": {"one write": one, "per-chunk": chunked},
         "blocks": 64,
-    }  # fmt: skip
+    }
 
 
 def test_the_ratio_is_the_median_of_paired_runs_against_the_best_median_way(e2e: Any) -> None:
@@ -64,8 +66,9 @@ def test_the_ratio_is_the_median_of_paired_runs_against_the_best_median_way(e2e:
 def test_kvbridge_at_its_best_median_setting_is_held_against_the_raw_engine_at_its_best(
     e2e: Any,
 ) -> None:
-    workload = e2e.Workload("demo workload", "mooncake", 32, 2048, 0.95,
-                            other_settings=((("submit_threads", "2"),),))  # fmt: skip
+    workload = e2e.Workload(
+        "demo workload", "mooncake", 32, 2048, 0.95, other_settings=((("submit_threads", "2"),),)
+    )
     # Two threads are kvbridge's better setting by median (5.0 against 4.0), though its
     # defaults had the single best run (6.0).
     runs = [

@@ -14,7 +14,7 @@ from kvbridge.engines import (
     engine_spec,
     unavailable_reason,
 )
-from kvbridge.integrations.vllm_core import ConnectorOptions, OptionsError
+from kvbridge.integrations.vllm_options import ConnectorOptions, OptionsError
 from kvbridge_tools import bench
 
 
@@ -68,8 +68,9 @@ def test_the_vllm_connector_passes_engine_options_through() -> None:
     config = options.manager_config(run_bootstrap=False, bootstrap_url=None)
     assert (config.engine, dict(config.engine_options)) == ("mooncake", {"protocol": "rdma"})
     with pytest.raises(OptionsError, match=r"engine_options: mooncake: .*no option 'protocl'"):
-        ConnectorOptions.from_extra_config({"engine": "mooncake",
-                                            "engine_options": {"protocl": "rdma"}})  # fmt: skip
+        ConnectorOptions.from_extra_config(
+            {"engine": "mooncake", "engine_options": {"protocl": "rdma"}}
+        )
     with pytest.raises(OptionsError, match="is not an object of strings"):
         ConnectorOptions.from_extra_config({"engine_options": {"protocol": 1}})
 

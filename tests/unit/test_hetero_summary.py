@@ -28,8 +28,11 @@ def test_each_staged_run_is_against_the_equal_runs_around_it(
 ) -> None:
     order: list[str] = []
     # Equal TP drifts 8 → 4 → 6 → 10 GB/s; staged runs 2, 3, 4 in between; per-token 0.5.
-    speeds = {"equal": iter([8.0, 4.0, 6.0, 10.0]), "staged": iter([2.0, 3.0, 4.0]),
-              "per-token": iter([0.5, 0.4, 0.6])}  # fmt: skip
+    speeds = {
+        "equal": iter([8.0, 4.0, 6.0, 10.0]),
+        "staged": iter([2.0, 3.0, 4.0]),
+        "per-token": iter([0.5, 0.4, 0.6]),
+    }
 
     def fake_run(
         prefill_tp: int, decode_tp: int, staging: bool, requests: int, tokens: int
@@ -41,8 +44,18 @@ def test_each_staged_run_is_against_the_equal_runs_around_it(
 
     monkeypatch.setattr(hetero, "run", fake_run)
     row = hetero.measure_pair(2, 4, 3, 3, 16, 1024)
-    assert order == ["equal", "staged", "equal", "staged", "equal", "staged", "equal",
-                     "per-token", "per-token", "per-token"]  # fmt: skip
+    assert order == [
+        "equal",
+        "staged",
+        "equal",
+        "staged",
+        "equal",
+        "staged",
+        "equal",
+        "per-token",
+        "per-token",
+        "per-token",
+    ]
     # 2 / 6, 3 / 5, 4 / 8: median 0.5 (against one neighbour it would be 0.25-0.75).
     assert row["staging_vs_equal_tp"] == 0.5
     assert row["staging_vs_equal_tp_range"] == [0.333, 0.6]

@@ -28,22 +28,43 @@ from kvbridge.wire.native import HEADER, MAGIC, MAJOR, MINOR, Header
 
 def registration(**changes: object) -> Registration:
     fields: dict[str, object] = dict(
-        peer_id="decode-0", host="127.0.0.1", control_port=17000, engine="nixl",
-        engine_descriptor=b"md", tp_rank=0, attn_tp_size=1, dcp_rank=0, dcp_size=1,
-        kv_layout=KVLayout.MHA, total_kv_heads=8, head_dim=128, dtype="bfloat16", page_size=16,
-        kv_layer_ids=[0, 1], kv_ptrs=[0x1000, 0x2000, 0x3000, 0x4000], kv_item_lens=[4096] * 4,
-        kv_lengths=[4096 * 4] * 4, aux_ptrs=[0x5000], aux_item_lens=[64], aux_lengths=[256],
-    )  # fmt: skip
+        peer_id="decode-0",
+        host="127.0.0.1",
+        control_port=17000,
+        engine="nixl",
+        engine_descriptor=b"md",
+        tp_rank=0,
+        attn_tp_size=1,
+        dcp_rank=0,
+        dcp_size=1,
+        kv_layout=KVLayout.MHA,
+        total_kv_heads=8,
+        head_dim=128,
+        dtype="bfloat16",
+        page_size=16,
+        kv_layer_ids=[0, 1],
+        kv_ptrs=[0x1000, 0x2000, 0x3000, 0x4000],
+        kv_item_lens=[4096] * 4,
+        kv_lengths=[4096 * 4] * 4,
+        aux_ptrs=[0x5000],
+        aux_item_lens=[64],
+        aux_lengths=[256],
+    )
     fields.update(changes)
     return Registration(**fields)  # type: ignore[arg-type]
 
 
 def request(**changes: object) -> TransferRequest:
     fields: dict[str, object] = dict(
-        room=9, peer_id="decode-0", is_dummy=False,
-        dst_kv_indices=np.array([1, 2, 3], dtype=np.int32), dst_aux_index=0,
-        dst_state_indices=[], required_dst_info_num=1, decode_prefix_len=None,
-    )  # fmt: skip
+        room=9,
+        peer_id="decode-0",
+        is_dummy=False,
+        dst_kv_indices=np.array([1, 2, 3], dtype=np.int32),
+        dst_aux_index=0,
+        dst_state_indices=[],
+        required_dst_info_num=1,
+        decode_prefix_len=None,
+    )
     fields.update(changes)
     return TransferRequest(**fields)  # type: ignore[arg-type]
 

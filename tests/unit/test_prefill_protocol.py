@@ -65,12 +65,17 @@ def protocol(
     return PrefillProtocol(
         PrefillSettings(
             kv_args=local or rank_cache(seed=1, **GEOMETRY).args,
-            endpoint="tcp://10.0.0.1:7000", engine="nixl", heartbeat_interval_s=0.5,
-            peer_timeout_s=TIMEOUT_S, request_timeout_s=30.0, staging_timeout_s=5.0,
-            staging_bytes=staging_bytes, writes_in_flight=window,
+            endpoint="tcp://10.0.0.1:7000",
+            engine="nixl",
+            heartbeat_interval_s=0.5,
+            peer_timeout_s=TIMEOUT_S,
+            request_timeout_s=30.0,
+            staging_timeout_s=5.0,
+            staging_bytes=staging_bytes,
+            writes_in_flight=window,
             engine_notifies=engine_notifies,
         )
-    )  # fmt: skip
+    )
 
 
 # The decode rank's memory, alive for the whole module: registrations built from it are equal
@@ -85,10 +90,15 @@ def registration(
     capabilities: frozenset[str] = frozenset(),
 ) -> Registration:
     return registration_for(
-        args or DECODE_CACHE.args, peer_id=peer_id, host="10.0.0.2",
-        control_port=7100, engine=engine, engine_descriptor=peer_id.encode(),
-        capabilities=capabilities, session_token=TOKEN,
-    )  # fmt: skip
+        args or DECODE_CACHE.args,
+        peer_id=peer_id,
+        host="10.0.0.2",
+        control_port=7100,
+        engine=engine,
+        engine_descriptor=peer_id.encode(),
+        capabilities=capabilities,
+        session_token=TOKEN,
+    )
 
 
 def leased(
@@ -201,13 +211,13 @@ def test_a_rooms_chunks_go_out_together_and_success_waits_for_every_write() -> N
     (second,) = writes(prefill.handle(ChunkSubmitted(1, Chunk(np.array([5]), True, 0)), 0.1))
     assert (second.job.page_offset, second.notify) == (2, b"kvbridge:1:0")
     assert messages(prefill.handle(WriteEnded(second), 0.2), TransferStatus) == []
-    assert not prefill.pages_free(1)
+    assert not prefill.pages_safe(1)
     actions = prefill.handle(WriteEnded(first), 0.3)
     (done,) = messages(actions, TransferStatus)
     assert isinstance(done, TransferStatus)
     assert (done.status, done.failure_kind, done.session_token) == (KVPoll.Success, None, TOKEN)
     assert prefill.handle(WriteEnded(first), 0.3) == []  # reported once: it ended already
-    assert prefill.pages_free(1)
+    assert prefill.pages_safe(1)
     prefill.handle(SenderCleared(1), 0.4)
     assert prefill.stats.rooms_finished == {("Success", ""): 1}
     # A late request for the cleared room is refused at once, not left to decode's deadline.
@@ -320,7 +330,7 @@ def test_an_abort_during_a_write_is_acknowledged_only_when_the_write_ended() -> 
     actions = prefill.handle(Abort(1, "10.0.0.2", 7100, "client gone"), 0.2)
     assert messages(actions, AbortAck) == []
     assert messages(actions, TransferStatus) == []
-    assert not prefill.pages_free(1)  # the engine may still read the pages
+    assert not prefill.pages_safe(1)  # the engine may still read the pages
     actions = prefill.handle(WriteEnded(write), 0.3)
     (failed,) = messages(actions, TransferStatus)
     (ack,) = messages(actions, AbortAck)
@@ -328,7 +338,7 @@ def test_an_abort_during_a_write_is_acknowledged_only_when_the_write_ended() -> 
     assert isinstance(ack, AbortAck)
     assert failed.failure_kind == FailureKind.ABORTED
     assert ack.session_token == TOKEN
-    assert prefill.pages_free(1)
+    assert prefill.pages_safe(1)
 
 
 def test_an_abort_from_a_stranger_is_ignored_and_one_before_the_request_starts_it_failed() -> None:
@@ -521,13 +531,27 @@ def test_no_answer_to_a_staging_request_fails_the_room_after_the_staging_timeout
 
 EVENTS = st.lists(
     st.tuples(
-        st.sampled_from(["open", "chunk", "last", "request", "abort", "sender_abort", "ended",
-                         "failed", "tick", "beat", "clear", "answer"]),
+        st.sampled_from(
+            [
+                "open",
+                "chunk",
+                "last",
+                "request",
+                "abort",
+                "sender_abort",
+                "ended",
+                "failed",
+                "tick",
+                "beat",
+                "clear",
+                "answer",
+            ]
+        ),
         st.integers(1, 2),
         st.sampled_from([0.01, 0.01, 0.1, 0.5, TIMEOUT_S + 0.1]),
     ),
     max_size=50,
-)  # fmt: skip
+)
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -595,12 +619,14 @@ def test_a_failure_is_never_reported_while_a_write_can_land(
         # Ring requests the protocol gave up on (the peer fell silent, or the staging
         # deadline passed) are answered by nobody.
         awaited = {(e.job.room, e.job.chunk_idx) for e in prefill._jobs.values() if e.staging}
-        asked = {room: [a for a in asks if (room, a.chunk_idx) in awaited]
-                 for room, asks in asked.items()}  # fmt: skip
+        asked = {
+            room: [a for a in asks if (room, a.chunk_idx) in awaited]
+            for room, asks in asked.items()
+        }
         indexed = {key for keys in prefill._jobs_of_room.values() for key in keys}
         assert indexed == set(prefill._jobs), "the per-room index of jobs drifted"
         # The window: never more writes and ring requests out toward the peer than allowed.
         assert sum(map(len, out.values())) + sum(map(len, asked.values())) <= window
         for room_id in prefill.rooms:
-            if prefill.pages_free(room_id):
+            if prefill.pages_safe(room_id):
                 assert not out.get(room_id), "pages free while a write of them is out"

@@ -40,9 +40,10 @@ def test_the_bounds_rule_matches_its_definition(
         else:
             spans.append([start, end])
     expected = [
-        index for index, (start, length) in enumerate(blocks)
+        index
+        for index, (start, length) in enumerate(blocks)
         if not any(low <= start < high and start + length <= high for low, high in spans)
-    ]  # fmt: skip
+    ]
     addresses = np.array([start for start, _ in blocks], dtype=np.uint64)
     lengths = np.array([length for _, length in blocks], dtype=np.uint64)
     assert RegionMap(regions).outside(addresses, lengths).tolist() == expected
@@ -51,9 +52,12 @@ def test_the_bounds_rule_matches_its_definition(
 def test_each_block_carries_the_device_of_its_region() -> None:
     vram = MemoryKind.VRAM
     regions = RegionMap(
-        [MemoryRegion(9000, 100, vram, 3), MemoryRegion(1000, 100, vram, 1),
-         MemoryRegion(1100, 100, vram, 2)]
-    )  # fmt: skip
+        [
+            MemoryRegion(9000, 100, vram, 3),
+            MemoryRegion(1000, 100, vram, 1),
+            MemoryRegion(1100, 100, vram, 2),
+        ]
+    )
     addresses = np.array([1000, 1099, 1100, 1199, 9050], dtype=np.uint64)
     assert regions.device_ids(addresses).tolist() == [1, 1, 2, 2, 3]
     assert regions.uniform_device is None  # several devices: each block is looked up

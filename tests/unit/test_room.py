@@ -189,8 +189,9 @@ def test_skipped_positions_are_not_written_and_the_rest_stay_one_run() -> None:
     # Decode needs room pages 1, 2 and 5 of six (a merged room of two groups, each with a
     # block decode has): -1 marks the others.
     room = PrefillRoom(1, page_size=4)
-    request = TransferRequest(1, "d0", False, np.array([-1, 40, 41, -1, -1, 42], np.int32),
-                              3, [], 1)  # fmt: skip
+    request = TransferRequest(
+        1, "d0", False, np.array([-1, 40, 41, -1, -1, 42], np.int32), 3, [], 1
+    )
     assert room.request_problem(request, dst_page_size=4) is None
     room.on_request(request)
     room.add_chunk(Chunk(np.array([10, 11, 12]), last=False))  # room pages 0-2

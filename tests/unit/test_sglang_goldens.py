@@ -61,5 +61,12 @@ def test_inspect_names_the_profile_and_the_release_layout(record: dict[str, Any]
 
 
 # Control messages both backends send alike: inspect reads them in the Mooncake profile.
-SHARED_KINDS = {"abort", "abort-ack", "legacy-abort-ack", "chunk-ready", "staging-req",
-                "staging-rsp", "watermark"}  # fmt: skip
+SHARED_KINDS = {
+    "abort",
+    "abort-ack",
+    "legacy-abort-ack",
+    "chunk-ready",
+    "staging-req",
+    "staging-rsp",
+    "watermark",
+}

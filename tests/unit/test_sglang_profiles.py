@@ -31,9 +31,25 @@ def Q(value: int) -> bytes:
 
 # The seed-era Mooncake registration (18 frames: staging at 14/15, DCP at 16/17).
 SEED_ERA = [
-    b"None", b"127.0.0.1", b"1234", b"session", Q(0x1000), Q(0x2000), b"", b"0", b"1", b"128",
-    b"", b"", b"", b"", Q(0x3000), b"4096", b"4", b"2",
-]  # fmt: skip
+    b"None",
+    b"127.0.0.1",
+    b"1234",
+    b"session",
+    Q(0x1000),
+    Q(0x2000),
+    b"",
+    b"0",
+    b"1",
+    b"128",
+    b"",
+    b"",
+    b"",
+    b"",
+    Q(0x3000),
+    b"4096",
+    b"4",
+    b"2",
+]
 
 
 def test_seed_era_registration_decodes_with_sglangs_defaults_and_round_trips() -> None:
@@ -98,11 +114,21 @@ def test_pointers_with_bit_63_set_survive_both_registrations() -> None:
     assert info.staging_base_ptr == pointer
     assert info.to_zmq() == frames
     nixl_info = nixl.KVArgsRegisterInfo(
-        room="None", endpoint="h", dst_port=1, agent_name="a", agent_metadata=b"\x00",
-        dst_kv_ptrs=[pointer], dst_aux_ptrs=[], dst_state_data_ptrs=[[pointer]], gpu_id=0,
-        decode_tp_size=1, decode_tp_rank=0, dst_kv_item_len=1,
-        staging_base_ptr=pointer, staging_total_size=1,
-    )  # fmt: skip
+        room="None",
+        endpoint="h",
+        dst_port=1,
+        agent_name="a",
+        agent_metadata=b"\x00",
+        dst_kv_ptrs=[pointer],
+        dst_aux_ptrs=[],
+        dst_state_data_ptrs=[[pointer]],
+        gpu_id=0,
+        decode_tp_size=1,
+        decode_tp_rank=0,
+        dst_kv_item_len=1,
+        staging_base_ptr=pointer,
+        staging_total_size=1,
+    )
     assert nixl_info.dst_kv_mem_kinds == ["VRAM"]
     assert nixl_info.dst_kv_item_lens == [1]
     decoded = NIXL.decode(NIXL.encode(nixl_info))
@@ -183,10 +209,19 @@ def test_nixl_transfer_info_needs_an_aux_index_and_its_guard() -> None:
 
 def test_nixl_registration_item_lens_must_match_the_buffers() -> None:
     info = nixl.KVArgsRegisterInfo(
-        room="None", endpoint="h", dst_port=1, agent_name="a", agent_metadata=b"",
-        dst_kv_ptrs=[0x1000, 0x2000], dst_aux_ptrs=[], dst_state_data_ptrs=[], gpu_id=0,
-        decode_tp_size=1, decode_tp_rank=0, dst_kv_item_len=64,
-    )  # fmt: skip
+        room="None",
+        endpoint="h",
+        dst_port=1,
+        agent_name="a",
+        agent_metadata=b"",
+        dst_kv_ptrs=[0x1000, 0x2000],
+        dst_aux_ptrs=[],
+        dst_state_data_ptrs=[],
+        gpu_id=0,
+        decode_tp_size=1,
+        decode_tp_rank=0,
+        dst_kv_item_len=64,
+    )
     frames = NIXL.encode(info)
     assert frames[18:20] == [b"VRAM,VRAM", Q(64) + Q(64)]
     frames[19] = Q(64)

@@ -13,8 +13,16 @@ from kvbridge.wire import KVLayout
 
 
 def test_from_numpy_llama_like_rank() -> None:
-    cache = rank_cache(layer_ids=tuple(range(4)), num_pages=10, page_size=16, total_kv_heads=8,
-                       head_dim=128, attn_tp_size=2, aux_slots=5, aux_item_bytes=(64,))  # fmt: skip
+    cache = rank_cache(
+        layer_ids=tuple(range(4)),
+        num_pages=10,
+        page_size=16,
+        total_kv_heads=8,
+        head_dim=128,
+        attn_tp_size=2,
+        aux_slots=5,
+        aux_item_bytes=(64,),
+    )
     args = cache.args
     assert args.kv_heads == 4
     assert args.dtype == "bfloat16"
@@ -103,16 +111,19 @@ def test_from_torch_reads_pointers_sizes_and_device() -> None:
     assert args.kv_buffers[2].ptr == arrays[2].ctypes.data
     assert args.kv_buffers[0].length == arrays[0].nbytes
     assert args.num_pages == 6
-    cpu = KVArgs.from_torch([FakeTensor(a, "bfloat16") for a in arrays],
-                            kv_layout=KVLayout.MHA, total_kv_heads=8, attn_tp_size=2)  # fmt: skip
+    cpu = KVArgs.from_torch(
+        [FakeTensor(a, "bfloat16") for a in arrays],
+        kv_layout=KVLayout.MHA,
+        total_kv_heads=8,
+        attn_tp_size=2,
+    )
     assert cpu.memory_kind.name == "DRAM"
 
 
 def test_from_torch_with_real_tensors() -> None:
     torch = pytest.importorskip("torch", reason="torch is an optional extra")
     tensors = [torch.zeros((4, 16, 2, 64), dtype=torch.bfloat16) for _ in range(2)]
-    args = KVArgs.from_torch(tensors, kv_layout=KVLayout.MHA,
-                             total_kv_heads=2)  # fmt: skip
+    args = KVArgs.from_torch(tensors, kv_layout=KVLayout.MHA, total_kv_heads=2)
     assert args.kv_buffers[1].ptr == tensors[1].data_ptr()
     assert args.page_bytes == 16 * 2 * 64 * 2
 

@@ -93,8 +93,11 @@ def test_gather_then_scatter_equals_the_per_token_plan(
     src = rank_cache(num_pages=12, attn_tp_size=pt, seed=prefill_rank, **geometry)
     by_staging = rank_cache(num_pages=20, attn_tp_size=dt, seed=None, **geometry)
     by_tokens = rank_cache(num_pages=20, attn_tp_size=dt, seed=None, **geometry)
-    (source,) = [s for s in topology(pt, dt, 8, KVLayout.MHA).route(decode_rank).sources
-                 if s.prefill_rank == prefill_rank]  # fmt: skip
+    (source,) = [
+        s
+        for s in topology(pt, dt, 8, KVLayout.MHA).route(decode_rank).sources
+        if s.prefill_rank == prefill_rank
+    ]
     src_pages = np.array([7, 2, 9])
     dst_pages = np.array([11, 3, 15, 0, 6])
     token_start = 4  # the chunk is the room's second page onwards
@@ -127,9 +130,15 @@ def chunk_rows(draw: st.DrawFn) -> tuple[np.ndarray, int]:
     page_size = draw(st.sampled_from([1, 2, 4]))
     # Runs of consecutive rows from any row: whole pages when they start on one and are a
     # page long, else runs that cross pages or stop short.
-    runs = draw(st.lists(st.tuples(st.integers(0, 8 * page_size - 1),
-                                   st.sampled_from([1, page_size, page_size + 1, 2 * page_size])),
-                         max_size=10))  # fmt: skip
+    runs = draw(
+        st.lists(
+            st.tuples(
+                st.integers(0, 8 * page_size - 1),
+                st.sampled_from([1, page_size, page_size + 1, 2 * page_size]),
+            ),
+            max_size=10,
+        )
+    )
     rows = [row for first, count in runs for row in range(first, min(8 * page_size, first + count))]
     return np.array(list(dict.fromkeys(rows)), dtype=np.int64), page_size
 

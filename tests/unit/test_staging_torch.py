@@ -67,8 +67,9 @@ def test_scatter_matches_numpy_and_touches_nothing_else(
     expected = numpy_buffers(seed=None)
     kernels.scatter(staged, expected, rows, column, width)
 
-    views = [torch.zeros((ROWS, TOKEN_BYTES), dtype=torch.uint8, device=device)
-             for _ in range(BUFFERS)]  # fmt: skip
+    views = [
+        torch.zeros((ROWS, TOKEN_BYTES), dtype=torch.uint8, device=device) for _ in range(BUFFERS)
+    ]
     staged_tensor = torch.from_numpy(np.concatenate([np.zeros(offset, np.uint8), staged]))
     staged_tensor = staged_tensor.to(device)[offset:]
     torch_kernels.scatter(staged_tensor, views, torch.from_numpy(rows).to(device), column, width)
@@ -86,8 +87,10 @@ def test_gather_then_scatter_moves_a_head_slice_between_differently_sharded_cach
         torch.randint(0, 256, (ROWS, 4 * head_bytes), dtype=torch.uint8, device=device)
         for _ in range(BUFFERS)
     ]
-    decode = [torch.zeros((ROWS, 2 * head_bytes), dtype=torch.uint8, device=device)
-              for _ in range(BUFFERS)]  # fmt: skip
+    decode = [
+        torch.zeros((ROWS, 2 * head_bytes), dtype=torch.uint8, device=device)
+        for _ in range(BUFFERS)
+    ]
     src_rows = torch.tensor([8, 9, 10, 11, 20, 21], device=device)
     dst_rows = torch.tensor([0, 1, 2, 3, 36, 37], device=device)
     ring = torch.empty(1 << 12, dtype=torch.uint8, device=device)
@@ -113,7 +116,8 @@ def test_one_launch_triton_kernels_move_the_torch_kernels_bytes() -> None:
     pytest.importorskip("triton", reason="the one-launch kernels need Triton")
     check = Path(__file__).parents[1] / "helpers" / "staging_triton_check.py"
     environment = {**os.environ, "TRITON_INTERPRET": "1"}
-    result = subprocess.run([sys.executable, str(check)], env=environment, capture_output=True,
-                            text=True, timeout=240)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, str(check)], env=environment, capture_output=True, text=True, timeout=240
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.count("row ") == 5, result.stdout

@@ -52,8 +52,9 @@ def slot_bytes(slot: int, rank: int, tp: int) -> np.ndarray:
     return np.concatenate(pieces)
 
 
-def rank_args(rank: int, tp: int, fill: bool, pad: int = 7,
-              kv_heads: int = 4) -> tuple[KVArgs, list[np.ndarray]]:  # fmt: skip
+def rank_args(
+    rank: int, tp: int, fill: bool, pad: int = 7, kv_heads: int = 4
+) -> tuple[KVArgs, list[np.ndarray]]:
     """A rank whose one state buffer is a page per slot holding the Mamba state (padded), and
     whose KV (`kv_heads` over TP, replicated past them) is beside it."""
     used = len(slot_bytes(0, rank, tp))
@@ -62,8 +63,14 @@ def rank_args(rank: int, tp: int, fill: bool, pad: int = 7,
         for slot in range(SLOTS):
             pages[slot, :used] = slot_bytes(slot, rank, tp)
     kv = [np.zeros((2, 1, max(1, kv_heads // tp), 4), np.uint16) for _ in range(2)]
-    args = KVArgs.from_numpy(kv, kv_layout=KVLayout.MHA, total_kv_heads=kv_heads,
-                             attn_tp_rank=rank, attn_tp_size=tp, state=[pages])  # fmt: skip
+    args = KVArgs.from_numpy(
+        kv,
+        kv_layout=KVLayout.MHA,
+        total_kv_heads=kv_heads,
+        attn_tp_rank=rank,
+        attn_tp_size=tp,
+        state=[pages],
+    )
     args = dataclasses.replace(args, state_parts=(rank_parts(rank, tp),))
     return args, [pages, *kv]
 
@@ -75,8 +82,16 @@ def test_mamba_state_moves_between_tp_sizes_byte_exact_each_byte_once(pt: int, d
     for d in range(dt):
         args, arrays = rank_args(d, dt, fill=False)
         # The decode rank's geometry as prefill reads it: through its registration.
-        wire = kv_args_of(registration_for(args, peer_id="d", host="127.0.0.1", control_port=1,
-                                           engine="loopback", engine_descriptor=b""))  # fmt: skip
+        wire = kv_args_of(
+            registration_for(
+                args,
+                peer_id="d",
+                host="127.0.0.1",
+                control_port=1,
+                engine="loopback",
+                engine_descriptor=b"",
+            )
+        )
         assert wire.state_parts == args.state_parts
         senders = [source.prefill_rank for source in mapping.route(d).sources]
         written = 0

@@ -65,16 +65,29 @@ class Rank:
     args: KVArgs
 
 
-def make_rank(arena: Arena, layout: KVLayout, heads_here: int, total: int, tp_rank: int,
-              tp: int, pages: int, page_size: int) -> Rank:  # fmt: skip
+def make_rank(
+    arena: Arena,
+    layout: KVLayout,
+    heads_here: int,
+    total: int,
+    tp_rank: int,
+    tp: int,
+    pages: int,
+    page_size: int,
+) -> Rank:
     per_layer = layout.buffers_per_layer
     kv = [arena.array((pages, page_size, heads_here, HEAD_DIM)) for _ in range(per_layer * LAYERS)]
     args = KVArgs(
-        kv_layout=layout, layer_ids=tuple(range(LAYERS)), total_kv_heads=total,
-        head_dim=HEAD_DIM, dtype="bfloat16", page_size=page_size,
+        kv_layout=layout,
+        layer_ids=tuple(range(LAYERS)),
+        total_kv_heads=total,
+        head_dim=HEAD_DIM,
+        dtype="bfloat16",
+        page_size=page_size,
         kv_buffers=tuple(BufferSpec(a.ctypes.data, a.nbytes, a.nbytes // pages) for a in kv),
-        attn_tp_rank=tp_rank, attn_tp_size=tp,
-    )  # fmt: skip
+        attn_tp_rank=tp_rank,
+        attn_tp_size=tp,
+    )
     return Rank(kv, args)
 
 
@@ -116,8 +129,17 @@ def test_grid_against_the_global_tensor(
     truth = rng.integers(0, 2**16, size=(parts, LAYERS, TOKENS, heads, HEAD_DIM), dtype=np.uint16)
     src_pages_needed = math.ceil(TOKENS / page_size)
     local_tokens = [len(range(r, TOKENS, dcp)) for r in range(dcp)]
-    arena = Arena(3 * (pt + 2 * dt * dcp) * parts * LAYERS * (src_pages_needed + 8) * page_size
-                  * heads * HEAD_DIM + 4096)  # fmt: skip
+    arena = Arena(
+        3
+        * (pt + 2 * dt * dcp)
+        * parts
+        * LAYERS
+        * (src_pages_needed + 8)
+        * page_size
+        * heads
+        * HEAD_DIM
+        + 4096
+    )
 
     def heads_of(rank: int, tp: int) -> tuple[int, int]:
         if layout == KVLayout.MLA:
@@ -157,16 +179,37 @@ def test_grid_against_the_global_tensor(
                 bounds = [0, 1, pages.size] if chunked and pages.size > 1 else [0, pages.size]
                 for low, high in itertools.pairwise(bounds):
                     plan = plan_tokens(
-                        prefill[source.prefill_rank].args, rank.args, source, pages[low:high],
-                        low * page_size, dst_pages, dcp_size=dcp, dcp_rank=r,
-                    )  # fmt: skip
+                        prefill[source.prefill_rank].args,
+                        rank.args,
+                        source,
+                        pages[low:high],
+                        low * page_size,
+                        dst_pages,
+                        dcp_size=dcp,
+                        dcp_rank=r,
+                    )
                     arena.execute(plan)
             ranks = [rank]
             direct = pair(prefill[route.sources[0].prefill_rank].args, rank.args).direct
             if direct:  # the same again, gathered and written straight into decode's pages
                 only = route.sources[0]
-                ranks.append(gathered_into(arena, prefill, src_pages, layout, only, count,
-                                           heads, d, dt, dst_pages, chunked, dcp, r))  # fmt: skip
+                ranks.append(
+                    gathered_into(
+                        arena,
+                        prefill,
+                        src_pages,
+                        layout,
+                        only,
+                        count,
+                        heads,
+                        d,
+                        dt,
+                        dst_pages,
+                        chunked,
+                        dcp,
+                        r,
+                    )
+                )
             tokens = np.arange(r, TOKENS, dcp)
             local = np.arange(tokens.size)
             for received in ranks:
@@ -177,10 +220,21 @@ def test_grid_against_the_global_tensor(
                     assert np.array_equal(got, expected), f"decode {d} dcp {r} buffer {index}"
 
 
-def gathered_into(arena: Arena, prefill: list[Rank], src_pages: list[np.ndarray],
-                  layout: KVLayout, source: Source, count: int, heads: int, d: int, dt: int,
-                  dst_pages: np.ndarray, chunked: bool, dcp: int,
-                  dcp_rank: int) -> Rank:  # fmt: skip
+def gathered_into(
+    arena: Arena,
+    prefill: list[Rank],
+    src_pages: list[np.ndarray],
+    layout: KVLayout,
+    source: Source,
+    count: int,
+    heads: int,
+    d: int,
+    dt: int,
+    dst_pages: np.ndarray,
+    chunked: bool,
+    dcp: int,
+    dcp_rank: int,
+) -> Rank:
     """A decode rank fed by one prefill rank alone, filled the way a prefill rank does it
     then: each chunk's head slice gathered into a staging buffer, written by `plan_gathered`."""
     src = prefill[source.prefill_rank]
@@ -194,8 +248,9 @@ def gathered_into(arena: Arena, prefill: list[Rank], src_pages: list[np.ndarray]
     bounds = [0, 1, pages.size] if chunked and pages.size > 1 else [0, pages.size]
     column, width = source.columns(src.args.head_bytes, "src")
     for low, high in itertools.pairwise(bounds):
-        src_rows, dst_rows = token_rows(pages[low:high], page_size, low * page_size,
-                                        dst_pages, page_size, dcp, dcp_rank)  # fmt: skip
+        src_rows, dst_rows = token_rows(
+            pages[low:high], page_size, low * page_size, dst_pages, page_size, dcp, dcp_rank
+        )
         kernels.gather(views, src_rows, column, width, staging)
         arena.execute(plan_gathered(src.args, rank.args, source, staging.ctypes.data, dst_rows))
     return rank
@@ -211,16 +266,22 @@ HEAD_MAJOR_CASES: list[HeadMajorCase] = [
 ]
 
 
-def make_head_major_rank(arena: Arena, heads_here: int, total: int, tp_rank: int, tp: int,
-                         pages: int, page_size: int) -> Rank:  # fmt: skip
+def make_head_major_rank(
+    arena: Arena, heads_here: int, total: int, tp_rank: int, tp: int, pages: int, page_size: int
+) -> Rank:
     """vLLM's CPU cache: one buffer per layer, pages ``[heads, K/V, page_size, head_dim]``."""
     kv = [arena.array((pages, heads_here, 2 * page_size, HEAD_DIM)) for _ in range(LAYERS)]
     args = KVArgs(
-        kv_layout=KVLayout.MHA_HEAD_MAJOR, layer_ids=tuple(range(LAYERS)), total_kv_heads=total,
-        head_dim=HEAD_DIM, dtype="bfloat16", page_size=page_size,
+        kv_layout=KVLayout.MHA_HEAD_MAJOR,
+        layer_ids=tuple(range(LAYERS)),
+        total_kv_heads=total,
+        head_dim=HEAD_DIM,
+        dtype="bfloat16",
+        page_size=page_size,
         kv_buffers=tuple(BufferSpec(a.ctypes.data, a.nbytes, a.nbytes // pages) for a in kv),
-        attn_tp_rank=tp_rank, attn_tp_size=tp,
-    )  # fmt: skip
+        attn_tp_rank=tp_rank,
+        attn_tp_size=tp,
+    )
     return Rank(kv, args)
 
 
@@ -245,8 +306,9 @@ def test_head_major_grid_against_the_global_tensor(case: HeadMajorCase) -> None:
     rng = np.random.default_rng(abs(hash(case)) % 2**32)
     truth = rng.integers(0, 2**16, size=(LAYERS, TOKENS, heads, 2, HEAD_DIM), dtype=np.uint16)
     pages_needed = math.ceil(TOKENS / page_size)
-    arena = Arena(2 * (pt + dt) * LAYERS * (pages_needed + 5) * page_size * heads * 2 * HEAD_DIM
-                  + 4096)  # fmt: skip
+    arena = Arena(
+        2 * (pt + dt) * LAYERS * (pages_needed + 5) * page_size * heads * 2 * HEAD_DIM + 4096
+    )
     prefill, src_pages = [], []
     for p in range(pt):
         held = rank_heads(p, pt, heads)
@@ -287,8 +349,14 @@ def test_head_major_pages_keep_their_tokens_together() -> None:
         pair(src.args, make_head_major_rank(arena, 2, 8, 0, 4, 8, 32).args)
     (source,) = topology(2, 4, 8, KVLayout.MHA_HEAD_MAJOR).route(0).sources
     with pytest.raises(PlanError, match="cannot split their tokens"):
-        plan_tokens(src.args, make_head_major_rank(arena, 2, 8, 0, 4, 8, 16).args, source,
-                    np.array([0]), 0, np.array([0]))  # fmt: skip
+        plan_tokens(
+            src.args,
+            make_head_major_rank(arena, 2, 8, 0, 4, 8, 16).args,
+            source,
+            np.array([0]),
+            0,
+            np.array([0]),
+        )
 
 
 def test_equal_layout_merges_to_the_page_runs_of_plan_kv() -> None:
@@ -378,9 +446,14 @@ def test_state_shards_against_the_global_state(pt: int, dt: int) -> None:
             state[:] = truth[:, tp_rank * rows : (tp_rank + 1) * rows]
         kv = [np.zeros((2, 1, 8 // min(tp, 8), 4), np.uint16) for _ in range(2)]
         args = KVArgs.from_numpy(
-            kv, kv_layout=KVLayout.MHA, total_kv_heads=8, attn_tp_rank=tp_rank,
-            attn_tp_size=tp, state=[state], state_dims=[rows],
-        )  # fmt: skip
+            kv,
+            kv_layout=KVLayout.MHA,
+            total_kv_heads=8,
+            attn_tp_rank=tp_rank,
+            attn_tp_size=tp,
+            state=[state],
+            state_dims=[rows],
+        )
         return args, state, kv  # the arrays stay alive with the args that point into them
 
     prefill = [rank(p, pt, True) for p in range(pt)]
@@ -400,8 +473,9 @@ def test_state_shards_against_the_global_state(pt: int, dt: int) -> None:
 def test_state_without_its_sharded_dimension_is_refused_at_pairing() -> None:
     state = [np.zeros((2, 64), np.uint8)]
     kv = [np.zeros((2, 1, 4, 4), np.uint16) for _ in range(2)]
-    src = KVArgs.from_numpy(kv, kv_layout=KVLayout.MHA, total_kv_heads=8, attn_tp_size=2,
-                            state=state)  # fmt: skip
+    src = KVArgs.from_numpy(
+        kv, kv_layout=KVLayout.MHA, total_kv_heads=8, attn_tp_size=2, state=state
+    )
     kv_full = [np.zeros((2, 1, 8, 4), np.uint16) for _ in range(2)]
     dst = KVArgs.from_numpy(kv_full, kv_layout=KVLayout.MHA, total_kv_heads=8, state=state)
     with pytest.raises(PlanError, match="without their sharded parts"):

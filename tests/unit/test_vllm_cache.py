@@ -38,18 +38,30 @@ from kvbridge.wire import KVLayout
 torch_missing = importlib.util.find_spec("torch") is None
 DEVICES = [
     "cpu",
-    pytest.param("cuda", marks=pytest.mark.skipif(
-        torch_missing or not __import__("torch").cuda.is_available(),
-        reason="no CUDA device here")),
-]  # fmt: skip
+    pytest.param(
+        "cuda",
+        marks=pytest.mark.skipif(
+            torch_missing or not __import__("torch").cuda.is_available(),
+            reason="no CUDA device here",
+        ),
+    ),
+]
 needs_torch = pytest.mark.skipif(torch_missing, reason="torch is not installed")
 LAYERS, BLOCKS, HEAD_SIZE = 3, 12, 8
 
 
 def test_one_room_moves_every_group_and_decode_skips_what_it_has() -> None:
     # vLLM blocks of 16 tokens in kernel blocks (kvbridge pages) of 8: two pages a block.
-    args = rank_cache(num_pages=64, seed=None, layer_ids=(0,), page_size=8, total_kv_heads=1,
-                      head_dim=4, state_slots=4, state_item_bytes=(16,)).args  # fmt: skip
+    args = rank_cache(
+        num_pages=64,
+        seed=None,
+        layer_ids=(0,),
+        page_size=8,
+        total_kv_heads=1,
+        head_dim=4,
+        state_slots=4,
+        state_item_bytes=(16,),
+    ).args
     cache = VLLMCache(args, pages_per_block=2, state_slots=True)
     # Prefill: the groups' blocks one after another; a state group's block is a slot.
     sent = cache.send_contents([[5], [7, 8], [9]], {0})
@@ -74,16 +86,23 @@ def test_layer_numbers_come_from_vllm_layer_names() -> None:
         layer_index("lm_head")
 
 
-def instance(layout: str, heads: int, tp: int, rank: int, tokens: int, device: str,
-             mla: bool = False):  # type: ignore[no-untyped-def]  # fmt: skip
+def instance(
+    layout: str, heads: int, tp: int, rank: int, tokens: int, device: str, mla: bool = False
+):  # type: ignore[no-untyped-def]
     import torch
     from vllm_views import layer_views
 
     held = 1 if mla else rank_heads(rank, tp, heads).count
     content = 576 if mla else 2 * HEAD_SIZE
     views = layer_views(LAYERS, BLOCKS, held, tokens, content, torch.bfloat16, layout, device)
-    cache = describe_kv_caches(views, use_mla=mla, total_kv_heads=1 if mla else heads,
-                               attn_tp_rank=rank, attn_tp_size=tp, block_size=tokens)  # fmt: skip
+    cache = describe_kv_caches(
+        views,
+        use_mla=mla,
+        total_kv_heads=1 if mla else heads,
+        attn_tp_rank=rank,
+        attn_tp_size=tp,
+        block_size=tokens,
+    )
     return views, cache
 
 
@@ -109,8 +128,9 @@ def test_attention_layouts_move_heads_to_where_decode_reads_them(
         for _, src_cache in prefill:
             pairing = pair(src_cache.kv_args, cache.kv_args)
             if pairing.source is not None:
-                plan = pairing.plan(src_cache.kv_args, cache.kv_args,
-                                    np.array(src_blocks), 0, dst_blocks)  # fmt: skip
+                plan = pairing.plan(
+                    src_cache.kv_args, cache.kv_args, np.array(src_blocks), 0, dst_blocks
+                )
                 execute(plan, src_cache.kv_args, cache.kv_args)
         mine = rank_heads(d, decode_tp, heads)
         for name, view in views.items():
@@ -147,8 +167,11 @@ def test_mla_latent_moves_from_one_prefill_rank_to_each_decode_rank(
             pairing = pair(src.kv_args, cache.kv_args)
             if pairing.source is not None:
                 writers += 1
-                execute(pairing.plan(src.kv_args, cache.kv_args, np.array([2, 4]), 0, [6, 1]),
-                        src.kv_args, cache.kv_args)  # fmt: skip
+                execute(
+                    pairing.plan(src.kv_args, cache.kv_args, np.array([2, 4]), 0, [6, 1]),
+                    src.kv_args,
+                    cache.kv_args,
+                )
                 expected = views_p
         assert writers == 1  # no byte twice
         for name, view in views.items():
@@ -180,15 +203,15 @@ def test_head_major_pages_between_block_sizes_are_refused_naming_both() -> None:
     _, src = instance("LBHNC", 4, 1, 0, 32, "cpu")
     _, dst = instance("LBHNC", 4, 1, 0, 64, "cpu")
     with pytest.raises(PlanError, match="32 → 64 tokens"):
-        pair(src.kv_args, dst.kv_args).plan(src.kv_args, dst.kv_args,
-                                            np.array([1]), 0, [2])  # fmt: skip
+        pair(src.kv_args, dst.kv_args).plan(src.kv_args, dst.kv_args, np.array([1]), 0, [2])
 
 
 @needs_torch
 def test_kernel_blocks_smaller_than_vllm_blocks_are_pages_of_a_block() -> None:
     views, cache = instance("LBHNC", 4, 1, 0, 16, "cpu")
-    cache = describe_kv_caches(views, use_mla=False, total_kv_heads=4, attn_tp_rank=0,
-                               attn_tp_size=1, block_size=64)  # fmt: skip
+    cache = describe_kv_caches(
+        views, use_mla=False, total_kv_heads=4, attn_tp_rank=0, attn_tp_size=1, block_size=64
+    )
     assert cache.pages_per_block == 4
     assert cache.pages_of([2, 0]) == (8, 9, 10, 11, 0, 1, 2, 3)
 
@@ -200,16 +223,28 @@ def test_unsupported_views_are_refused_with_the_reason() -> None:
 
     interleaved = layer_views(2, 4, 2, 16, 16, torch.bfloat16, "BLHNC")
     with pytest.raises(GeometryError, match="block-outermost layout"):
-        describe_kv_caches(interleaved, use_mla=False, total_kv_heads=2, attn_tp_rank=0,
-                           attn_tp_size=1, block_size=16)  # fmt: skip
+        describe_kv_caches(
+            interleaved,
+            use_mla=False,
+            total_kv_heads=2,
+            attn_tp_rank=0,
+            attn_tp_size=1,
+            block_size=16,
+        )
     views = layer_views(2, 4, 2, 16, 16, torch.bfloat16, "LBHNC")
     with pytest.raises(GeometryError, match="hold 2 heads, but 8 KV heads over attention TP 2"):
-        describe_kv_caches(views, use_mla=False, total_kv_heads=8, attn_tp_rank=0,
-                           attn_tp_size=2, block_size=16)  # fmt: skip
+        describe_kv_caches(
+            views, use_mla=False, total_kv_heads=8, attn_tp_rank=0, attn_tp_size=2, block_size=16
+        )
     with pytest.raises(GeometryError, match="shape"):
-        describe_kv_caches({"layers.0.attn": torch.zeros(6, 32)}, use_mla=False,
-                           total_kv_heads=1, attn_tp_rank=0, attn_tp_size=1,
-                           block_size=16)  # fmt: skip
+        describe_kv_caches(
+            {"layers.0.attn": torch.zeros(6, 32)},
+            use_mla=False,
+            total_kv_heads=1,
+            attn_tp_rank=0,
+            attn_tp_size=1,
+            block_size=16,
+        )
 
 
 # A Mamba-2 layer of the hybrid tests: 4 heads of dim 2, one B/C group of state size 3, a
@@ -236,13 +271,22 @@ def mamba_page(conv: Any, ssm: Any, rank: int, tp: int) -> Any:
     heads, groups = rank_heads(rank, tp, M_HEADS), rank_heads(rank, tp, M_GROUPS)
     x = M_HEADS * M_HEAD_DIM
     b, c = x, x + M_GROUPS * M_STATE
-    local = torch.cat([conv[..., heads.start * M_HEAD_DIM : heads.stop * M_HEAD_DIM],
-                       conv[..., b + groups.start * M_STATE : b + groups.stop * M_STATE],
-                       conv[..., c + groups.start * M_STATE : c + groups.stop * M_STATE]],
-                      dim=-1)  # fmt: skip
+    local = torch.cat(
+        [
+            conv[..., heads.start * M_HEAD_DIM : heads.stop * M_HEAD_DIM],
+            conv[..., b + groups.start * M_STATE : b + groups.stop * M_STATE],
+            conv[..., c + groups.start * M_STATE : c + groups.stop * M_STATE],
+        ],
+        dim=-1,
+    )
     state = ssm[:, heads.start : heads.stop]
-    return torch.cat([local.contiguous().view(torch.uint8).flatten(1),
-                      state.contiguous().view(torch.uint8).flatten(1)], dim=1)  # fmt: skip
+    return torch.cat(
+        [
+            local.contiguous().view(torch.uint8).flatten(1),
+            state.contiguous().view(torch.uint8).flatten(1),
+        ],
+        dim=1,
+    )
 
 
 @needs_torch
@@ -264,25 +308,35 @@ def test_a_mamba_hybrids_state_moves_as_slots_beside_its_attention(
         views = {}
         page_bytes = mamba_page(conv, ssm, rank, tp)
         for slot in range(2):
-            one = layer_views(1, BLOCKS, 4 // tp, 16, 2 * HEAD_SIZE, torch.bfloat16, "LBHNC",
-                              device)  # fmt: skip
+            one = layer_views(
+                1, BLOCKS, 4 // tp, 16, 2 * HEAD_SIZE, torch.bfloat16, "LBHNC", device
+            )
             attention = next(iter(one.values()))
             page = attention.stride(0) * attention.element_size()
             used = page_bytes.shape[1]
             raw = torch.empty(0, dtype=torch.int8, device=device).set_(
-                attention.untyped_storage(), attention.storage_offset() * 2,
-                (BLOCKS, 1, 1, used), (page, used, used, 1))  # fmt: skip
+                attention.untyped_storage(),
+                attention.storage_offset() * 2,
+                (BLOCKS, 1, 1, used),
+                (page, used, used, 1),
+            )
             raw.view(torch.uint8)[:, 0, 0] = page_bytes.to(device) if fill else 0
             views[f"model.layers.{2 * slot}.mixer"] = raw
             views[f"model.layers.{2 * slot + 1}.self_attn.attn"] = attention
         heads = rank_heads(rank, tp, M_HEADS).count
-        mamba = MambaState((M_ROWS, heads * M_HEAD_DIM + 2 * M_STATE),
-                           (heads, M_HEAD_DIM, M_STATE), 2, 4, M_GROUPS)  # fmt: skip
+        mamba = MambaState(
+            (M_ROWS, heads * M_HEAD_DIM + 2 * M_STATE), (heads, M_HEAD_DIM, M_STATE), 2, 4, M_GROUPS
+        )
         return views, describe_kv_caches(
-            views, use_mla=False, total_kv_heads=4, attn_tp_rank=rank, attn_tp_size=tp,
-            block_size=16, state_layers=frozenset({"model.layers.0.mixer", "model.layers.2.mixer"}),
+            views,
+            use_mla=False,
+            total_kv_heads=4,
+            attn_tp_rank=rank,
+            attn_tp_size=tp,
+            block_size=16,
+            state_layers=frozenset({"model.layers.0.mixer", "model.layers.2.mixer"}),
             mamba=mamba,
-        )  # fmt: skip
+        )
 
     prefill = [hybrid(rank, prefill_tp, fill=True) for rank in range(prefill_tp)]
     args = prefill[0][1].kv_args
@@ -295,11 +349,16 @@ def test_a_mamba_hybrids_state_moves_as_slots_beside_its_attention(
         for sender in senders:
             src = prefill[sender][1]
             pairing = pair(src.kv_args, dst.kv_args)
-            execute(pairing.plan(src.kv_args, dst.kv_args, np.array([1, 5]), 0, [7, 2]),
-                    src.kv_args, dst.kv_args)  # fmt: skip
-            plan = (plan_slots(src.kv_args.state_buffers, dst.kv_args.state_buffers, 4, 9,
-                               "state") if prefill_tp == decode_tp
-                    else plan_state_slices(src.kv_args, dst.kv_args, 4, 9, senders))  # fmt: skip
+            execute(
+                pairing.plan(src.kv_args, dst.kv_args, np.array([1, 5]), 0, [7, 2]),
+                src.kv_args,
+                dst.kv_args,
+            )
+            plan = (
+                plan_slots(src.kv_args.state_buffers, dst.kv_args.state_buffers, 4, 9, "state")
+                if prefill_tp == decode_tp
+                else plan_state_slices(src.kv_args, dst.kv_args, 4, 9, senders)
+            )
             execute(plan, src.kv_args, dst.kv_args)
         expected = mamba_page(conv, ssm, rank, decode_tp)[4]
         heads = rank_heads(rank, decode_tp, 4)
@@ -328,8 +387,11 @@ STATE = Group(GroupKind.STATE, 64, spec_blocks=2)
 def test_prefill_sends_its_computed_blocks_the_window_and_the_state() -> None:
     ids = ([10, 11, 12, 13, 14], [0, 0, 21, 22, 23], [30, 31, 32])
     sent = blocks_to_send([FULL, SLIDING, STATE], ids, num_tokens=17)
-    assert sent == [GroupBlocks(0, (10, 11, 12, 13, 14)), GroupBlocks(2, (21, 22, 23)),
-                    GroupBlocks(0, (30,))]  # fmt: skip
+    assert sent == [
+        GroupBlocks(0, (10, 11, 12, 13, 14)),
+        GroupBlocks(2, (21, 22, 23)),
+        GroupBlocks(0, (30,)),
+    ]
     assert blocks_to_send([FULL], ([10, 11, 12],), num_tokens=5)[0].blocks == (10, 11)
     # Prefix caching's aligned state: nulls before the state, scratch blocks after it.
     assert state_block([0, 0, 41, 42, 43], spec_blocks=2) == 41
@@ -375,10 +437,13 @@ def test_every_token_decode_loads_comes_from_the_block_prefill_computed_it_in(
     prefill_ids.append([0] * window_first + [200 + j for j in range(window_first, blocks)])
     sent = blocks_to_send([FULL, SLIDING], prefill_ids, total)
     decode_first = max(prefix // 4, window_first)
-    decode_ids = [[300 + j for j in range(blocks)],
-                  [0] * decode_first + [400 + j for j in range(decode_first, blocks)]]  # fmt: skip
-    loads = blocks_to_load([FULL, SLIDING], decode_ids, prefix, count,
-                           [(g.first, len(g.blocks)) for g in sent])  # fmt: skip
+    decode_ids = [
+        [300 + j for j in range(blocks)],
+        [0] * decode_first + [400 + j for j in range(decode_first, blocks)],
+    ]
+    loads = blocks_to_load(
+        [FULL, SLIDING], decode_ids, prefix, count, [(g.first, len(g.blocks)) for g in sent]
+    )
     for group, load in zip(sent, loads, strict=True):
         pairs = zip(group.blocks[load.skip :], load.blocks, strict=False)
         for src, dst in pairs:  # the same block position on both sides
@@ -394,18 +459,43 @@ def test_pages_that_are_not_one_block_each_are_refused() -> None:
 
     raw = torch.zeros(4 * 2 * 256, dtype=torch.int8)
     shape = (4, 1, 1, 200)
-    interleaved = {f"model.layers.{layer}.mixer": raw[layer * 256 :].as_strided(
-        shape, (512, 200, 200, 1)) for layer in range(2)}  # fmt: skip
+    interleaved = {
+        f"model.layers.{layer}.mixer": raw[layer * 256 :].as_strided(shape, (512, 200, 200, 1))
+        for layer in range(2)
+    }
     names = frozenset(interleaved)
     with pytest.raises(GeometryError, match="overlap"):
-        describe_kv_caches(interleaved, use_mla=False, total_kv_heads=1, attn_tp_rank=0,
-                           attn_tp_size=1, block_size=16, state_layers=names)  # fmt: skip
-    apart = {f"model.layers.{layer}.mixer": raw[layer * 1024 :].as_strided(
-        shape, (256, 200, 200, 1)) for layer in range(2)}  # fmt: skip
-    cache = describe_kv_caches(apart, use_mla=False, total_kv_heads=1, attn_tp_rank=0,
-                               attn_tp_size=1, block_size=16, state_layers=names)  # fmt: skip
+        describe_kv_caches(
+            interleaved,
+            use_mla=False,
+            total_kv_heads=1,
+            attn_tp_rank=0,
+            attn_tp_size=1,
+            block_size=16,
+            state_layers=names,
+        )
+    apart = {
+        f"model.layers.{layer}.mixer": raw[layer * 1024 :].as_strided(shape, (256, 200, 200, 1))
+        for layer in range(2)
+    }
+    cache = describe_kv_caches(
+        apart,
+        use_mla=False,
+        total_kv_heads=1,
+        attn_tp_rank=0,
+        attn_tp_size=1,
+        block_size=16,
+        state_layers=names,
+    )
     assert cache.kv_args.kv_layout == KVLayout.PAGES
     with pytest.raises(GeometryError, match="splits its 2 blocks into \\[4\\] kernel blocks"):
-        describe_kv_caches(apart, use_mla=False, total_kv_heads=1, attn_tp_rank=0,
-                           attn_tp_size=1, block_size=16, state_layers=names,
-                           num_blocks=2)  # fmt: skip
+        describe_kv_caches(
+            apart,
+            use_mla=False,
+            total_kv_heads=1,
+            attn_tp_rank=0,
+            attn_tp_size=1,
+            block_size=16,
+            state_layers=names,
+            num_blocks=2,
+        )

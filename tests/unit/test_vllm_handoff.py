@@ -10,8 +10,8 @@ import time
 import pytest
 import zmq
 
-from kvbridge.integrations.vllm_core import OptionsError
 from kvbridge.integrations.vllm_handoff import SendInbox, SendOutbox
+from kvbridge.integrations.vllm_options import OptionsError
 from kvbridge.integrations.vllm_requests import SendSpec
 
 SEND = SendSpec("req-1", 2**62 + 5, ((3, 4, 5), (9,)))

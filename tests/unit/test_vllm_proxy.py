@@ -86,14 +86,16 @@ def proxied(request: pytest.FixtureRequest) -> Iterator[tuple[PDProxy, StandIn, 
     decode.close()
 
 
-def post(url: str, path: str, body: Any, headers: dict[str, str] | None = None
-         ) -> tuple[int, bytes]:  # fmt: skip
+def post(
+    url: str, path: str, body: Any, headers: dict[str, str] | None = None
+) -> tuple[int, bytes]:
     host, port = url.removeprefix("http://").split(":")
     connection = http.client.HTTPConnection(host, int(port), timeout=10)
     try:
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
-        connection.request("POST", path, data,
-                           {"Content-Type": "application/json", **(headers or {})})  # fmt: skip
+        connection.request(
+            "POST", path, data, {"Content-Type": "application/json", **(headers or {})}
+        )
         response = connection.getresponse()
         return response.status, response.read()
     finally:
@@ -152,10 +154,12 @@ def test_concurrent_clients_share_pooled_upstream_connections(
 ) -> None:
     proxy, prefill, decode = proxied
     with ThreadPoolExecutor(8) as pool:
-        answers = list(pool.map(
-            lambda i: post(proxy.url, "/v1/completions", {"prompt": [i], "max_tokens": 4}),
-            range(64),
-        ))  # fmt: skip
+        answers = list(
+            pool.map(
+                lambda i: post(proxy.url, "/v1/completions", {"prompt": [i], "max_tokens": 4}),
+                range(64),
+            )
+        )
     assert all(status == 200 for status, _ in answers)
     assert sorted(body["prompt"][0] for body in decode.bodies) == list(range(64))
     # Kept alive and reused: a handful of connections per instance, not one per request.
@@ -210,8 +214,9 @@ def test_an_answer_cut_short_upstream_is_cut_for_the_client_too(
     proxied: tuple[PDProxy, StandIn, StandIn],
 ) -> None:
     proxy, _, _ = proxied
-    with pytest.raises((http.client.IncompleteRead, http.client.RemoteDisconnected,
-                        ConnectionError)):  # fmt: skip
+    with pytest.raises(
+        (http.client.IncompleteRead, http.client.RemoteDisconnected, ConnectionError)
+    ):
         post(proxy.url, "/v1/completions", {"prompt": [5], "stream": True, "cut": True})
     status, data = post(proxy.url, "/v1/completions", {"prompt": [5], "stream": True})
     assert status == 200  # the proxy serves on

@@ -16,10 +16,15 @@ HYBRID = (Group(GroupKind.STATE, 64), Group(GroupKind.FULL, 4))
 def request(tokens: int, params: dict[str, Any], request_id: str = "r") -> SimpleNamespace:
     prompt = list(range(1, tokens + 1))
     return SimpleNamespace(
-        request_id=request_id, kv_transfer_params=params, num_prompt_tokens=tokens,
-        prompt_token_ids=prompt, _all_token_ids=list(prompt), max_tokens=8,
-        num_computed_tokens=tokens, status=SimpleNamespace(name="FINISHED_LENGTH_CAPPED"),
-    )  # fmt: skip
+        request_id=request_id,
+        kv_transfer_params=params,
+        num_prompt_tokens=tokens,
+        prompt_token_ids=prompt,
+        _all_token_ids=list(prompt),
+        max_tokens=8,
+        num_computed_tokens=tokens,
+        status=SimpleNamespace(name="FINISHED_LENGTH_CAPPED"),
+    )
 
 
 def test_prefill_stops_one_token_short_of_a_recurrent_state_once() -> None:

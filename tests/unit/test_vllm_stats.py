@@ -23,8 +23,10 @@ def test_an_interval_hands_over_what_it_saw_once() -> None:
     interval.fail("load", FailureKind.PEER_DEAD)
     interval.fail("send", None)
     assert interval.take() == {
-        LOAD_SECONDS: [0.02], "failed:load:PEER_DEAD": 2, "failed:send:UNKNOWN": 1,
-    }  # fmt: skip
+        LOAD_SECONDS: [0.02],
+        "failed:load:PEER_DEAD": 2,
+        "failed:send:UNKNOWN": 1,
+    }
     assert interval.take() == {}
     assert parse_failed(failed_key("send", FailureKind.TIMEOUT)) == ("send", "TIMEOUT")
     assert parse_failed("requests_loaded") is None
@@ -36,9 +38,12 @@ def test_workers_and_intervals_merge_by_kind_of_value() -> None:
     later = {LOADS_IN_FLIGHT: 1, WRITE_BYTES: [4096]}
     merged = merge(merge(dict(rank0), rank1), later)
     assert merged == {
-        "requests_loaded": 4, LOAD_SECONDS: [0.01, 0.03, 0.02], "failed:load:TIMEOUT": 1,
-        LOADS_IN_FLIGHT: 1, WRITE_BYTES: [4096],  # a gauge's latest reading, not a sum
-    }  # fmt: skip
+        "requests_loaded": 4,
+        LOAD_SECONDS: [0.01, 0.03, 0.02],
+        "failed:load:TIMEOUT": 1,
+        LOADS_IN_FLIGHT: 1,
+        WRITE_BYTES: [4096],  # a gauge's latest reading, not a sum
+    }
     line = summary(merged)
     assert line["requests_loaded"] == 4
     assert line["load_count"] == 3

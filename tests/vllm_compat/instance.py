@@ -77,22 +77,32 @@ def main() -> None:
     if os.environ.get("KVBRIDGE_TEST_PREFIX_CACHING") == "0":
         block_size["enable_prefix_caching"] = False
     llm = LLM(
-        model=model, skip_tokenizer_init=True, **block_size,
-        max_model_len=MAX_MODEL_LEN, kv_cache_memory_bytes=int(os.environ.get(
-            "KVBRIDGE_TEST_KV_BYTES", 256 << 20)), dtype=DTYPE, enforce_eager=True,
-        kv_transfer_config=kv_transfer_config, seed=0,
-        tensor_parallel_size=TP, pipeline_parallel_size=PP,
-        **({"max_num_seqs": int(os.environ["KVBRIDGE_TEST_MAX_NUM_SEQS"])}
-           if "KVBRIDGE_TEST_MAX_NUM_SEQS" in os.environ else {}),
+        model=model,
+        skip_tokenizer_init=True,
+        **block_size,
+        max_model_len=MAX_MODEL_LEN,
+        kv_cache_memory_bytes=int(os.environ.get("KVBRIDGE_TEST_KV_BYTES", 256 << 20)),
+        dtype=DTYPE,
+        enforce_eager=True,
+        kv_transfer_config=kv_transfer_config,
+        seed=0,
+        tensor_parallel_size=TP,
+        pipeline_parallel_size=PP,
+        **(
+            {"max_num_seqs": int(os.environ["KVBRIDGE_TEST_MAX_NUM_SEQS"])}
+            if "KVBRIDGE_TEST_MAX_NUM_SEQS" in os.environ
+            else {}
+        ),
         distributed_executor_backend="mp" if TP * PP > 1 else None,
-    )  # fmt: skip
+    )
     # kvbridge logs through vLLM's handlers at vLLM's level; DEBUG here traces every room.
     if level := os.environ.get("KVBRIDGE_TEST_LOG_LEVEL"):
         logging.getLogger("kvbridge").setLevel(level)
         for handler in logging.getLogger("kvbridge").handlers:  # vLLM's, in milliseconds
             handler.setLevel(level)
-            handler.setFormatter(logging.Formatter("%(asctime)s.%(msecs)03d %(message)s",
-                                                   "%H:%M:%S"))  # fmt: skip
+            handler.setFormatter(
+                logging.Formatter("%(asctime)s.%(msecs)03d %(message)s", "%H:%M:%S")
+            )
     engine = llm.llm_engine
     core = engine.engine_core.engine_core
     scheduler = core.scheduler
@@ -149,9 +159,12 @@ def main() -> None:
                 request_id = str(kv_params["remote_request_id"]).rsplit("-", 1)[0]
             extra = {"kv_transfer_params": kv_params} if kv_params is not None else None
             sampling = SamplingParams(
-                temperature=0, max_tokens=limit, detokenize=False,
-                extra_args=extra, output_kind=RequestOutputKind.CUMULATIVE,
-            )  # fmt: skip
+                temperature=0,
+                max_tokens=limit,
+                detokenize=False,
+                extra_args=extra,
+                output_kind=RequestOutputKind.CUMULATIVE,
+            )
             added_at[request_id] = time.perf_counter()
             engine.add_request(request_id, {"prompt_token_ids": prompt}, sampling)
             ids.append(request_id)
@@ -180,19 +193,21 @@ def main() -> None:
             ready = kv_ready_at.pop(request_id, None)
             added = added_at.pop(request_id)
             ranks = kv_blocks.pop(request_id, None) or []
-            outputs.append({
-                "tokens": list(completion.token_ids) if completion else [],
-                "finish_reason": completion.finish_reason if completion else None,
-                "kv_transfer_params": output.kv_transfer_params,
-                "ttft_s": first - added if first is not None else None,
-                "kv_ready_s": ready - added if ready is not None else None,
-                "kv_blocks": ranks[0]["blocks"] if ranks else None,
-                "kv_blocks_by_rank": [rank["blocks"] for rank in ranks],
-                "kv_heads_by_rank": [rank["heads"] for rank in ranks],
-                # decode: as loaded; prefill: as it ended
-                "kv_states_by_rank": loaded_states.pop(request_id, None)
-                or [rank["states"] for rank in ranks],
-            })  # fmt: skip
+            outputs.append(
+                {
+                    "tokens": list(completion.token_ids) if completion else [],
+                    "finish_reason": completion.finish_reason if completion else None,
+                    "kv_transfer_params": output.kv_transfer_params,
+                    "ttft_s": first - added if first is not None else None,
+                    "kv_ready_s": ready - added if ready is not None else None,
+                    "kv_blocks": ranks[0]["blocks"] if ranks else None,
+                    "kv_blocks_by_rank": [rank["blocks"] for rank in ranks],
+                    "kv_heads_by_rank": [rank["heads"] for rank in ranks],
+                    # decode: as loaded; prefill: as it ended
+                    "kv_states_by_rank": loaded_states.pop(request_id, None)
+                    or [rank["states"] for rank in ranks],
+                }
+            )
         return outputs
 
     def offline(command: dict[str, Any]) -> list[dict[str, Any]]:
@@ -200,13 +215,15 @@ def main() -> None:
         prompts = command["prompts"]
         params = command.get("params") or [None] * len(prompts)
         sampling = [
-            SamplingParams(temperature=0, max_tokens=command.get("max_tokens", 8),
-                           detokenize=False, extra_args={"kv_transfer_params": kv_params}
-                           if kv_params is not None else None)
+            SamplingParams(
+                temperature=0,
+                max_tokens=command.get("max_tokens", 8),
+                detokenize=False,
+                extra_args={"kv_transfer_params": kv_params} if kv_params is not None else None,
+            )
             for kv_params in params
-        ]  # fmt: skip
-        answers = llm.generate([{"prompt_token_ids": p} for p in prompts], sampling,
-                               use_tqdm=False)  # fmt: skip
+        ]
+        answers = llm.generate([{"prompt_token_ids": p} for p in prompts], sampling, use_tqdm=False)
         return [
             {"tokens": list(answer.outputs[0].token_ids), "params": answer.kv_transfer_params}
             for answer in answers
@@ -342,8 +359,9 @@ def _hash_states(worker: Any, block_ids: list[list[int]]) -> dict[str, str]:
     context = runner.compilation_config.static_forward_context
     rank, tp = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
     digests = {}
-    for index, (group, ids) in enumerate(zip(runner.kv_cache_config.kv_cache_groups, block_ids,
-                                             strict=True)):  # fmt: skip
+    for index, (group, ids) in enumerate(
+        zip(runner.kv_cache_config.kv_cache_groups, block_ids, strict=True)
+    ):
         for name in group.layer_names:
             state = context[name].kv_cache
             if not isinstance(state, tuple) or len(state) != 2:

@@ -24,8 +24,12 @@ class _Metadata(KVConnectorMetadata):
 
 def _summary(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
-        return {"shape": list(value.shape), "dtype": str(value.dtype),
-                "stride": list(value.stride()), "device": str(value.device)}  # fmt: skip
+        return {
+            "shape": list(value.shape),
+            "dtype": str(value.dtype),
+            "stride": list(value.stride()),
+            "device": str(value.device),
+        }
     if isinstance(value, (list, tuple)) and len(value) > 8:
         return f"{type(value).__name__} of {len(value)}"
     if isinstance(value, (int, float, str, bool)) or value is None:

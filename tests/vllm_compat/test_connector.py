@@ -24,8 +24,9 @@ from typing import Any
 import pytest
 
 if importlib.util.find_spec("vllm") is None:
-    pytest.skip("vLLM is not installed here (make test runs this in .venv-vllm)",
-                allow_module_level=True)  # fmt: skip
+    pytest.skip(
+        "vLLM is not installed here (make test runs this in .venv-vllm)", allow_module_level=True
+    )
 
 from vllm_harness import (
     BLOCK_SIZE,
@@ -109,8 +110,9 @@ class Pair:
 
 
 @pytest.fixture(scope="module", params=ENGINES)
-def pair(request: pytest.FixtureRequest, model: Path, tmp_path_factory: pytest.TempPathFactory
-         ) -> Iterator[Pair]:  # fmt: skip
+def pair(
+    request: pytest.FixtureRequest, model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Pair]:
     engine = request.param
     if engine == "mooncake" and importlib.util.find_spec("mooncake") is None:
         pytest.skip("Mooncake is not installed in .venv-vllm (scripts/install-mooncake.sh)")
@@ -122,8 +124,10 @@ def pair(request: pytest.FixtureRequest, model: Path, tmp_path_factory: pytest.T
 def test_decode_tokens_equal_a_plain_run(pair: Pair, reference: dict[Any, Any]) -> None:
     outputs, params = pair.run(PROMPTS)
     assert [output["tokens"] for output in outputs] == [reference[tuple(p)] for p in PROMPTS]
-    assert all(p["kvbridge_room"] and p["remote_num_tokens"] == len(q)
-               for p, q in zip(params, PROMPTS, strict=True))  # fmt: skip
+    assert all(
+        p["kvbridge_room"] and p["remote_num_tokens"] == len(q)
+        for p, q in zip(params, PROMPTS, strict=True)
+    )
     decode = pair.decode.call("stats")["connector"]
     assert decode["loads_failed"] == 0
     assert decode["requests_loaded"] == len(PROMPTS)
@@ -138,9 +142,14 @@ def test_bad_or_unreachable_parameters_are_computed_locally(
     pair: Pair, reference: dict[Any, Any]
 ) -> None:
     # A client's kv_transfer_params are input: nothing in them may stop the engine.
-    malformed = {"do_remote_prefill": True, "kvbridge_bootstrap_url": "http://127.0.0.1:1",
-                 "kvbridge_room": "seven", "kvbridge_blocks": [[0, 4]],
-                 "kvbridge_block_sizes": [32], "remote_num_tokens": 97}  # fmt: skip
+    malformed = {
+        "do_remote_prefill": True,
+        "kvbridge_bootstrap_url": "http://127.0.0.1:1",
+        "kvbridge_room": "seven",
+        "kvbridge_blocks": [[0, 4]],
+        "kvbridge_block_sizes": [32],
+        "remote_num_tokens": 97,
+    }
     unreachable = {**malformed, "kvbridge_room": 7}  # nothing listens on port 1
     began = time.monotonic()
     outputs = pair.decode.generate([PROMPTS[2]] * 2, MAX_TOKENS, [malformed, unreachable])
@@ -195,8 +204,9 @@ def test_every_pairing_of_tp_1_and_2_gives_the_plain_runs_tokens(
     try:
         prefills, decodes = {}, {}
         for tp in (1, 2):
-            prefills[tp] = tp_instance(model, tmp_path, "kv_producer", tp,
-                                       bootstrap_port=free_port())  # fmt: skip
+            prefills[tp] = tp_instance(
+                model, tmp_path, "kv_producer", tp, bootstrap_port=free_port()
+            )
             instances.append(prefills[tp])
             decodes[tp] = tp_instance(model, tmp_path, "kv_consumer", tp)
             instances.append(decodes[tp])
@@ -266,9 +276,11 @@ def test_prefill_killed_mid_transfer_ends_decode_per_policy(
         pair.prefill.signal(signal.SIGSTOP)  # hung: the request reaches it, nothing moves
         began = time.monotonic()
         pair.decode.call(
-            "submit", prompts=[PROMPTS[2]], max_tokens=MAX_TOKENS,
+            "submit",
+            prompts=[PROMPTS[2]],
+            max_tokens=MAX_TOKENS,
             params=[prefilled[0]["kv_transfer_params"]],
-        )  # fmt: skip
+        )
         time.sleep(0.5)
         pair.prefill.signal(signal.SIGKILL)
         (output,) = pair.decode.call("collect", timeout_s=60)["outputs"]
@@ -293,9 +305,11 @@ def test_a_decode_abort_frees_the_blocks_on_both_sides(model: Path, tmp_path: Pa
         prefilled = pair.prefill.generate([PROMPTS[4]], 1, [PREFILL_ONLY])["outputs"]
         pair.prefill.signal(signal.SIGSTOP)  # the request waits in its socket
         pair.decode.call(
-            "submit", prompts=[PROMPTS[4]], max_tokens=MAX_TOKENS,
+            "submit",
+            prompts=[PROMPTS[4]],
+            max_tokens=MAX_TOKENS,
             params=[prefilled[0]["kv_transfer_params"]],
-        )  # fmt: skip
+        )
         time.sleep(0.3)
         assert pair.decode.call("abort")["aborted"] == 1  # the client went away
         time.sleep(0.3)
@@ -313,11 +327,20 @@ def complete(url: str, model: Path, prompt_ids: list[int]) -> dict[str, Any]:
     """One OpenAI completion request, greedy, answered with the token ids."""
     host, port = url.removeprefix("http://").split(":")
     connection = http.client.HTTPConnection(host, int(port), timeout=120)
-    body = {"model": str(model), "prompt": prompt_ids, "max_tokens": MAX_TOKENS,
-            "temperature": 0, "return_token_ids": True}  # fmt: skip
+    body = {
+        "model": str(model),
+        "prompt": prompt_ids,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "return_token_ids": True,
+    }
     try:
-        connection.request("POST", "/v1/completions", json.dumps(body).encode(),
-                           {"Content-Type": "application/json"})  # fmt: skip
+        connection.request(
+            "POST",
+            "/v1/completions",
+            json.dumps(body).encode(),
+            {"Content-Type": "application/json"},
+        )
         response = connection.getresponse()
         answer = json.loads(response.read())
         assert response.status == 200, answer
@@ -363,11 +386,13 @@ def test_through_vllm_serve_and_the_pd_proxy(
     with behind_proxy(
         lambda: Server(model, kvbridge_config("kv_producer", "nixl"), tmp_path / "prefill.log"),
         lambda: Server(
-            model, kvbridge_config("kv_consumer", "nixl", metrics_port=0), tmp_path / "decode.log",
+            model,
+            kvbridge_config("kv_consumer", "nixl", metrics_port=0),
+            tmp_path / "decode.log",
             # vLLM's development endpoints: /reset_prefix_cache
             environment={**stats_lines_at_every_level(tmp_path), "VLLM_SERVER_DEV_MODE": "1"},
         ),
-    ) as (prefill, decode, proxy):  # fmt: skip
+    ) as (prefill, decode, proxy):
         tokens = complete_all(proxy.url, model, PROMPTS)
         assert tokens == [reference[tuple(p)] for p in PROMPTS]
         assert "KV load failed" not in decode.log()
@@ -388,16 +413,18 @@ def test_through_vllm_serve_and_the_pd_proxy(
         assert logged() == len(PROMPTS), decode.log()[-3000:]
         # And on vLLM's own /metrics, beside vLLM's: each side's transfers, durations, bytes,
         # failures by kind, requests in flight.
-        loaded = scrape_until(decode, "vllm:kvbridge_requests_transferred_total", "load",
-                              len(PROMPTS))  # fmt: skip
+        loaded = scrape_until(
+            decode, "vllm:kvbridge_requests_transferred_total", "load", len(PROMPTS)
+        )
         assert metric(loaded, "vllm:kvbridge_load_time_seconds_count") == len(PROMPTS)
         assert "vllm:kvbridge_requests_in_flight{" in loaded
         assert metric(loaded, "vllm:kvbridge_requests_in_flight", 'side="load"') == 0
         assert "vllm:kvbridge_num_failed_transfers_total{" in loaded  # every kind, from 0
         assert metric(loaded, "vllm:kvbridge_num_failed_transfers_total") == 0
         assert "vllm:num_requests_running" in loaded  # vLLM's own, on the same page
-        sent = scrape_until(prefill, "vllm:kvbridge_requests_transferred_total", "send",
-                            len(PROMPTS))  # fmt: skip
+        sent = scrape_until(
+            prefill, "vllm:kvbridge_requests_transferred_total", "send", len(PROMPTS)
+        )
         assert metric(sent, "vllm:kvbridge_xfer_time_seconds_count") >= len(PROMPTS)
         assert metric(sent, "vllm:kvbridge_bytes_transferred_sum") > 0
         assert metric(sent, "vllm:kvbridge_requests_in_flight", 'side="send"') == 0
@@ -434,8 +461,12 @@ def test_instances_of_different_block_sizes_are_refused_when_they_meet(
     that reason and (policy recompute) computes the prompt itself: never a wrong token."""
     prefill = Instance(model, kvbridge_config("kv_producer", "nixl"), tmp_path / "p32.log")
     try:
-        decode = Instance(model, kvbridge_config("kv_consumer", "nixl", policy="recompute"),
-                          tmp_path / "d64.log", env={"KVBRIDGE_TEST_BLOCK_SIZE": "64"})  # fmt: skip
+        decode = Instance(
+            model,
+            kvbridge_config("kv_consumer", "nixl", policy="recompute"),
+            tmp_path / "d64.log",
+            env={"KVBRIDGE_TEST_BLOCK_SIZE": "64"},
+        )
         try:
             prefilled = prefill.generate([PROMPTS[3]], 1, [PREFILL_ONLY])["outputs"]
             params = [prefilled[0]["kv_transfer_params"]]
@@ -457,8 +488,9 @@ def test_a_pipeline_parallel_decode_is_refused_at_start(model: Path, tmp_path: P
     self.intermediate_tensors is not None`, so the prefill side is not run here.)"""
     env = {"KVBRIDGE_TEST_PP": "2", "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
     with pytest.raises(InstanceError, match="decode instances without pipeline parallelism"):
-        Instance(model, kvbridge_config("kv_consumer", "nixl"), tmp_path / "decode-pp2.log",
-                 env=env)  # fmt: skip
+        Instance(
+            model, kvbridge_config("kv_consumer", "nixl"), tmp_path / "decode-pp2.log", env=env
+        )
 
 
 def test_a_data_parallel_prefill_serves_each_request_from_its_own_rank(
@@ -469,12 +501,15 @@ def test_a_data_parallel_prefill_serves_each_request_from_its_own_rank(
     index, and decode loads each request from the rank that served it."""
     port = free_port()
     with behind_proxy(
-        lambda: Server(model, kvbridge_config("kv_producer", "nixl", bootstrap_port=port),
-                       tmp_path / "prefill-dp2.log",
-                       arguments=("--skip-tokenizer-init", "--data-parallel-size", "2"),
-                       environment={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}),
+        lambda: Server(
+            model,
+            kvbridge_config("kv_producer", "nixl", bootstrap_port=port),
+            tmp_path / "prefill-dp2.log",
+            arguments=("--skip-tokenizer-init", "--data-parallel-size", "2"),
+            environment={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+        ),
         lambda: Server(model, kvbridge_config("kv_consumer", "nixl"), tmp_path / "decode.log"),
-    ) as (prefill, decode, proxy):  # fmt: skip
+    ) as (prefill, decode, proxy):
         prompts = PROMPTS * 2
         assert complete_all(proxy.url, model, prompts) == [reference[tuple(p)] for p in prompts]
         log = prefill.log(tail=None)

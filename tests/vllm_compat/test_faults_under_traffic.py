@@ -29,8 +29,9 @@ from typing import Any
 import pytest
 
 if importlib.util.find_spec("vllm") is None:
-    pytest.skip("vLLM is not installed here (make test runs this in .venv-vllm)",
-                allow_module_level=True)  # fmt: skip
+    pytest.skip(
+        "vLLM is not installed here (make test runs this in .venv-vllm)", allow_module_level=True
+    )
 
 from vllm_harness import (
     KVBridgeProxy,
@@ -69,20 +70,33 @@ class Outcome:
     params: dict[str, Any] | None = None  # the answer's kv_transfer_params
 
 
-def ask(url: str, model: Path, index: int, params: dict[str, Any] | None = None,
-        max_tokens: int = MAX_TOKENS, request_id: str | None = None,
-        timeout_s: float = 120.0) -> Outcome:  # fmt: skip
+def ask(
+    url: str,
+    model: Path,
+    index: int,
+    params: dict[str, Any] | None = None,
+    max_tokens: int = MAX_TOKENS,
+    request_id: str | None = None,
+    timeout_s: float = 120.0,
+) -> Outcome:
     """One greedy completion of PROMPTS[index] (with `kv_transfer_params` and vLLM's request
     id if given); whatever happens, an Outcome."""
     host, port = url.removeprefix("http://").split(":")
-    body = {"model": str(model), "prompt": PROMPTS[index], "max_tokens": max_tokens,
-            "temperature": 0, "return_token_ids": True,
-            **({"kv_transfer_params": params} if params else {})}  # fmt: skip
+    body = {
+        "model": str(model),
+        "prompt": PROMPTS[index],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "return_token_ids": True,
+        **({"kv_transfer_params": params} if params else {}),
+    }
     began = time.monotonic()
     connection = http.client.HTTPConnection(host, int(port), timeout=timeout_s)
     try:
-        headers = {"Content-Type": "application/json",
-                   **({"X-Request-Id": request_id} if request_id else {})}  # fmt: skip
+        headers = {
+            "Content-Type": "application/json",
+            **({"X-Request-Id": request_id} if request_id else {}),
+        }
         connection.request("POST", "/v1/completions", json.dumps(body).encode(), headers)
         response = connection.getresponse()
         data = response.read()
@@ -94,8 +108,14 @@ def ask(url: str, model: Path, index: int, params: dict[str, Any] | None = None,
     if response.status != 200:
         return Outcome(index, began, ended, response.status, error=data.decode(errors="replace"))
     answer = json.loads(data)
-    return Outcome(index, began, ended, 200, tokens=answer["choices"][0]["token_ids"],
-                   params=answer.get("kv_transfer_params"))  # fmt: skip
+    return Outcome(
+        index,
+        began,
+        ended,
+        200,
+        tokens=answer["choices"][0]["token_ids"],
+        params=answer.get("kv_transfer_params"),
+    )
 
 
 @dataclass
@@ -172,23 +192,42 @@ class Deployment:
 
     def start_prefill(self, port: int | None = None) -> Server:
         self.restarts += 1
-        transfer = kvbridge_config("kv_producer", "nixl", host=self.prefill_host,
-                                   bootstrap_port=self.bootstrap_port,
-                                   request_timeout_s=LEASE_S,
-                                   peer_timeout_s=PEER_TIMEOUT_S)  # fmt: skip
-        return self._kept(Server(self.model, transfer, self.logs / f"prefill-{self.restarts}.log",
-                      host=self.prefill_host, port=port,
-                      namespace=self.away.namespace if self.away else None))  # fmt: skip
+        transfer = kvbridge_config(
+            "kv_producer",
+            "nixl",
+            host=self.prefill_host,
+            bootstrap_port=self.bootstrap_port,
+            request_timeout_s=LEASE_S,
+            peer_timeout_s=PEER_TIMEOUT_S,
+        )
+        return self._kept(
+            Server(
+                self.model,
+                transfer,
+                self.logs / f"prefill-{self.restarts}.log",
+                host=self.prefill_host,
+                port=port,
+                namespace=self.away.namespace if self.away else None,
+            )
+        )
 
     def start_decode(self, port: int | None = None) -> Server:
         self.restarts += 1
         host = self.away.local_ip if self.away else "127.0.0.1"
-        transfer = kvbridge_config("kv_consumer", "nixl", "recompute", host=host,
-                                   peer_timeout_s=PEER_TIMEOUT_S)  # fmt: skip
+        transfer = kvbridge_config(
+            "kv_consumer", "nixl", "recompute", host=host, peer_timeout_s=PEER_TIMEOUT_S
+        )
         # No prefix cache on decode: every request loads all its blocks, repeats included.
         arguments = ("--skip-tokenizer-init", "--no-enable-prefix-caching")
-        return self._kept(Server(self.model, transfer, self.logs / f"decode-{self.restarts}.log",
-                              port=port, arguments=arguments))  # fmt: skip
+        return self._kept(
+            Server(
+                self.model,
+                transfer,
+                self.logs / f"decode-{self.restarts}.log",
+                port=port,
+                arguments=arguments,
+            )
+        )
 
     def _kept(self, server: Server) -> Server:
         self.kept.add(server.process.pid)
@@ -199,12 +238,14 @@ class Deployment:
         return str(urllib.request.urlopen(server.url + "/metrics", timeout=10).read().decode())
 
     def loads(self) -> float:
-        return metric(self.scrape(self.decode), "vllm:kvbridge_requests_transferred_total",
-                      'side="load"')  # fmt: skip
+        return metric(
+            self.scrape(self.decode), "vllm:kvbridge_requests_transferred_total", 'side="load"'
+        )
 
     def failed_loads(self) -> float:
-        return metric(self.scrape(self.decode), "vllm:kvbridge_num_failed_transfers_total",
-                      'side="load"')  # fmt: skip
+        return metric(
+            self.scrape(self.decode), "vllm:kvbridge_num_failed_transfers_total", 'side="load"'
+        )
 
 
 class CaughtLoad:
@@ -231,9 +272,18 @@ class CaughtLoad:
 
     def send(self) -> None:
         d = self.deployment
-        self.client = threading.Thread(target=lambda: self.outcomes.append(ask(
-            d.decode.url, d.model, self.index, self.params, request_id=self.request_id,
-        )), daemon=True)  # fmt: skip
+        self.client = threading.Thread(
+            target=lambda: self.outcomes.append(
+                ask(
+                    d.decode.url,
+                    d.model,
+                    self.index,
+                    self.params,
+                    request_id=self.request_id,
+                )
+            ),
+            daemon=True,
+        )
         self.client.start()
         time.sleep(PEER_TIMEOUT_S / 4)  # decode has it and asks prefill for the KV
 
@@ -242,8 +292,11 @@ class CaughtLoad:
         self.client.join(timeout=REQUEST_BOUND_S)
         assert len(self.outcomes) == 1, "the request was still out"
         assert self.outcomes[0].tokens == self.deployment.reference[self.index], self.outcomes
-        failed = [line for line in self.deployment.decode.log(tail=None).splitlines()
-                  if self.request_id in line and "KV load failed" in line]  # fmt: skip
+        failed = [
+            line
+            for line in self.deployment.decode.log(tail=None).splitlines()
+            if self.request_id in line and "KV load failed" in line
+        ]
         assert failed, f"no failed load logged for {self.request_id}"
 
 
@@ -293,8 +346,9 @@ def _deployment(shell: Deployment) -> Iterator[Deployment]:
         shell.kept.difference_update(shell.started)
 
 
-def under_traffic(deployment: Deployment, fault: Callable[[], None],
-                  recover: Callable[[], None]) -> tuple[Traffic, float]:  # fmt: skip
+def under_traffic(
+    deployment: Deployment, fault: Callable[[], None], recover: Callable[[], None]
+) -> tuple[Traffic, float]:
     """Traffic through the proxy: answers first, then `fault`, then `recover` and answers
     again with KV loaded; every request checked. The fault's moment is returned."""
     traffic = Traffic(deployment.proxy.url, deployment.model)
@@ -330,8 +384,10 @@ def report(traffic: Traffic, at: float) -> None:
     """What the fault did to the requests out at that moment (printed: the figures)."""
     caught = [o for o in traffic.outcomes if o.began <= at <= o.ended]
     slowest = max((o.ended - at for o in caught), default=0.0)
-    print(f"{len(traffic.outcomes)} requests, {len(traffic.failures())} ended with an error; "
-          f"{len(caught)} out at the fault, the last ended {slowest:.1f} s after it")  # fmt: skip
+    print(
+        f"{len(traffic.outcomes)} requests, {len(traffic.failures())} ended with an error; "
+        f"{len(caught)} out at the fault, the last ended {slowest:.1f} s after it"
+    )
 
 
 def wait_until(check: Callable[[], bool], timeout_s: float, what: str) -> None:
@@ -354,8 +410,7 @@ def hang_prefill(deployment: Deployment) -> None:
         caught.send()
         time.sleep(LONG_OUTAGE_S)
 
-    traffic, _ = under_traffic(deployment, hang,
-                               lambda: deployment.prefill.signal(signal.SIGCONT))  # fmt: skip
+    traffic, _ = under_traffic(deployment, hang, lambda: deployment.prefill.signal(signal.SIGCONT))
     caught.check()
     # Requests the hung prefill held ended when the proxy gave up on it.
     silent = f"prefill {deployment.prefill.url} sent nothing for {PROXY_TIMEOUT_S:g} s"
@@ -384,8 +439,10 @@ def expired_leases(deployment: Deployment) -> float:
 
 def prefill_holds_nothing(deployment: Deployment) -> bool:
     page = deployment.scrape(deployment.prefill)
-    return (metric(page, "vllm:kvbridge_requests_in_flight", 'side="send"') == 0
-            and metric(page, "vllm:kv_cache_usage_perc") == 0)  # fmt: skip
+    return (
+        metric(page, "vllm:kvbridge_requests_in_flight", 'side="send"') == 0
+        and metric(page, "vllm:kv_cache_usage_perc") == 0
+    )
 
 
 def test_a_decode_killed_and_restarted_on_its_address(deployment: Deployment) -> None:
@@ -435,8 +492,11 @@ def test_a_prefill_killed_mid_load_and_restarted_on_its_address(deployment: Depl
         deployment.prefill = deployment.start_prefill(port=deployment.prefill.port)
 
     under_traffic(deployment, kill, restart)
-    sent = metric(deployment.scrape(deployment.prefill),
-                  "vllm:kvbridge_requests_transferred_total", 'side="send"')  # fmt: skip
+    sent = metric(
+        deployment.scrape(deployment.prefill),
+        "vllm:kvbridge_requests_transferred_total",
+        'side="send"',
+    )
     assert sent > 0  # the new prefill instance moved KV to the same decode instance
 
 

@@ -16,8 +16,9 @@ from typing import Any
 import pytest
 
 if importlib.util.find_spec("vllm") is None:
-    pytest.skip("vLLM is not installed here (make test runs this in .venv-vllm)",
-                allow_module_level=True)  # fmt: skip
+    pytest.skip(
+        "vLLM is not installed here (make test runs this in .venv-vllm)", allow_module_level=True
+    )
 
 from vllm_harness import (
     FAMILY_ENV,
@@ -50,17 +51,21 @@ def run_pair(
     def config(role: str) -> dict[str, Any]:
         return nixl_config("kv_both") if connector == "vllm-nixl" else kvbridge_config(role, "nixl")
 
-    prefill = Instance(model, config("kv_producer"), logs / f"{family}-{connector}-prefill.log",
-                       env=environment)  # fmt: skip
+    prefill = Instance(
+        model, config("kv_producer"), logs / f"{family}-{connector}-prefill.log", env=environment
+    )
     try:
-        decode = Instance(model, config("kv_consumer"), logs / f"{family}-{connector}-decode.log",
-                          env=environment)  # fmt: skip
+        decode = Instance(
+            model, config("kv_consumer"), logs / f"{family}-{connector}-decode.log", env=environment
+        )
         try:
             prefilled = prefill.generate(PROMPTS, 1, [PREFILL_ONLY] * len(PROMPTS))["outputs"]
             params = [output["kv_transfer_params"] for output in prefilled]
             if one_at_a_time:
-                outputs = [decode.generate([p], MAX_TOKENS, [q])["outputs"][0]
-                           for p, q in zip(PROMPTS, params, strict=True)]  # fmt: skip
+                outputs = [
+                    decode.generate([p], MAX_TOKENS, [q])["outputs"][0]
+                    for p, q in zip(PROMPTS, params, strict=True)
+                ]
             else:
                 outputs = decode.generate(PROMPTS, MAX_TOKENS, params)["outputs"]
             stats = decode.call("stats")
@@ -122,8 +127,9 @@ def assert_states_arrived(prefilled: Outputs, outputs: Outputs) -> int:
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     folder = tmp_path_factory.mktemp("families")
-    return {family: make_model(folder / family, family=family)
-            for family in ("mla", "sliding", "mamba")}  # fmt: skip
+    return {
+        family: make_model(folder / family, family=family) for family in ("mla", "sliding", "mamba")
+    }
 
 
 def test_mla_latent_arrives_byte_exact_and_decodes_as_nixl_connectors(
@@ -155,8 +161,12 @@ def run_tp_pairs(
     rank's block hashes; prefill frees every block once decode has it. Two instances at a
     time, the one at TP 1 started first: an idle NixlConnector worker keeps a thread busy,
     and on two cores three instances' threads starved a fourth one's start-up for minutes."""
-    env = {**FAMILY_ENV[family], **KV_BLOCKS, "VLLM_CPU_OMP_THREADS_BIND": "0|1",
-           "KVBRIDGE_TEST_DTYPE": dtype}  # fmt: skip
+    env = {
+        **FAMILY_ENV[family],
+        **KV_BLOCKS,
+        "VLLM_CPU_OMP_THREADS_BIND": "0|1",
+        "KVBRIDGE_TEST_DTYPE": dtype,
+    }
 
     def start(role: str, tp: int) -> Instance:
         if connector == "vllm-nixl":
@@ -164,22 +174,29 @@ def run_tp_pairs(
         else:  # prefill ranks register with rank 0's bootstrap service
             options = {"bootstrap_port": free_port()} if role == "kv_producer" else {}
             config = kvbridge_config(role, "nixl", **options)
-        return Instance(model, config, logs / f"{family}-{connector}-{role}-tp{tp}.log",
-                        env={**env, "KVBRIDGE_TEST_TP": str(tp)})  # fmt: skip
+        return Instance(
+            model,
+            config,
+            logs / f"{family}-{connector}-{role}-tp{tp}.log",
+            env={**env, "KVBRIDGE_TEST_TP": str(tp)},
+        )
 
     results: dict[tuple[int, int], tuple[Outputs, Outputs]] = {}
     for prefill_tp, decode_tp in TP_PAIRS:
         instances: dict[str, Instance] = {}
         try:
-            for role, tp in sorted([("kv_producer", prefill_tp), ("kv_consumer", decode_tp)],
-                                   key=lambda pair: pair[1]):  # fmt: skip
+            for role, tp in sorted(
+                [("kv_producer", prefill_tp), ("kv_consumer", decode_tp)], key=lambda pair: pair[1]
+            ):
                 instances[role] = start(role, tp)
             prefill, decode = instances["kv_producer"], instances["kv_consumer"]
             free = prefill.call("stats")["free_blocks"]
             prefilled = prefill.generate(PROMPTS, 1, [PREFILL_ONLY] * len(PROMPTS))["outputs"]
             params = [output["kv_transfer_params"] for output in prefilled]
-            outputs = [decode.generate([p], MAX_TOKENS, [q])["outputs"][0]
-                       for p, q in zip(PROMPTS, params, strict=True)]  # fmt: skip
+            outputs = [
+                decode.generate([p], MAX_TOKENS, [q])["outputs"][0]
+                for p, q in zip(PROMPTS, params, strict=True)
+            ]
             assert all(output["kv_ready_s"] is not None for output in outputs)
             after = prefill.wait_for(lambda s, free=free: s["free_blocks"] == free)
             assert after["free_blocks"] == free, (connector, prefill_tp, decode_tp)
@@ -252,15 +269,19 @@ def test_sliding_window_hybrid_after_a_decode_prefix_hit_skips_inside_the_room(
     second = first[:288] + prompt(12, 99)
     plain = Instance(model, None, tmp_path / "hit-plain.log", env=FAMILY_ENV[family])
     try:
-        expected = [plain.generate([request], MAX_TOKENS)["outputs"][0]["tokens"]
-                    for request in (first, second)]  # fmt: skip
+        expected = [
+            plain.generate([request], MAX_TOKENS)["outputs"][0]["tokens"]
+            for request in (first, second)
+        ]
     finally:
         plain.close()
     environment = {**FAMILY_ENV[family], **KV_BLOCKS}
-    prefill = Instance(model, kvbridge_config("kv_producer", "nixl"), tmp_path / "hit-p.log",
-                       env=environment)  # fmt: skip
-    decode = Instance(model, kvbridge_config("kv_consumer", "nixl"), tmp_path / "hit-d.log",
-                      env=environment)  # fmt: skip
+    prefill = Instance(
+        model, kvbridge_config("kv_producer", "nixl"), tmp_path / "hit-p.log", env=environment
+    )
+    decode = Instance(
+        model, kvbridge_config("kv_consumer", "nixl"), tmp_path / "hit-d.log", env=environment
+    )
     try:
         loaded: list[int] = []
         for request, want in zip((first, second), expected, strict=True):
@@ -287,8 +308,10 @@ def test_mamba_hybrid_moves_the_state_with_the_attention_kv(
     expected = plain_tokens(models["mamba"], tmp_path, "mamba")
     prefilled, outputs, stats = run_pair(models["mamba"], tmp_path, "mamba", "kvbridge")
     assert [o["tokens"] for o in outputs] == expected
-    assert all(p["kv_transfer_params"]["remote_num_tokens"] == n - 1
-               for p, n in zip(prefilled, LENGTHS, strict=True))  # fmt: skip
+    assert all(
+        p["kv_transfer_params"]["remote_num_tokens"] == n - 1
+        for p, n in zip(prefilled, LENGTHS, strict=True)
+    )
     assert stats["connector"]["requests_loaded"] == len(PROMPTS)
     assert assert_blocks_arrived(prefilled, outputs) >= 0
     # Every unit of each layer's state: 8 heads of x and SSM state, B and C's one group.

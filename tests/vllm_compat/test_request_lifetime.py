@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 
 if importlib.util.find_spec("vllm") is None:
-    pytest.skip("vLLM is not installed here (make test runs this in .venv-vllm)",
-                allow_module_level=True)  # fmt: skip
+    pytest.skip(
+        "vLLM is not installed here (make test runs this in .venv-vllm)", allow_module_level=True
+    )
 
 from vllm_harness import Instance, kvbridge_config, make_model, prompt
 
@@ -33,11 +34,15 @@ def test_an_offline_prefill_loop_sends_its_last_request_too(model: Path, tmp_pat
     prompts = [prompt(100 + 37 * index, seed=index) for index in range(8)]
     prefill = Instance(model, kvbridge_config("kv_producer", "nixl"), tmp_path / "prefill.log")
     # A stranded request would fail its load after 20 s rather than the default 120.
-    decode = Instance(model, kvbridge_config("kv_consumer", "nixl", transfer_timeout_s=20.0),
-                      tmp_path / "decode.log")  # fmt: skip
+    decode = Instance(
+        model,
+        kvbridge_config("kv_consumer", "nixl", transfer_timeout_s=20.0),
+        tmp_path / "decode.log",
+    )
     try:
-        prefilled = prefill.call("offline", prompts=prompts, max_tokens=1,
-                                 params=[PREFILL_ONLY] * len(prompts))["outputs"]  # fmt: skip
+        prefilled = prefill.call(
+            "offline", prompts=prompts, max_tokens=1, params=[PREFILL_ONLY] * len(prompts)
+        )["outputs"]
         params = [output["params"] for output in prefilled]
         assert all(p and p.get("kvbridge_room") for p in params)
         # The prefill instance now takes no engine step while decode loads.
@@ -63,17 +68,28 @@ def test_a_decode_renews_the_lease_while_the_request_waits_and_a_dead_one_does_n
     load succeeds; once a decode dies with a request waiting, prefill frees its blocks a
     lease after its last renewal."""
     first, second, blocker = prompt(300, seed=1), prompt(200, seed=2), prompt(50, seed=3)
-    prefill = Instance(model, kvbridge_config("kv_producer", "nixl", request_timeout_s=LEASE_S),
-                       tmp_path / "prefill.log")  # fmt: skip
-    decode = Instance(model, kvbridge_config("kv_consumer", "nixl"), tmp_path / "decode.log",
-                      env={"KVBRIDGE_TEST_MAX_NUM_SEQS": "1"})  # fmt: skip
+    prefill = Instance(
+        model,
+        kvbridge_config("kv_producer", "nixl", request_timeout_s=LEASE_S),
+        tmp_path / "prefill.log",
+    )
+    decode = Instance(
+        model,
+        kvbridge_config("kv_consumer", "nixl"),
+        tmp_path / "decode.log",
+        env={"KVBRIDGE_TEST_MAX_NUM_SEQS": "1"},
+    )
     try:
         free = prefill.call("stats")["free_blocks"]
         plain = prefill.generate([first], 8)["outputs"][0]["tokens"]
         (sent,) = prefill.generate([first], 1, [PREFILL_ONLY])["outputs"]
         # The blocker runs (thousands of tokens); the load waits behind it for 3 leases.
-        decode.call("submit", prompts=[blocker, first], max_tokens=[4000, 8],
-                    params=[None, sent["kv_transfer_params"]])  # fmt: skip
+        decode.call(
+            "submit",
+            prompts=[blocker, first],
+            max_tokens=[4000, 8],
+            params=[None, sent["kv_transfer_params"]],
+        )
         time.sleep(3 * LEASE_S)
         held = prefill.call("stats")
         assert held["connector"]["sends_failed"] == 0
@@ -86,8 +102,12 @@ def test_a_decode_renews_the_lease_while_the_request_waits_and_a_dead_one_does_n
         assert (counters["requests_loaded"], counters["loads_failed"]) == (1, 0)
         # A decode that dies while a request waits renews nothing more.
         (sent,) = prefill.generate([second], 1, [PREFILL_ONLY])["outputs"]
-        decode.call("submit", prompts=[blocker, second], max_tokens=[4000, 8],
-                    params=[None, sent["kv_transfer_params"]])  # fmt: skip
+        decode.call(
+            "submit",
+            prompts=[blocker, second],
+            max_tokens=[4000, 8],
+            params=[None, sent["kv_transfer_params"]],
+        )
         time.sleep(LEASE_S)
         decode.signal(signal.SIGKILL)
         after = prefill.wait_for(lambda s: s["connector"]["sends_expired"] == 1, timeout_s=30)

@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 
 if importlib.util.find_spec("vllm") is None:
-    pytest.skip("vLLM is not installed here (make test runs this in .venv-vllm)",
-                allow_module_level=True)  # fmt: skip
+    pytest.skip(
+        "vLLM is not installed here (make test runs this in .venv-vllm)", allow_module_level=True
+    )
 
 import torch
 from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator
@@ -51,15 +52,23 @@ def allocated(spec: Any, layout: KVCacheLayout, layers: int = LAYERS) -> dict[st
     layer_stride, block_stride, *_ = compute_layout_strides(
         spec, BLOCKS, layers, layout, fixed_strides=(None, block_stride, None, None, None)
     )
-    tensor = KVCacheTensor(size=layers * page * BLOCKS, layers=names, layer_stride=layer_stride,
-                           block_stride=block_stride)  # fmt: skip
-    config = KVCacheConfig(num_blocks=BLOCKS, kv_cache_tensors=[tensor],
-                           kv_cache_groups=[KVCacheGroupSpec(names, spec)],
-                           kv_cache_layout=layout.name)  # fmt: skip
+    tensor = KVCacheTensor(
+        size=layers * page * BLOCKS,
+        layers=names,
+        layer_stride=layer_stride,
+        block_stride=block_stride,
+    )
+    config = KVCacheConfig(
+        num_blocks=BLOCKS,
+        kv_cache_tensors=[tensor],
+        kv_cache_groups=[KVCacheGroupSpec(names, spec)],
+        kv_cache_layout=layout.name,
+    )
     views: dict[str, torch.Tensor] = allocate_kv_cache(config, torch.device("cpu"), layout)
     for view in views.values():  # distinct bytes to move
-        view.view(torch.uint8).copy_(torch.randint(0, 256, view.view(torch.uint8).shape,
-                                                   dtype=torch.uint8))  # fmt: skip
+        view.view(torch.uint8).copy_(
+            torch.randint(0, 256, view.view(torch.uint8).shape, dtype=torch.uint8)
+        )
     return views
 
 
@@ -87,10 +96,14 @@ def test_vllms_attention_views_are_the_ones_the_unit_tests_move(
     views = allocated(spec, KVCacheLayout[layout])
     ours = layer_views(LAYERS, BLOCKS, 2, 16, 16, torch.bfloat16, layout)
     for theirs, mine in zip(views.values(), ours.values(), strict=True):
-        assert (theirs.shape, theirs.stride(), theirs.dtype) == (mine.shape, mine.stride(),
-                                                                  mine.dtype)  # fmt: skip
-    cache = describe_kv_caches(views, use_mla=False, total_kv_heads=4, attn_tp_rank=1,
-                               attn_tp_size=2, block_size=16)  # fmt: skip
+        assert (theirs.shape, theirs.stride(), theirs.dtype) == (
+            mine.shape,
+            mine.stride(),
+            mine.dtype,
+        )
+    cache = describe_kv_caches(
+        views, use_mla=False, total_kv_heads=4, attn_tp_rank=1, attn_tp_size=2, block_size=16
+    )
     assert cache.kv_args.kv_layout == expected
     assert (cache.kv_args.kv_heads, cache.kv_args.page_size) == (2, 16)
 
@@ -103,27 +116,37 @@ def test_blocks_of_vllms_views_move_between_tp_sizes(layout: str) -> None:
     half = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.bfloat16)
     src_views = allocated(whole, KVCacheLayout[layout])
     dst_views = allocated(half, KVCacheLayout[layout])
-    src = describe_kv_caches(src_views, use_mla=False, total_kv_heads=4, attn_tp_rank=0,
-                             attn_tp_size=1, block_size=16).kv_args  # fmt: skip
-    dst = describe_kv_caches(dst_views, use_mla=False, total_kv_heads=4, attn_tp_rank=1,
-                             attn_tp_size=2, block_size=16).kv_args  # fmt: skip
+    src = describe_kv_caches(
+        src_views, use_mla=False, total_kv_heads=4, attn_tp_rank=0, attn_tp_size=1, block_size=16
+    ).kv_args
+    dst = describe_kv_caches(
+        dst_views, use_mla=False, total_kv_heads=4, attn_tp_rank=1, attn_tp_size=2, block_size=16
+    ).kv_args
     execute(pair(src, dst).plan(src, dst, np.array([4, 1]), 0, [0, 5]), src, dst)
     for name, view in dst_views.items():
-        assert torch.equal(view[[0, 5]].view(torch.uint8),
-                           src_views[name][[4, 1], 2:4].contiguous().view(torch.uint8))  # fmt: skip
+        assert torch.equal(
+            view[[0, 5]].view(torch.uint8),
+            src_views[name][[4, 1], 2:4].contiguous().view(torch.uint8),
+        )
 
 
 def test_mla_latent_and_a_block_outermost_layout() -> None:
     mla = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
     views = allocated(mla, KVCacheLayout.LBNHC)
-    cache = describe_kv_caches(views, use_mla=True, total_kv_heads=1, attn_tp_rank=0,
-                               attn_tp_size=2, block_size=16)  # fmt: skip
+    cache = describe_kv_caches(
+        views, use_mla=True, total_kv_heads=1, attn_tp_rank=0, attn_tp_size=2, block_size=16
+    )
     assert (cache.kv_args.kv_layout, cache.kv_args.head_dim) == (KVLayout.MLA, 576)
     spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.bfloat16)
     with pytest.raises(GeometryError, match="block-outermost layout"):
-        describe_kv_caches(allocated(spec, KVCacheLayout.BLHNC), use_mla=False,
-                           total_kv_heads=2, attn_tp_rank=0, attn_tp_size=1,
-                           block_size=16)  # fmt: skip
+        describe_kv_caches(
+            allocated(spec, KVCacheLayout.BLHNC),
+            use_mla=False,
+            total_kv_heads=2,
+            attn_tp_rank=0,
+            attn_tp_size=1,
+            block_size=16,
+        )
 
 
 def test_a_hybrid_models_state_pages_are_state_slots_beside_its_attention() -> None:
@@ -131,14 +154,23 @@ def test_a_hybrid_models_state_pages_are_state_slots_beside_its_attention() -> N
     Mamba-2 layers (raw bytes, their page padded to the attention page). The attention keeps
     its geometry; the Mamba pages are state slots whose parts follow vLLM's own Mamba-2 state
     shapes (conv state then SSM state, as `MambaBase.bind_kv_cache` unpacks a page)."""
-    attention = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8,
-                                  dtype=torch.bfloat16)  # fmt: skip
+    attention = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.bfloat16)
     page = attention.page_size_bytes
     conv_shape, ssm_shape = MambaStateShapeCalculator.mamba2_state_shape(
-        tp_world_size=1, intermediate_size=8, n_groups=1, num_heads=2, head_dim=4,
-        state_size=8, conv_kernel=4)  # fmt: skip
-    mamba = MambaSpec(shapes=(conv_shape, ssm_shape), dtypes=(torch.bfloat16, torch.float32),
-                      block_size=16, page_size_padded=page)  # fmt: skip
+        tp_world_size=1,
+        intermediate_size=8,
+        n_groups=1,
+        num_heads=2,
+        head_dim=4,
+        state_size=8,
+        conv_kernel=4,
+    )
+    mamba = MambaSpec(
+        shapes=(conv_shape, ssm_shape),
+        dtypes=(torch.bfloat16, torch.float32),
+        block_size=16,
+        page_size_padded=page,
+    )
     attention_names = ["model.layers.1.self_attn.attn", "model.layers.3.self_attn.attn"]
     mamba_names = ["model.layers.0.mixer", "model.layers.2.mixer"]
     tensors, groups = [], []
@@ -146,21 +178,34 @@ def test_a_hybrid_models_state_pages_are_state_slots_beside_its_attention() -> N
         layer_stride, block_stride, *_ = compute_layout_strides(
             spec, BLOCKS, 2, KVCacheLayout.LBHNC, fixed_strides=(None, page, None, None, None)
         )
-        tensors.append(KVCacheTensor(size=2 * page * BLOCKS, layers=names,
-                                     layer_stride=layer_stride,
-                                     block_stride=block_stride))  # fmt: skip
+        tensors.append(
+            KVCacheTensor(
+                size=2 * page * BLOCKS,
+                layers=names,
+                layer_stride=layer_stride,
+                block_stride=block_stride,
+            )
+        )
         groups.append(KVCacheGroupSpec(names, spec))
-    config = KVCacheConfig(num_blocks=BLOCKS, kv_cache_tensors=tensors, kv_cache_groups=groups,
-                           kv_cache_layout="LBHNC")  # fmt: skip
+    config = KVCacheConfig(
+        num_blocks=BLOCKS, kv_cache_tensors=tensors, kv_cache_groups=groups, kv_cache_layout="LBHNC"
+    )
     views = allocate_kv_cache(config, torch.device("cpu"), KVCacheLayout.LBHNC)
     state = mamba_state(config, SimpleNamespace(mamba_n_groups=1), tp_size=1)
     assert state is not None
     # A group count the shapes do not hold: whole slots only (equal TP), not a failed start.
     assert mamba_state(config, SimpleNamespace(mamba_n_groups=3), tp_size=1) is None
     assert mamba_state(config, SimpleNamespace(), tp_size=1) is None
-    cache = describe_kv_caches(views, use_mla=False, total_kv_heads=2, attn_tp_rank=0,
-                               attn_tp_size=1, block_size=16,
-                               state_layers=frozenset(mamba_names), mamba=state)  # fmt: skip
+    cache = describe_kv_caches(
+        views,
+        use_mla=False,
+        total_kv_heads=2,
+        attn_tp_rank=0,
+        attn_tp_size=1,
+        block_size=16,
+        state_layers=frozenset(mamba_names),
+        mamba=state,
+    )
     args = cache.kv_args
     assert (args.kv_layout, args.layer_ids) == (KVLayout.MHA_HEAD_MAJOR, (1, 3))
     assert [buffer.item_len for buffer in args.state_buffers] == [page, page]

@@ -40,38 +40,72 @@ def make_model(folder: Path, layers: int = 2, family: str = "llama") -> Path:
     import transformers as hf
 
     torch.manual_seed(0)
-    common = {"vocab_size": 1024, "hidden_size": 1024, "intermediate_size": 1024,
-              "max_position_embeddings": 16384, "torch_dtype": "bfloat16",
-              "tie_word_embeddings": False}  # fmt: skip
+    common = {
+        "vocab_size": 1024,
+        "hidden_size": 1024,
+        "intermediate_size": 1024,
+        "max_position_embeddings": 16384,
+        "torch_dtype": "bfloat16",
+        "tie_word_embeddings": False,
+    }
     if family == "llama":
-        config = hf.LlamaConfig(**common, num_hidden_layers=layers, num_attention_heads=8,
-                                num_key_value_heads=8, head_dim=128)  # fmt: skip
+        config = hf.LlamaConfig(
+            **common,
+            num_hidden_layers=layers,
+            num_attention_heads=8,
+            num_key_value_heads=8,
+            head_dim=128,
+        )
         model = hf.LlamaForCausalLM(config)
     elif family == "mla":
         config = hf.DeepseekV2Config(
-            **{**common, "hidden_size": 512}, num_hidden_layers=4, num_attention_heads=4,
-            num_key_value_heads=4, kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64,
-            qk_nope_head_dim=64, v_head_dim=64, first_k_dense_replace=4, n_routed_experts=4,
-            n_shared_experts=1, moe_intermediate_size=256, num_experts_per_tok=2,
-            rope_scaling=None, initializer_range=0.3,
-        )  # fmt: skip
+            **{**common, "hidden_size": 512},
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            kv_lora_rank=512,
+            q_lora_rank=None,
+            qk_rope_head_dim=64,
+            qk_nope_head_dim=64,
+            v_head_dim=64,
+            first_k_dense_replace=4,
+            n_routed_experts=4,
+            n_shared_experts=1,
+            moe_intermediate_size=256,
+            num_experts_per_tok=2,
+            rope_scaling=None,
+            initializer_range=0.3,
+        )
         model = hf.DeepseekV2ForCausalLM(config)
     elif family == "sliding":
         config = hf.Gemma3TextConfig(
-            **{**common, "hidden_size": 512}, num_hidden_layers=4, num_attention_heads=4,
-            num_key_value_heads=4, head_dim=128, sliding_window=64,
+            **{**common, "hidden_size": 512},
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            head_dim=128,
+            sliding_window=64,
             layer_types=["sliding_attention"] * 3 + ["full_attention"],
             query_pre_attn_scalar=128,
-        )  # fmt: skip
+        )
         model = hf.Gemma3ForCausalLM(config)
     elif family == "mamba":
         config = hf.GraniteMoeHybridConfig(
-            **{**common, "hidden_size": 512}, num_hidden_layers=4, num_attention_heads=4,
-            num_key_value_heads=4, layer_types=["mamba", "attention"] * 2, mamba_n_heads=8,
-            mamba_d_head=64, mamba_d_state=64, mamba_n_groups=1, mamba_d_conv=4,
-            mamba_expand=1, mamba_chunk_size=4096, num_local_experts=0,
+            **{**common, "hidden_size": 512},
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            layer_types=["mamba", "attention"] * 2,
+            mamba_n_heads=8,
+            mamba_d_head=64,
+            mamba_d_state=64,
+            mamba_n_groups=1,
+            mamba_d_conv=4,
+            mamba_expand=1,
+            mamba_chunk_size=4096,
+            num_local_experts=0,
             shared_intermediate_size=1024,
-        )  # fmt: skip
+        )
         model = hf.GraniteMoeHybridForCausalLM(config)
     else:
         raise ValueError(f"no model family {family!r}")
@@ -160,8 +194,11 @@ def prompt(length: int, seed: int) -> list[int]:
 def metric(page: str, name: str, labels: str = "") -> float:
     """The samples of `name` on a /metrics page whose labels hold `labels`, summed (0 for
     none)."""
-    return sum(float(line.rsplit(" ", 1)[1]) for line in page.splitlines()
-               if line.startswith(name + "{") and labels in line)  # fmt: skip
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in page.splitlines()
+        if line.startswith(name + "{") and labels in line
+    )
 
 
 class InstanceError(RuntimeError):
@@ -177,18 +214,27 @@ def stats_lines_at_every_level(folder: Path) -> dict[str, str]:
     config = {
         "version": 1,
         "disable_existing_loggers": False,
-        "formatters": {"vllm": {
-            "()": "vllm.logging_utils.NewLineFormatter", "datefmt": "%m-%d %H:%M:%S",
-            "format": "(%(vllm_process_name)s pid=%(process)d) %(levelname)s %(asctime)s "
-                      "[%(fileinfo)s:%(lineno)d] %(message)s",
-        }},
-        "handlers": {"vllm": {"class": "logging.StreamHandler", "formatter": "vllm",
-                              "level": "DEBUG", "stream": stream}},
+        "formatters": {
+            "vllm": {
+                "()": "vllm.logging_utils.NewLineFormatter",
+                "datefmt": "%m-%d %H:%M:%S",
+                "format": "(%(vllm_process_name)s pid=%(process)d) %(levelname)s %(asctime)s "
+                "[%(fileinfo)s:%(lineno)d] %(message)s",
+            }
+        },
+        "handlers": {
+            "vllm": {
+                "class": "logging.StreamHandler",
+                "formatter": "vllm",
+                "level": "DEBUG",
+                "stream": stream,
+            }
+        },
         "loggers": {
             "vllm": {"handlers": ["vllm"], "level": "INFO", "propagate": False},
             "vllm.v1.metrics.loggers": {"level": "DEBUG"},  # through vllm's handler
         },
-    }  # fmt: skip
+    }
     path = folder / "vllm-logging.json"
     path.write_text(json.dumps(config))
     return {"VLLM_LOGGING_CONFIG_PATH": str(path)}
@@ -241,11 +287,17 @@ class Server:
     `namespace` if given (a network namespace, `ip netns exec`)."""
 
     def __init__(
-        self, model: Path, transfer: dict[str, Any] | None, log_path: Path,
-        startup_timeout_s: float = 300.0, environment: dict[str, str] | None = None,
-        arguments: tuple[str, ...] = ("--skip-tokenizer-init",), host: str = "127.0.0.1",
-        port: int | None = None, namespace: str | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        model: Path,
+        transfer: dict[str, Any] | None,
+        log_path: Path,
+        startup_timeout_s: float = 300.0,
+        environment: dict[str, str] | None = None,
+        arguments: tuple[str, ...] = ("--skip-tokenizer-init",),
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        namespace: str | None = None,
+    ) -> None:
         self.host = host
         self.port = port or free_port()
         self.url = f"http://{host}:{self.port}"
@@ -254,22 +306,40 @@ class Server:
         inside = ["ip", "netns", "exec", namespace] if namespace else []
         command = [
             *inside,
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-            "--host", host,
-            "--port", str(self.port), "--block-size", str(BLOCK_SIZE),
-            "--max-model-len", "8192", "--kv-cache-memory-bytes", str(256 << 20),
-            "--dtype", "bfloat16", "--enforce-eager", "--seed", "0", *arguments,
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(model),
+            "--host",
+            host,
+            "--port",
+            str(self.port),
+            "--block-size",
+            str(BLOCK_SIZE),
+            "--max-model-len",
+            "8192",
+            "--kv-cache-memory-bytes",
+            str(256 << 20),
+            "--dtype",
+            "bfloat16",
+            "--enforce-eager",
+            "--seed",
+            "0",
+            *arguments,
+        ]
         if transfer is not None:
             command += ["--kv-transfer-config", json.dumps(transfer)]
         self._temp = PrivateTemp()
         self.process = subprocess.Popen(
-            command, stdout=self._log, stderr=subprocess.STDOUT,
+            command,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
             env=instance_environment(
                 self._temp, {"VLLM_LOG_STATS_INTERVAL": "1", **(environment or {})}
             ),
             start_new_session=True,
-        )  # fmt: skip
+        )
         deadline = time.monotonic() + startup_timeout_s
         while not self._healthy():
             if self.process.poll() is not None or time.monotonic() > deadline:
@@ -332,9 +402,12 @@ class Instance:
         self._log = open(log_path, "w")  # noqa: SIM115 (closed in close())
         self.process = subprocess.Popen(
             [sys.executable, str(INSTANCE), str(model), json.dumps(transfer)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
             env=environment,
-        )  # fmt: skip
+        )
         self._answers: queue.Queue[dict[str, Any] | None] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
         try:
@@ -368,9 +441,12 @@ class Instance:
         return self._answer(timeout_s)
 
     def generate(
-        self, prompts: list[list[int]], max_tokens: int, params: list[Any] | None = None,
+        self,
+        prompts: list[list[int]],
+        max_tokens: int,
+        params: list[Any] | None = None,
         timeout_s: float = 240.0,
-    ) -> dict[str, Any]:  # fmt: skip
+    ) -> dict[str, Any]:
         return self.call(
             "generate", timeout_s, prompts=prompts, max_tokens=max_tokens, params=params
         )
@@ -418,8 +494,10 @@ class ProxyProcess:
         self._log = open(log_path, "w")  # noqa: SIM115 (closed in close())
         self.process = subprocess.Popen(
             [arg.replace("{port}", str(self.port)) for arg in command],
-            stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
-        )  # fmt: skip
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         import urllib.request
 
         deadline = time.monotonic() + 60
@@ -452,18 +530,31 @@ class ToyProxy(ProxyProcess):
         if not TOY_PROXY.is_file():
             raise InstanceError(f"{TOY_PROXY} is missing: run scripts/vllm-test-files.sh")
         super().__init__(
-            [sys.executable, str(TOY_PROXY), "--port", "{port}",
-             "--prefiller-hosts", prefill.host, "--prefiller-ports", str(prefill.port),
-             "--decoder-hosts", decode.host, "--decoder-ports", str(decode.port)],
-            "/healthcheck", log_path,
-        )  # fmt: skip
+            [
+                sys.executable,
+                str(TOY_PROXY),
+                "--port",
+                "{port}",
+                "--prefiller-hosts",
+                prefill.host,
+                "--prefiller-ports",
+                str(prefill.port),
+                "--decoder-hosts",
+                decode.host,
+                "--decoder-ports",
+                str(decode.port),
+            ],
+            "/healthcheck",
+            log_path,
+        )
 
 
 class KVBridgeProxy(ProxyProcess):
     """`kvbridge vllm-proxy` in front of running servers, as users start it."""
 
-    def __init__(self, prefill: list[str], decode: list[str], log_path: Path,
-                 *options: str) -> None:  # fmt: skip
+    def __init__(
+        self, prefill: list[str], decode: list[str], log_path: Path, *options: str
+    ) -> None:
         command = [sys.executable, "-m", "kvbridge", "vllm-proxy", "--port", "{port}", *options]
         for url in prefill:
             command += ["--prefill", url]

@@ -30,20 +30,30 @@ def main() -> None:
     if record is not None:
         sys.path.insert(0, str(Path(__file__).parent))
         transfer = KVTransferConfig(
-            kv_connector="RecordingConnector", kv_connector_module_path="recording_connector",
-            kv_role="kv_both", kv_connector_extra_config={"record": record},
-        )  # fmt: skip
+            kv_connector="RecordingConnector",
+            kv_connector_module_path="recording_connector",
+            kv_role="kv_both",
+            kv_connector_extra_config={"record": record},
+        )
     with tempfile.TemporaryDirectory() as folder:
         started = time.perf_counter()
         model = make_model(Path(folder))
         llm = LLM(
-            model=str(model), skip_tokenizer_init=True, block_size=32, max_model_len=4096,
-            kv_cache_memory_bytes=256 << 20, dtype="bfloat16", enforce_eager=True,
-            kv_transfer_config=transfer, disable_hybrid_kv_cache_manager=transfer is not None,
-        )  # fmt: skip
+            model=str(model),
+            skip_tokenizer_init=True,
+            block_size=32,
+            max_model_len=4096,
+            kv_cache_memory_bytes=256 << 20,
+            dtype="bfloat16",
+            enforce_eager=True,
+            kv_transfer_config=transfer,
+            disable_hybrid_kv_cache_manager=transfer is not None,
+        )
         ready = time.perf_counter()
-        prompts = [{"prompt_token_ids": [(7 * i + j) % 1000 + 1 for j in range(n)]}
-                   for i, n in enumerate((5, 32, 97, 300))]  # fmt: skip
+        prompts = [
+            {"prompt_token_ids": [(7 * i + j) % 1000 + 1 for j in range(n)]}
+            for i, n in enumerate((5, 32, 97, 300))
+        ]
         params = SamplingParams(temperature=0, max_tokens=8, detokenize=False)
         outputs = llm.generate(prompts, params)
         done = time.perf_counter()

@@ -233,9 +233,13 @@ def plan_kv(
     src_array, dst_array = _paired_pages(src, dst, src_pages, dst_pages)
     src_starts, dst_starts, run_pages = page_runs(src_array, dst_array)
     return _on_every_buffer(
-        src, dst, src_starts * src.page_bytes, dst_starts * dst.page_bytes,
-        run_pages * src.page_bytes, memory,
-    )  # fmt: skip
+        src,
+        dst,
+        src_starts * src.page_bytes,
+        dst_starts * dst.page_bytes,
+        run_pages * src.page_bytes,
+        memory,
+    )
 
 
 def _paired_pages(
@@ -359,9 +363,12 @@ def token_rows(
     (prefill's last-page padding) are left out.
     """
     local, tokens = chunk_tokens(
-        token_start, src_pages.size * src_page_size, dst_pages.size * dst_page_size,
-        dcp_size, dcp_rank,
-    )  # fmt: skip
+        token_start,
+        src_pages.size * src_page_size,
+        dst_pages.size * dst_page_size,
+        dcp_size,
+        dcp_rank,
+    )
     src_rows = src_pages[local // src_page_size] * src_page_size + local % src_page_size
     return src_rows, _rows(dst_pages, dst_page_size, tokens)
 
@@ -586,10 +593,15 @@ def plan_state_slices(
             if low >= high or replica_below:
                 continue
             unit = part.unit_bytes
-            sources.append(local.ptr + src_slot * local.item_len + part.offset
-                           + (low - held.start) * unit)  # fmt: skip
-            targets.append(remote.ptr + dst_slot * remote.item_len + peer_part.offset
-                           + (low - wanted.start) * unit)  # fmt: skip
+            sources.append(
+                local.ptr + src_slot * local.item_len + part.offset + (low - held.start) * unit
+            )
+            targets.append(
+                remote.ptr
+                + dst_slot * remote.item_len
+                + peer_part.offset
+                + (low - wanted.start) * unit
+            )
             lengths.append((high - low) * unit)
     return TransferPlan(
         np.array(sources, dtype=U64), np.array(targets, dtype=U64), np.array(lengths, dtype=U64)
@@ -648,9 +660,16 @@ class Pairing:
                 return plan_kv(src, dst, src_pages, chunk, memory)
             return plan_head_pages(src, dst, self.source, src_pages, chunk, memory)
         return plan_tokens(
-            src, dst, self.source, src_pages, page_offset * src.page_size, dst_pages,
-            dcp_size=dst.dcp_size, dcp_rank=dst.dcp_rank, memory=memory,
-        )  # fmt: skip
+            src,
+            dst,
+            self.source,
+            src_pages,
+            page_offset * src.page_size,
+            dst_pages,
+            dcp_size=dst.dcp_size,
+            dcp_rank=dst.dcp_rank,
+            memory=memory,
+        )
 
 
 def pair(src: KVArgs, dst: KVArgs) -> Pairing:

@@ -91,8 +91,9 @@ class _Group(click.Group):
             if isinstance(ctx.obj, int) and ctx.obj <= logging.DEBUG:
                 raise
             error_console.print(f"[red]error:[/red] {_explain(exc)}", highlight=False)
-            error_console.print("(run with -vv before the command for the traceback)",
-                                style="dim", highlight=False)  # fmt: skip
+            error_console.print(
+                "(run with -vv before the command for the traceback)", style="dim", highlight=False
+            )
             raise click.exceptions.Exit(1) from None
 
 
@@ -121,14 +122,19 @@ def _writable_folder(folder: Path) -> None:
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as exc:
-        raise click.BadParameter(f"cannot write results there: {exc.strerror or exc}",
-                                 param_hint="--output") from None  # fmt: skip
+        raise click.BadParameter(
+            f"cannot write results there: {exc.strerror or exc}", param_hint="--output"
+        ) from None
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(kvbridge.__version__, prog_name="kvbridge")
-@click.option("-v", "--verbose", count=True,
-              help="Log more: -v rooms and peers (INFO), -vv every message (DEBUG).")  # fmt: skip
+@click.option(
+    "-v",
+    "--verbose",
+    count=True,
+    help="Log more: -v rooms and peers (INFO), -vv every message (DEBUG).",
+)
 @click.pass_context
 def app(context: click.Context, verbose: int) -> None:
     """kvbridge: the KV-cache transfer plane between prefill and decode workers.
@@ -176,13 +182,14 @@ def main() -> None:
 
 # Every process engine's options, for --engine-option's help (from the engine registry).
 _ENGINE_OPTIONS_HELP = "; ".join(
-    f"{spec.name}: " + ", ".join(
+    f"{spec.name}: "
+    + ", ".join(
         f"{option.name}={'|'.join(option.choices) or 'TEXT'} (default {option.default!r})"
         for option in spec.options
     )
     for spec in REGISTRY.values()
     if spec.options and not spec.in_process_only
-)  # fmt: skip
+)
 
 
 def _engine_options(
@@ -247,17 +254,31 @@ def _render(result: Inspection, description: str | None) -> None:
 
 @app.command("inspect")
 @click.argument("hex_frames", nargs=-1)
-@click.option("--file", "-f", metavar="PATH",
-              help="A frames file (JSON hex list or binary); - reads stdin.")  # fmt: skip
+@click.option(
+    "--file", "-f", metavar="PATH", help="A frames file (JSON hex list or binary); - reads stdin."
+)
 @click.option("--sample", "-s", metavar="NAME", help="A bundled sample (see `kvbridge samples`).")
-@click.option("--profile", "-p", type=click.Choice(list(PROFILES)),
-              help="Wire profile of the message. Default: detected.")  # fmt: skip
-@click.option("--type", "-t", "message_type", type=click.Choice(MESSAGE_TYPES),
-              help="Message type. Default: detected.")  # fmt: skip
-@click.option("--to", "receiver", type=click.Choice([side.value for side in Receiver]),
-              help="SGLang profiles: tell the message apart as that side's sglang listener "
-                   "does (an untagged message to decode is a status, to prefill a "
-                   "TransferInfo). Default: either side.")  # fmt: skip
+@click.option(
+    "--profile",
+    "-p",
+    type=click.Choice(list(PROFILES)),
+    help="Wire profile of the message. Default: detected.",
+)
+@click.option(
+    "--type",
+    "-t",
+    "message_type",
+    type=click.Choice(MESSAGE_TYPES),
+    help="Message type. Default: detected.",
+)
+@click.option(
+    "--to",
+    "receiver",
+    type=click.Choice([side.value for side in Receiver]),
+    help="SGLang profiles: tell the message apart as that side's sglang listener "
+    "does (an untagged message to decode is a status, to prefill a "
+    "TransferInfo). Default: either side.",
+)
 def inspect_command(
     hex_frames: tuple[str, ...],
     file: str | None,
@@ -326,8 +347,10 @@ def engines_command() -> None:
         console.print(f"{spec.name}: {spec.summary} — {state}", highlight=False)
         for option in spec.options:
             values = "|".join(option.choices) or "TEXT"
-            console.print(f"  {option.name}={values} (default {option.default!r}): {option.help}",
-                          highlight=False)  # fmt: skip
+            console.print(
+                f"  {option.name}={values} (default {option.default!r}): {option.help}",
+                highlight=False,
+            )
 
 
 @app.command("protocol-doc")
@@ -360,33 +383,90 @@ def protocol_doc_command(output: Path | None, check: Path | None) -> None:
 
 
 @app.command("demo")
-@click.option("--model", type=click.Choice(sorted(MODELS)), default="llama3-8b", show_default=True,
-              help="Model whose KV-cache shape is moved (layers, KV heads, head dim).")  # fmt: skip
-@click.option("--requests", "-n", type=click.IntRange(1), default=16, show_default=True,
-              help="Requests (rooms) moved, all issued at once.")  # fmt: skip
-@click.option("--tokens", "-l", type=click.IntRange(1), default=1024, show_default=True,
-              help="Tokens per request.")  # fmt: skip
-@click.option("--page-size", type=click.IntRange(1), default=16, show_default=True,
-              help="Tokens per KV-cache page.")  # fmt: skip
-@click.option("--tp", type=click.IntRange(1), default=1, show_default=True,
-              help="Attention-TP size of both groups (ranks per group).")  # fmt: skip
+@click.option(
+    "--model",
+    type=click.Choice(sorted(MODELS)),
+    default="llama3-8b",
+    show_default=True,
+    help="Model whose KV-cache shape is moved (layers, KV heads, head dim).",
+)
+@click.option(
+    "--requests",
+    "-n",
+    type=click.IntRange(1),
+    default=16,
+    show_default=True,
+    help="Requests (rooms) moved, all issued at once.",
+)
+@click.option(
+    "--tokens",
+    "-l",
+    type=click.IntRange(1),
+    default=1024,
+    show_default=True,
+    help="Tokens per request.",
+)
+@click.option(
+    "--page-size",
+    type=click.IntRange(1),
+    default=16,
+    show_default=True,
+    help="Tokens per KV-cache page.",
+)
+@click.option(
+    "--tp",
+    type=click.IntRange(1),
+    default=1,
+    show_default=True,
+    help="Attention-TP size of both groups (ranks per group).",
+)
 @click.option("--prefill-tp", type=click.IntRange(1), help="Prefill attention-TP (default: --tp).")
 @click.option("--decode-tp", type=click.IntRange(1), help="Decode attention-TP (default: --tp).")
-@click.option("--engine", type=click.Choice(PROCESS_ENGINES), default=DEFAULT_ENGINE,
-              show_default=True, help="Transfer engine that moves the bytes.")  # fmt: skip
-@click.option("--engine-option", "engine_options", multiple=True, metavar="NAME=VALUE",
-              callback=_engine_options,
-              help="An option of the engine (repeatable): " + _ENGINE_OPTIONS_HELP)  # fmt: skip
-@click.option("--dcp", type=click.IntRange(1), default=1, show_default=True,
-              help="Decode context parallelism: processes per decode TP rank.")  # fmt: skip
-@click.option("--staging/--no-staging", default=True, show_default=True,
-              help="Staging path where the TP sizes differ.")  # fmt: skip
-@click.option("--chunks", type=click.IntRange(1), default=2, show_default=True,
-              help="Chunks each request is sent in (chunked prefill).")  # fmt: skip
-@click.option("--memory", type=click.Choice(MEMORY_KINDS), default="host", show_default=True,
-              help="Where the KV cache lives: numpy arrays, torch CPU tensors, a GPU.")  # fmt: skip
-@click.option("--json", "as_json", is_flag=True,
-              help="Print one JSON object to stdout instead of the table.")  # fmt: skip
+@click.option(
+    "--engine",
+    type=click.Choice(PROCESS_ENGINES),
+    default=DEFAULT_ENGINE,
+    show_default=True,
+    help="Transfer engine that moves the bytes.",
+)
+@click.option(
+    "--engine-option",
+    "engine_options",
+    multiple=True,
+    metavar="NAME=VALUE",
+    callback=_engine_options,
+    help="An option of the engine (repeatable): " + _ENGINE_OPTIONS_HELP,
+)
+@click.option(
+    "--dcp",
+    type=click.IntRange(1),
+    default=1,
+    show_default=True,
+    help="Decode context parallelism: processes per decode TP rank.",
+)
+@click.option(
+    "--staging/--no-staging",
+    default=True,
+    show_default=True,
+    help="Staging path where the TP sizes differ.",
+)
+@click.option(
+    "--chunks",
+    type=click.IntRange(1),
+    default=2,
+    show_default=True,
+    help="Chunks each request is sent in (chunked prefill).",
+)
+@click.option(
+    "--memory",
+    type=click.Choice(MEMORY_KINDS),
+    default="host",
+    show_default=True,
+    help="Where the KV cache lives: numpy arrays, torch CPU tensors, a GPU.",
+)
+@click.option(
+    "--json", "as_json", is_flag=True, help="Print one JSON object to stdout instead of the table."
+)
 @click.pass_obj
 def demo_command(
     log_level: int,
@@ -417,11 +497,20 @@ def demo_command(
       kvbridge demo --model deepseek-v3 --json
     """
     config = DemoConfig(
-        model=model, requests=requests, tokens=tokens, page_size=page_size,
-        prefill_tp=prefill_tp or tp, decode_tp=decode_tp or tp, engine=engine,
-        engine_options=engine_options, chunks=chunks,
-        staging=staging, dcp=dcp, log_level=log_level, memory=memory,
-    )  # fmt: skip
+        model=model,
+        requests=requests,
+        tokens=tokens,
+        page_size=page_size,
+        prefill_tp=prefill_tp or tp,
+        decode_tp=decode_tp or tp,
+        engine=engine,
+        engine_options=engine_options,
+        chunks=chunks,
+        staging=staging,
+        dcp=dcp,
+        log_level=log_level,
+        memory=memory,
+    )
     reason = unavailable_reason(engine)
     if reason is not None:
         raise _fail(f"engine {engine} cannot be used here: {reason}")
@@ -471,14 +560,16 @@ def _print_demo(result: DemoResult) -> None:
     staged = sum(r.staged_chunks for r in result.reports)
     fallbacks = sum(r.staging_fallbacks for r in result.reports)
     if staged or fallbacks:
-        console.print(f"staging: {staged} chunks staged, {fallbacks} sent token by token",
-                      highlight=False)  # fmt: skip
+        console.print(
+            f"staging: {staged} chunks staged, {fallbacks} sent token by token", highlight=False
+        )
     for report in result.reports:
         for room, why in sorted(report.failed_rooms.items()):
             console.print(f"[red]{report.role} {report.rank} room {room} failed:[/red] {why}")
         if report.mismatched_rooms:
-            console.print(f"[red]decode {report.rank}: wrong bytes in rooms "
-                          f"{report.mismatched_rooms}[/red]")  # fmt: skip
+            console.print(
+                f"[red]decode {report.rank}: wrong bytes in rooms {report.mismatched_rooms}[/red]"
+            )
         if report.error:
             console.print(f"[red]{report.role} {report.rank}: {report.error}[/red]")
 
@@ -507,14 +598,28 @@ def _print_demo(result: DemoResult) -> None:
     callback=_validate_host,
     help="Address the proxy listens on.",
 )
-@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True,
-              help="Port the proxy listens on (0: a free one, printed).")  # fmt: skip
-@click.option("--upstream-timeout", "upstream_timeout_s", type=click.FloatRange(0, min_open=True),
-              default=UPSTREAM_TIMEOUT_S, show_default=True,
-              help="Seconds an instance may send nothing before its request ends with 504 "
-                   "(a hung instance).")  # fmt: skip
-def vllm_proxy_command(prefill: tuple[str, ...], decode: tuple[str, ...], host: str, port: int,
-                       upstream_timeout_s: float) -> None:  # fmt: skip
+@click.option(
+    "--port",
+    type=click.IntRange(0, 65535),
+    default=8000,
+    show_default=True,
+    help="Port the proxy listens on (0: a free one, printed).",
+)
+@click.option(
+    "--upstream-timeout",
+    "upstream_timeout_s",
+    type=click.FloatRange(0, min_open=True),
+    default=UPSTREAM_TIMEOUT_S,
+    show_default=True,
+    help="Seconds an instance may send nothing before its request ends with 504 (a hung instance).",
+)
+def vllm_proxy_command(
+    prefill: tuple[str, ...],
+    decode: tuple[str, ...],
+    host: str,
+    port: int,
+    upstream_timeout_s: float,
+) -> None:
     """A PD proxy for vLLM instances: each OpenAI completion or chat request goes to a
     prefill instance (max_tokens 1, do_remote_decode), then to a decode instance with the
     kv_transfer_params of prefill's answer. Works with KVBridgeConnector and NixlConnector.
@@ -529,8 +634,11 @@ def vllm_proxy_command(prefill: tuple[str, ...], decode: tuple[str, ...], host: 
         proxy = PDProxy(prefill, decode, host, port, upstream_timeout_s)
     except (ValueError, OSError) as exc:
         raise _fail(str(exc)) from None
-    console.print(f"kvbridge vllm-proxy on {proxy.url}: prefill {', '.join(prefill)}; decode "
-                  f"{', '.join(decode)}", highlight=False)  # fmt: skip
+    console.print(
+        f"kvbridge vllm-proxy on {proxy.url}: prefill {', '.join(prefill)}; decode "
+        f"{', '.join(decode)}",
+        highlight=False,
+    )
     try:
         proxy.serve_forever()
     except KeyboardInterrupt as exc:
@@ -540,24 +648,49 @@ def vllm_proxy_command(prefill: tuple[str, ...], decode: tuple[str, ...], host: 
 
 
 @app.command("bench")
-@click.option("--preset", type=click.Choice(sorted(PRESETS)), default="quick", show_default=True,
-              help="smoke: seconds; quick: ~1 min per engine; full: all of it.")  # fmt: skip
-@click.option("--engine", "engines", multiple=True, type=click.Choice(ENGINES),
-              help="Engines to measure (repeatable). Default: every installed one for "
-                   "full, the first installed (NIXL) for smoke and quick.")  # fmt: skip
-@click.option("--output", type=click.Path(file_okay=False, path_type=Path),
-              default=Path("bench-results"), show_default=True,
-              help="Folder for bench.json, bench.md and bench.png.")  # fmt: skip
-@click.option("--wide", is_flag=True,
-              help="Every column (descriptors, planning and control CPU per request); "
-                   "needs about 140 columns.")  # fmt: skip
-@click.option("--json", "as_json", is_flag=True,
-              help="Print the results as one JSON document to stdout, not the table.")  # fmt: skip
+@click.option(
+    "--preset",
+    type=click.Choice(sorted(PRESETS)),
+    default="quick",
+    show_default=True,
+    help="smoke: seconds; quick: ~1 min per engine; full: all of it.",
+)
+@click.option(
+    "--engine",
+    "engines",
+    multiple=True,
+    type=click.Choice(ENGINES),
+    help="Engines to measure (repeatable). Default: every installed one for "
+    "full, the first installed (NIXL) for smoke and quick.",
+)
+@click.option(
+    "--output",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path("bench-results"),
+    show_default=True,
+    help="Folder for bench.json, bench.md and bench.png.",
+)
+@click.option(
+    "--wide",
+    is_flag=True,
+    help="Every column (descriptors, planning and control CPU per request); "
+    "needs about 140 columns.",
+)
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="Print the results as one JSON document to stdout, not the table.",
+)
 @click.pass_obj
 def bench_command(
-    log_level: int, preset: str, engines: tuple[str, ...], output: Path, wide: bool,
+    log_level: int,
+    preset: str,
+    engines: tuple[str, ...],
+    output: Path,
+    wide: bool,
     as_json: bool,
-) -> None:  # fmt: skip
+) -> None:
     """Benchmark matrix: for each cell, kvbridge end to end (separate processes, bytes
     verified) against the raw engine moving the identical blocks. Prints a table, writes
     JSON, Markdown and PNG plots. Exits 1 if any cell failed. Rates in GB/s (10^9 B/s).
@@ -607,39 +740,62 @@ def _bench_table(rows: list[CellResult], preset: str, wide: bool) -> Table:
     if wide:
         columns[-1:-1] = ["req"]
         columns += ["p99 ms", "desc/req", "plan ms/req", "ctrl CPU ms/req"]
-    table = Table(title=f"kvbridge bench ({preset})", title_justify="left", padding=(0, 1),
-                  caption="GB/s: 10^9 B/s. raw: the engine alone on the same blocks. "
-                          "ratio: kvbridge / raw.", caption_justify="left")  # fmt: skip
+    table = Table(
+        title=f"kvbridge bench ({preset})",
+        title_justify="left",
+        padding=(0, 1),
+        caption="GB/s: 10^9 B/s. raw: the engine alone on the same blocks. ratio: kvbridge / raw.",
+        caption_justify="left",
+    )
     for column in columns:
-        table.add_column(column, justify="left" if column in ("engine", "model") else "right",
-                         no_wrap=column not in ("engine", "model"))  # fmt: skip
+        table.add_column(
+            column,
+            justify="left" if column in ("engine", "model") else "right",
+            no_wrap=column not in ("engine", "model"),
+        )
     for row in rows:
         cell = row.cell
-        values = {"engine": cell.engine, "model": cell.model, "tokens": str(cell.tokens),
-                  "page": str(cell.page_size),
-                  "TP": f"{cell.prefill_tp}→{cell.decode_tp}"}  # fmt: skip
+        values = {
+            "engine": cell.engine,
+            "model": cell.model,
+            "tokens": str(cell.tokens),
+            "page": str(cell.page_size),
+            "TP": f"{cell.prefill_tp}→{cell.decode_tp}",
+        }
         if row.skipped or row.error:  # the reason goes below the table, in full
             mark = "[yellow]skipped[/yellow]" if row.skipped else "[red]failed[/red]"
             table.add_row(*[values.get(column, "") for column in columns[:5]], mark)
             continue
         values |= {
-            "req": str(row.requests), "GB/s": f"{row.kvbridge_gbps:.2f}",
+            "req": str(row.requests),
+            "GB/s": f"{row.kvbridge_gbps:.2f}",
             "raw": f"{row.raw_gbps:.2f}",
             "ratio": f"{row.ratio:.2f}" if row.ratio is not None else "-",
-            "p50 ms": f"{row.p50_ms:.0f}", "p99 ms": f"{row.p99_ms:.0f}",
+            "p50 ms": f"{row.p50_ms:.0f}",
+            "p99 ms": f"{row.p99_ms:.0f}",
             "desc/req": f"{row.descriptors_per_request:g}",
             "plan ms/req": f"{row.plan_ms_per_request:.3f}",
             "ctrl CPU ms/req": f"{row.control_cpu_ms_per_request:.2f}",
-        }  # fmt: skip
+        }
         table.add_row(*[values[column] for column in columns])
     return table
 
 
 @app.command("bootstrap")
-@click.option("--host", default="127.0.0.1", show_default=True, callback=_validate_host,
-              help="Address to bind (0.0.0.0: every interface; then set a secret).")  # fmt: skip
-@click.option("--port", type=click.IntRange(0, 65535), default=8998, show_default=True,
-              help="TCP port to serve on (0: any free port, printed at start).")  # fmt: skip
+@click.option(
+    "--host",
+    default="127.0.0.1",
+    show_default=True,
+    callback=_validate_host,
+    help="Address to bind (0.0.0.0: every interface; then set a secret).",
+)
+@click.option(
+    "--port",
+    type=click.IntRange(0, 65535),
+    default=8998,
+    show_default=True,
+    help="TCP port to serve on (0: any free port, printed at start).",
+)
 def bootstrap_command(host: str, port: int) -> None:
     """Run the bootstrap (rendezvous) service standalone until interrupted (SIGINT or
     SIGTERM: exit status 0). Prefill ranks register with it, decode ranks look them up.

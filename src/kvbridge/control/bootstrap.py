@@ -127,8 +127,13 @@ class PrefillGroup:
                     f"runs out in {known[1] - now:.1f} s unless renewed)"
                 )
             if known is None:
-                log.info("prefill rank %d of %d registered at %s:%d", rank.rank,
-                         rank.attn_tp_size, rank.host, rank.port)  # fmt: skip
+                log.info(
+                    "prefill rank %d of %d registered at %s:%d",
+                    rank.rank,
+                    rank.attn_tp_size,
+                    rank.host,
+                    rank.port,
+                )
             self._ranks[rank.rank] = (rank, now + self.lease_s)
             return None
 
@@ -193,16 +198,26 @@ class BootstrapService:
         if len(self._auth_failures) < 4096:  # bounded under a storm of addresses
             self._auth_failures[client] = [*recent, now]
         # One warning per client and penalty window, not one per request of a storm.
-        (log.debug if recent else log.warning)("refused a request from %s without the token",
-                                               client)  # fmt: skip
+        (log.debug if recent else log.warning)(
+            "refused a request from %s without the token", client
+        )
         return Reply(HTTPStatus.UNAUTHORIZED, {"error": "this service needs the token"})
 
     def handle(
-        self, method: str, path: str, headers: dict[str, str], body: bytes, client: str,
+        self,
+        method: str,
+        path: str,
+        headers: dict[str, str],
+        body: bytes,
+        client: str,
         now: float,
-    ) -> Reply:  # fmt: skip
-        routes = {("GET", "/health"), ("GET", "/prefill"), ("PUT", "/prefill"),
-                  ("DELETE", "/prefill")}  # fmt: skip
+    ) -> Reply:
+        routes = {
+            ("GET", "/health"),
+            ("GET", "/prefill"),
+            ("PUT", "/prefill"),
+            ("DELETE", "/prefill"),
+        }
         if (method, path) not in routes:
             known = {route for _, route in routes}
             status = HTTPStatus.METHOD_NOT_ALLOWED if path in known else HTTPStatus.NOT_FOUND
@@ -264,11 +279,14 @@ async def _read_request(
         except ValueError:
             length = -1
         if length > MAX_BODY:
-            raise _BadRequest(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
-                              f"body of {length} bytes (1 to {MAX_BODY} accepted)")  # fmt: skip
+            raise _BadRequest(
+                HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+                f"body of {length} bytes (1 to {MAX_BODY} accepted)",
+            )
         if length < 1:
-            raise _BadRequest(HTTPStatus.BAD_REQUEST,
-                              f"body of {length} bytes (1 to {MAX_BODY} accepted)")  # fmt: skip
+            raise _BadRequest(
+                HTTPStatus.BAD_REQUEST, f"body of {length} bytes (1 to {MAX_BODY} accepted)"
+            )
         try:
             body = await reader.readexactly(length)
         except asyncio.IncompleteReadError as exc:
@@ -459,8 +477,9 @@ class LeaseRenewer:
                 )
                 self._interval_s = max(0.05, lease_s / 3)
             except BootstrapError as exc:
-                log.warning("could not renew prefill rank %d's registration: %s",
-                            self._rank.rank, exc)  # fmt: skip
+                log.warning(
+                    "could not renew prefill rank %d's registration: %s", self._rank.rank, exc
+                )
 
     def close(self) -> None:
         self._stop.set()
@@ -486,8 +505,9 @@ def lookup_prefill_group(
                 except (KeyError, TypeError, ValueError) as exc:
                     raise BootstrapError(f"bootstrap {url} sent a bad group: {exc}") from None
             if status in (HTTPStatus.UNAUTHORIZED, HTTPStatus.TOO_MANY_REQUESTS):
-                raise BootstrapError(f"bootstrap {url} refused the lookup ({status}): "
-                                     f"{document.get('error')}")  # fmt: skip
+                raise BootstrapError(
+                    f"bootstrap {url} refused the lookup ({status}): {document.get('error')}"
+                )
             last = f"{status}: {document}"
         time.sleep(0.05)
     raise BootstrapError(f"prefill group at {url} not complete after {timeout_s:g} s ({last})")

@@ -248,9 +248,14 @@ class ControlChannel:
                 largest = max(len(frame) for frame in frames)
                 if largest > self._max_frame_bytes:
                     self.stats.send_failures += 1
-                    log.error("dropped %s to %s: a frame of %d bytes, over the %d a peer "
-                              "accepts (MAX_FRAME_BYTES)", kind, endpoint, largest,
-                              self._max_frame_bytes)  # fmt: skip
+                    log.error(
+                        "dropped %s to %s: a frame of %d bytes, over the %d a peer "
+                        "accepts (MAX_FRAME_BYTES)",
+                        kind,
+                        endpoint,
+                        largest,
+                        self._max_frame_bytes,
+                    )
                     continue
                 self._socket_to(endpoint).send_multipart(frames, zmq.NOBLOCK)
                 self.stats.sent += 1

@@ -247,8 +247,9 @@ class DecodeProtocol(ProtocolCore):
         """Only the prefill rank asked to write a room can end it or confirm its drain."""
         if message.session_token == self.settings.session_token:
             return True
-        self._ignore("%s for room %d without this rank's token", type(message).__name__,
-                     message.room)  # fmt: skip
+        self._ignore(
+            "%s for room %d without this rank's token", type(message).__name__, message.room
+        )
         return False
 
     def _on_abort_ack(self, message: AbortAck, now: float) -> list[Action]:
@@ -270,8 +271,7 @@ class DecodeProtocol(ProtocolCore):
         state = self.rooms.get(message.room)
         if state is None:
             return self._ignore("status for unknown or cleared room %d", message.room)
-        state.on_status(message.prefill_rank, message.status, message.reason,
-                        message.failure_kind)  # fmt: skip
+        state.on_status(message.prefill_rank, message.status, message.reason, message.failure_kind)
         return [RoomsChanged()]
 
     # --- the staging ring ------------------------------------------------------------------
@@ -310,8 +310,12 @@ class DecodeProtocol(ProtocolCore):
         if allocation is None:
             self.stats.unexpected_chunks += 1
             self.stats.ignored += 1
-            log.warning("chunk %d of room %d from prefill rank %d has no ring space here",
-                        ready.chunk_idx, ready.room, ready.prefill_rank)  # fmt: skip
+            log.warning(
+                "chunk %d of room %d from prefill rank %d has no ring space here",
+                ready.chunk_idx,
+                ready.room,
+                ready.prefill_rank,
+            )
             return []
         state = self.rooms.get(ready.room)
         source = state.sources.get(ready.prefill_rank) if state is not None else None
@@ -362,12 +366,17 @@ class DecodeProtocol(ProtocolCore):
         # Requests still waiting for space would be granted to a writer that is gone.
         waiting = len(self._waiting)
         self._waiting = deque(
-            request for request in self._waiting
+            request
+            for request in self._waiting
             if (request.prefill_rank, request.room) not in writers
-        )  # fmt: skip
+        )
         if stale or waiting != len(self._waiting):
-            log.info("reclaimed ring space of %d chunk(s) that will not arrive, dropped %d "
-                     "waiting request(s)", len(stale), waiting - len(self._waiting))  # fmt: skip
+            log.info(
+                "reclaimed ring space of %d chunk(s) that will not arrive, dropped %d "
+                "waiting request(s)",
+                len(stale),
+                waiting - len(self._waiting),
+            )
 
     # --- the scheduler's rooms -------------------------------------------------------------
 
@@ -392,8 +401,9 @@ class DecodeProtocol(ProtocolCore):
 
     def _on_leases_renewing(self, event: LeasesRenewing, now: float) -> list[Action]:
         lease = RoomLease(self.settings.endpoint, list(event.rooms))
-        return [Send(endpoint, lease) for endpoint in event.endpoints
-                if endpoint in self._registered]  # fmt: skip
+        return [
+            Send(endpoint, lease) for endpoint in event.endpoints if endpoint in self._registered
+        ]
 
     def _on_room_aborted(self, event: RoomAborted, now: float) -> list[Action]:
         if not event.status.fail(FailureKind.ABORTED, f"aborted by decode: {event.reason}"):
@@ -419,8 +429,9 @@ class DecodeProtocol(ProtocolCore):
         if self.rooms.pop(event.room, None) is not None:
             status = event.status
             self.stats.count_finished(status)
-            log.debug("room %d: cleared (%s)", event.room,
-                      status.failure_reason or status.poll.name)  # fmt: skip
+            log.debug(
+                "room %d: cleared (%s)", event.room, status.failure_reason or status.poll.name
+            )
         return []
 
     # --- time --------------------------------------------------------------------------------
@@ -462,8 +473,12 @@ class DecodeProtocol(ProtocolCore):
         if self.liveness.heartbeat_due(now):
             self._heartbeats += 1
             for endpoint in self.liveness.peers:
-                beat = Heartbeat(settings.endpoint, self._heartbeats, settings.lease_ms,
-                                 self._heard_sequence.get(endpoint))  # fmt: skip
+                beat = Heartbeat(
+                    settings.endpoint,
+                    self._heartbeats,
+                    settings.lease_ms,
+                    self._heard_sequence.get(endpoint),
+                )
                 actions.append(Send(endpoint, beat))
         for endpoint, silent_s in self.liveness.expired(now):
             self.stats.peers_declared_dead += 1

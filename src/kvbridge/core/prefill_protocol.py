@@ -369,7 +369,7 @@ class PrefillProtocol(ProtocolCore):
             "(not heard from it): this rank stopped writing to it"
         )
 
-    def pages_free(self, room: int) -> bool:
+    def pages_safe(self, room: int) -> bool:
         """Whether the room's pages can go back to the allocator: the room ended and no write
         of it is in flight (an engine may read them until then)."""
         state = self.rooms.get(room)
@@ -401,9 +401,11 @@ class PrefillProtocol(ProtocolCore):
         if state is None and room not in self._finished_set:
             self._sequence += 1
             state = self.rooms[room] = PrefillRoom(
-                room, created_at=now, page_size=self.settings.kv_args.page_size,
+                room,
+                created_at=now,
+                page_size=self.settings.kv_args.page_size,
                 sequence=self._sequence,
-            )  # fmt: skip
+            )
             self.stats.rooms_started += 1
             self._unclaimed[room] = None
             self._request_due.push(now + self.settings.request_timeout_s, (room, self._sequence))
@@ -422,8 +424,10 @@ class PrefillProtocol(ProtocolCore):
         if room in self._finished_set:
             reason = f"room {room} already ended on prefill rank {self.rank}"
         elif len(self._unclaimed) >= MAX_UNCLAIMED_ROOMS:
-            reason = (f"prefill rank {self.rank} holds {MAX_UNCLAIMED_ROOMS} rooms that no "
-                      "scheduler started; refused")  # fmt: skip
+            reason = (
+                f"prefill rank {self.rank} holds {MAX_UNCLAIMED_ROOMS} rooms that no "
+                "scheduler started; refused"
+            )
         else:
             return self._room(room, now), []
         failed = TransferStatus(
@@ -532,8 +536,9 @@ class PrefillProtocol(ProtocolCore):
             entry = _Job(job)
             self._jobs[entry.key] = entry
             self._jobs_of_room.setdefault(job.room, set()).add(entry.key)
-            heapq.heappush(self._queued.setdefault(job.peer_id, []),
-                           (state.sequence, job.chunk_idx, job.room))  # fmt: skip
+            heapq.heappush(
+                self._queued.setdefault(job.peer_id, []), (state.sequence, job.chunk_idx, job.room)
+            )
         actions: list[Action] = [RoomsChanged()] if state.status.poll != was else []
         if state.status.poll == KVPoll.Success and was != KVPoll.Success:
             actions += self._report(state)  # nothing to write (dummy requests only)
@@ -634,14 +639,19 @@ class PrefillProtocol(ProtocolCore):
             return None
         self._hand_out(state, entry)
         if peer.pairing.direct:
-            staged = StagedChunk(src_rows, column, width, nbytes, entry.local.offset,
-                                 PageRows(dst_rows))  # fmt: skip
+            staged = StagedChunk(
+                src_rows, column, width, nbytes, entry.local.offset, PageRows(dst_rows)
+            )
             self.stats.staged_chunks += 1
             return [self._write(entry, peer, staged)]
         request = StagingRequest(
-            room=job.room, chunk_idx=job.chunk_idx, chunk_num_pages=job.src_pages.size,
-            session_id=self.settings.endpoint, prefill_rank=self.rank, nbytes=nbytes,
-        )  # fmt: skip
+            room=job.room,
+            chunk_idx=job.chunk_idx,
+            chunk_num_pages=job.src_pages.size,
+            session_id=self.settings.endpoint,
+            prefill_rank=self.rank,
+            nbytes=nbytes,
+        )
         entry.staging = _AwaitedStaging(request, now, src_rows, column, width)
         self._staging_due.push(now + self.settings.staging_timeout_s, (now, entry.key))
         self._staging_due.compact(len(self._jobs), self._staging_entries)
@@ -667,8 +677,16 @@ class PrefillProtocol(ProtocolCore):
                 and chunk_idx != job.chunk_idx
                 and self._jobs[(room, chunk_idx, peer_id)].handed_out
             )
-        entry.write = Write(job.room, job, peer.kv_args, peer.pairing, notify, staged,
-                            notify_complete, complete_with)  # fmt: skip
+        entry.write = Write(
+            job.room,
+            job,
+            peer.kv_args,
+            peer.pairing,
+            notify,
+            staged,
+            notify_complete,
+            complete_with,
+        )
         return entry.write
 
     def _gather_for(
@@ -687,10 +705,14 @@ class PrefillProtocol(ProtocolCore):
             return None
         token_start = job.page_offset * local.page_size
         src_rows, dst_rows = token_rows(
-            job.src_pages, local.page_size, token_start,
-            np.asarray(job.dst_pages, dtype=np.int64), peer_args.page_size,
-            peer_args.dcp_size, peer_args.dcp_rank,
-        )  # fmt: skip
+            job.src_pages,
+            local.page_size,
+            token_start,
+            np.asarray(job.dst_pages, dtype=np.int64),
+            peer_args.page_size,
+            peer_args.dcp_size,
+            peer_args.dcp_rank,
+        )
         column, width = pairing.source.columns(local.head_bytes, "src")
         nbytes = staged_size(len(local.kv_buffers), src_rows.size, width)
         too_big = not self._local.fits_ever(nbytes) or (
@@ -705,8 +727,11 @@ class PrefillProtocol(ProtocolCore):
         entry = self._jobs.get((answer.room, answer.chunk_idx, answer.session_id))
         awaited = entry.staging if entry is not None else None
         if entry is None or awaited is None:  # an answer nobody waits for is never kept
-            return self._ignore("staging answer for room %d chunk %d that nobody awaits",
-                                answer.room, answer.chunk_idx)  # fmt: skip
+            return self._ignore(
+                "staging answer for room %d chunk %d that nobody awaits",
+                answer.room,
+                answer.chunk_idx,
+            )
         entry.staging = None
         self.stats.staging_wait_s += now - awaited.asked_at
         state = self.rooms.get(answer.room)
@@ -725,16 +750,23 @@ class PrefillProtocol(ProtocolCore):
         assert entry.local is not None
         local = self.settings.kv_args
         ready = ChunkReady(
-            room=job.room, chunk_idx=job.chunk_idx, page_start=job.page_offset,
-            num_pages=job.src_pages.size, session_id=self.settings.endpoint,
-            prefill_rank=self.rank, token_start=job.page_offset * local.page_size,
+            room=job.room,
+            chunk_idx=job.chunk_idx,
+            page_start=job.page_offset,
+            num_pages=job.src_pages.size,
+            session_id=self.settings.endpoint,
+            prefill_rank=self.rank,
+            token_start=job.page_offset * local.page_size,
             token_count=job.src_pages.size * local.page_size,
-        )  # fmt: skip
+        )
         staged = StagedChunk(
-            awaited.src_rows, awaited.column, awaited.width, awaited.request.nbytes,
+            awaited.src_rows,
+            awaited.column,
+            awaited.width,
+            awaited.request.nbytes,
             entry.local.offset,
             RingSpace(peer.kv_args.staging_buffer.ptr + answer.offset, ready),
-        )  # fmt: skip
+        )
         self.stats.staged_chunks += 1
         return [self._write(entry, peer, staged)]
 
@@ -766,22 +798,31 @@ class PrefillProtocol(ProtocolCore):
 
     def _on_registration(self, registration: Registration, now: float) -> list[Action]:
         known = self.peers.get(registration.peer_id)
-        twin = next((other for other in self.peers.values()
-                     if other.registration.engine_descriptor
-                     == registration.engine_descriptor), None)  # fmt: skip
+        twin = next(
+            (
+                other
+                for other in self.peers.values()
+                if other.registration.engine_descriptor == registration.engine_descriptor
+            ),
+            None,
+        )
         if known is not None:
             # A decode rank registers once; its peer id names one process. A different
             # registration under a known id is someone else's; the same one again means decode
             # forgot this rank (it declared it dead): a heartbeat now renews the write lease.
             if known.registration != registration:
-                return self._ignore("a changed registration for known decode %s",
-                                    registration.peer_id)  # fmt: skip
+                return self._ignore(
+                    "a changed registration for known decode %s", registration.peer_id
+                )
             return self._heartbeats_to([known], now)
         if twin is not None or len(self.peers) >= MAX_DECODE_PEERS:
-            return self._ignore("registration of %s: %s", registration.peer_id[:100],
-                                "engine endpoint already registered by "
-                                + twin.registration.peer_id if twin
-                                else f"{MAX_DECODE_PEERS} decode peers already")  # fmt: skip
+            return self._ignore(
+                "registration of %s: %s",
+                registration.peer_id[:100],
+                "engine endpoint already registered by " + twin.registration.peer_id
+                if twin
+                else f"{MAX_DECODE_PEERS} decode peers already",
+            )
         endpoint = tcp_endpoint(registration.host, registration.control_port)
         peer = DecodePeer(registration, endpoint)
         try:
@@ -802,8 +843,9 @@ class PrefillProtocol(ProtocolCore):
         self.liveness.seen(registration.peer_id, now)
         actions = self._heartbeats_to([peer], now)  # its echo grants the first lease
         if peer.error is None and peer.kv_args is not None:
-            actions.append(Connect(registration.peer_id, registration.engine_descriptor,
-                                   peer.kv_args))  # fmt: skip
+            actions.append(
+                Connect(registration.peer_id, registration.engine_descriptor, peer.kv_args)
+            )
         return actions
 
     def _on_connected(self, event: Connected, now: float) -> list[Action]:
@@ -821,8 +863,11 @@ class PrefillProtocol(ProtocolCore):
     def _on_request(self, message: TransferRequest, now: float) -> list[Action]:
         peer = self.peers.get(message.peer_id)
         if peer is None:  # creates nothing: anyone can send a request
-            return self._ignore("request for room %d from unregistered decode %s",
-                                message.room, message.peer_id[:100])  # fmt: skip
+            return self._ignore(
+                "request for room %d from unregistered decode %s",
+                message.room,
+                message.peer_id[:100],
+            )
         state, actions = self._room_for_peer(message.room, peer, now)
         if state is None:
             return actions
@@ -847,9 +892,13 @@ class PrefillProtocol(ProtocolCore):
         if problem is not None:
             return self._fail(state, Failure(FailureKind.INCOMPATIBLE, problem), message.peer_id)
         state.on_request(message)
-        log.debug("room %d: %s from decode %s, %d page(s)", message.room,
-                  "dummy request" if message.is_dummy else "request", message.peer_id,
-                  len(message.dst_kv_indices))  # fmt: skip
+        log.debug(
+            "room %d: %s from decode %s, %d page(s)",
+            message.room,
+            "dummy request" if message.is_dummy else "request",
+            message.peer_id,
+            len(message.dst_kv_indices),
+        )
         return self._renew_lease(peer, now) + self._schedule(state, now)
 
     def _renew_lease(self, peer: DecodePeer, now: float) -> list[Action]:
@@ -872,8 +921,9 @@ class PrefillProtocol(ProtocolCore):
         askers = {self.peers[p].endpoint for p in state.requests} if state else set()
         peer = self._peer_at(endpoint)
         if peer is None or (askers and endpoint not in askers):
-            return self._ignore("abort of room %d from %s, not a decode peer of it",
-                                message.room, endpoint)  # fmt: skip
+            return self._ignore(
+                "abort of room %d from %s, not a decode peer of it", message.room, endpoint
+            )
         actions: list[Action] = []
         if state is None:  # aborted before its request (or its sender): it starts failed
             state, actions = self._room_for_peer(message.room, peer, now)
@@ -906,8 +956,9 @@ class PrefillProtocol(ProtocolCore):
         from a registered decode peer, and only for rooms no request reached yet (a lease
         keeps nothing alive once decode asked: liveness does)."""
         if self._peer_at(message.sender_id) is None:
-            return self._ignore("room lease from %s, not a registered decode peer",
-                                message.sender_id)  # fmt: skip
+            return self._ignore(
+                "room lease from %s, not a registered decode peer", message.sender_id
+            )
         for room in message.rooms:
             state = self.rooms.get(room)
             if state is not None and not state.status.finished and not state.requests:
@@ -927,8 +978,10 @@ class PrefillProtocol(ProtocolCore):
             self._beats_sent.popitem(last=False)
         lease_ms = int(self.settings.peer_timeout_s * 1000)
         endpoint, sequence = self.settings.endpoint, self._heartbeats
-        beats = [(peer, Heartbeat(endpoint, sequence, lease_ms, session_token=peer.token))
-                 for peer in peers]  # fmt: skip
+        beats = [
+            (peer, Heartbeat(endpoint, sequence, lease_ms, session_token=peer.token))
+            for peer in peers
+        ]
         return [Send(peer.endpoint, beat) for peer, beat in beats]
 
     # --- the scheduler's rooms -------------------------------------------------------------
@@ -975,8 +1028,10 @@ class PrefillProtocol(ProtocolCore):
             if state.request_overdue(now, timeout_s):
                 got, wanted = len(state.requests), state.required_requests or "any"
                 renewed = " since decode's last lease renewal" if state.renewed_at else ""
-                reason = (f"room {state.room}: {got} of {wanted} transfer request(s) from "
-                          f"decode in {timeout_s:g} s{renewed}")  # fmt: skip
+                reason = (
+                    f"room {state.room}: {got} of {wanted} transfer request(s) from "
+                    f"decode in {timeout_s:g} s{renewed}"
+                )
                 actions += self._fail(state, Failure(FailureKind.TIMEOUT, reason))
             elif not state.ready:  # decode renewed its lease: due again when that runs out
                 still_open.append((state.request_deadline(timeout_s), (room, sequence)))
@@ -990,8 +1045,10 @@ class PrefillProtocol(ProtocolCore):
             room = next(iter(self._unclaimed))
             if not self.rooms[room].claim_overdue(now, timeout_s):
                 break
-            reason = (f"room {room}: prefill rank {self.rank} was not given this room "
-                      f"within {timeout_s:g} s of decode's request")  # fmt: skip
+            reason = (
+                f"room {room}: prefill rank {self.rank} was not given this room "
+                f"within {timeout_s:g} s of decode's request"
+            )
             actions += self._fail(self.rooms[room], Failure(FailureKind.TIMEOUT, reason))
             actions += self._clear(room)
         for _, (asked_at, key) in self._staging_due.pop_due(now):
@@ -1000,8 +1057,10 @@ class PrefillProtocol(ProtocolCore):
                 continue  # answered, ended, or asked again since
             entry.staging = None
             job = entry.job
-            reason = (f"room {job.room}: decode {job.peer_id} gave no staging space for chunk "
-                      f"{job.chunk_idx} in {settings.staging_timeout_s:g} s")  # fmt: skip
+            reason = (
+                f"room {job.room}: decode {job.peer_id} gave no staging space for chunk "
+                f"{job.chunk_idx} in {settings.staging_timeout_s:g} s"
+            )
             waiting_room = self.rooms.get(job.room)
             if waiting_room is not None:
                 actions += self._fail(waiting_room, Failure(FailureKind.TIMEOUT, reason))
@@ -1027,14 +1086,20 @@ class PrefillProtocol(ProtocolCore):
     def _peer_dead(self, peer_id: str, silent_s: float) -> list[Action]:
         self.stats.peers_declared_dead += 1
         reason = self.liveness.silence(f"decode {peer_id}", silent_s)
-        affected = [state for state in self.rooms.values()
-                    if peer_id in state.requests and not state.status.finished]  # fmt: skip
+        affected = [
+            state
+            for state in self.rooms.values()
+            if peer_id in state.requests and not state.status.finished
+        ]
         actions: list[Action] = []
         for state in affected:
             failure = Failure(FailureKind.PEER_DEAD, f"room {state.room}: {reason}")
             actions += self._fail(state, failure)
-        awaiting = [entry for entry in self._jobs.values()
-                    if entry.staging is not None and entry.job.peer_id == peer_id]  # fmt: skip
+        awaiting = [
+            entry
+            for entry in self._jobs.values()
+            if entry.staging is not None and entry.job.peer_id == peer_id
+        ]
         for entry in awaiting:
             entry.staging = None  # it will never answer
             actions += self._job_ended(entry)
@@ -1066,12 +1131,20 @@ def plan_write(
             local, peer_args, write.pairing.source, gathered_at, staged.destination.rows, memory
         )
     else:
-        kv_plan = write.pairing.plan(local, peer_args, job.src_pages, job.page_offset,
-                                     job.dst_pages, memory)  # fmt: skip
+        kv_plan = write.pairing.plan(
+            local, peer_args, job.src_pages, job.page_offset, job.dst_pages, memory
+        )
     plans = [kv_plan]
     if job.last and job.src_aux_index is not None and job.dst_aux_index is not None:
-        plans.append(plan_slots(local.aux_buffers, peer_args.aux_buffers, job.src_aux_index,
-                                job.dst_aux_index, "aux"))  # fmt: skip
+        plans.append(
+            plan_slots(
+                local.aux_buffers,
+                peer_args.aux_buffers,
+                job.src_aux_index,
+                job.dst_aux_index,
+                "aux",
+            )
+        )
     if job.last and job.src_state_indices:
         if len(job.src_state_indices) != len(job.dst_state_indices):
             raise PlanError(
@@ -1083,8 +1156,11 @@ def plan_write(
         senders = tuple(source.prefill_rank for source in route.sources)  # not the dummies
         for src_slot, dst_slot in zip(job.src_state_indices, job.dst_state_indices, strict=True):
             if equal_tp:  # whole slots
-                plans.append(plan_slots(local.state_buffers, peer_args.state_buffers, src_slot,
-                                        dst_slot, "state"))  # fmt: skip
+                plans.append(
+                    plan_slots(
+                        local.state_buffers, peer_args.state_buffers, src_slot, dst_slot, "state"
+                    )
+                )
             else:  # this rank's shard of each slot
                 plans.append(plan_state_slices(local, peer_args, src_slot, dst_slot, senders))
     if len(plans) == 1:

@@ -99,8 +99,9 @@ class ProtocolCore:
         """The actions an event calls for, in the order they must be executed."""
         handler = self._handlers.get(type(event))
         if handler is None:
-            self._log.warning("unexpected %s on a %s rank, ignored", type(event).__name__,
-                              self.role)  # fmt: skip
+            self._log.warning(
+                "unexpected %s on a %s rank, ignored", type(event).__name__, self.role
+            )
             return []
         return handler(event, now)
 

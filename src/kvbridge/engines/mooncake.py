@@ -134,11 +134,12 @@ class MooncakeEngine(TransferEngine):
         self.batch_blocks = batch_blocks or max(1, limit // submit_threads)
         if protocol == "tcp" and self.batch_blocks * submit_threads > limit:
             raise EngineError(
-                NAME, "configure",
+                NAME,
+                "configure",
                 f"{submit_threads} submit thread(s) × batches of {self.batch_blocks} blocks "
                 f"exceed Mooncake's TCP queue of {limit} blocks per peer "
                 f"({' and '.join(QUEUE_LIMIT_VARIABLES)}): raise them or lower batch_blocks",
-            )  # fmt: skip
+            )
         self._limit_note = (
             f"; Mooncake's TCP transport takes {limit} blocks per peer "
             f"({QUEUE_LIMIT_VARIABLES[0]}), {submit_threads} batch(es) of at most "
@@ -166,9 +167,12 @@ class MooncakeEngine(TransferEngine):
     def open(cls, endpoint_name: str, host: str, options: Mapping[str, str]) -> MooncakeEngine:
         threads = int(options["submit_threads"]) or default_submit_threads()
         return cls(
-            host, protocol=options["protocol"], device=options["device"],
-            submit_threads=threads, batch_blocks=int(options["batch_blocks"]),
-        )  # fmt: skip
+            host,
+            protocol=options["protocol"],
+            device=options["device"],
+            submit_threads=threads,
+            batch_blocks=int(options["batch_blocks"]),
+        )
 
     @property
     def transport(self) -> str:
@@ -228,8 +232,10 @@ class MooncakeEngine(TransferEngine):
         except Exception as exc:  # anything Mooncake raises ends this write, not the worker
             return exc.detail if isinstance(exc, EngineError) else str(exc)
         if rc != 0:
-            return (f"a batch of {len(batch.plan)} block(s) to {handle.session} failed "
-                    f"(rc {rc}){self._limit_note}")  # fmt: skip
+            return (
+                f"a batch of {len(batch.plan)} block(s) to {handle.session} failed "
+                f"(rc {rc}){self._limit_note}"
+            )
         return None
 
     def close(self) -> None:

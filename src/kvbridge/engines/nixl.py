@@ -54,9 +54,10 @@ def _import_nixl() -> Any:
         _quiet_nixl_logging()
         return api
     raise EngineError(
-        NAME, "import",
+        NAME,
+        "import",
         f"{failure}; install it with: pip install --no-deps nixl-cu12 (or nixl-cu13 with CUDA 13)",
-    )  # fmt: skip
+    )
 
 
 def probe() -> None:

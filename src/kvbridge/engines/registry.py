@@ -68,16 +68,18 @@ class EngineSpec:
             option = known.get(name)
             if option is None:
                 accepted = ", ".join(known) or "none"
-                raise EngineError(self.name, "configure",
-                                  f"no option {name!r} (its options: {accepted})")  # fmt: skip
+                raise EngineError(
+                    self.name, "configure", f"no option {name!r} (its options: {accepted})"
+                )
             problem = option.problem(value)
             if problem is not None:
                 raise EngineError(self.name, "configure", f"option {name}={value!r}: {problem}")
         return {name: (given or {}).get(name, option.default) for name, option in known.items()}
 
     def engine_class(self) -> type[TransferEngine]:
-        return cast(type[TransferEngine], getattr(importlib.import_module(self.module),
-                                                  self.class_name))  # fmt: skip
+        return cast(
+            type[TransferEngine], getattr(importlib.import_module(self.module), self.class_name)
+        )
 
     def probe(self) -> None:
         """Load the engine's library; raises ImportError, OSError or EngineError if it cannot."""

@@ -14,7 +14,7 @@ them, aborted, or `request_timeout_s` passed.
 vLLM makes one connector object per role. The scheduler side only keeps books (which requests
 send, load, or were aborted) and hands them to the workers in each step's metadata; the
 worker side owns kvbridge's managers (engine, control channel, bootstrap service) and reports
-finished transfers back through `get_finished`. The pure parts are `vllm_core` (options),
+finished transfers back through `get_finished`. The pure parts are `vllm_options` (options),
 `vllm_requests` (request parameters, step metadata) and `vllm_cache` (KV tensors, blocks).
 """
 
@@ -36,9 +36,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvbridge.integrations.vllm_blocks import GroupKind
 from kvbridge.integrations.vllm_cache import REQUIRED_LAYOUT
-from kvbridge.integrations.vllm_core import ConnectorOptions, check_vllm_version, log_through_vllm
 from kvbridge.integrations.vllm_handoff import SendOutbox
 from kvbridge.integrations.vllm_metrics import KVBridgePromMetrics, KVBridgeStats
+from kvbridge.integrations.vllm_options import (
+    ConnectorOptions,
+    check_vllm_version,
+    log_through_vllm,
+)
 from kvbridge.integrations.vllm_requests import SendSpec, StepMetadata
 from kvbridge.integrations.vllm_scheduler import SchedulerConfig, SchedulerSide
 from kvbridge.integrations.vllm_specs import attention_block_size, mamba_state, transfer_groups
@@ -95,8 +99,13 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         if role == KVConnectorRole.SCHEDULER:
             if produces:
                 self._outbox = SendOutbox()
-            config = SchedulerConfig(str(transfer.engine_id), produces, groups, stages,
-                                     self.options.request_timeout_s)  # fmt: skip
+            config = SchedulerConfig(
+                str(transfer.engine_id),
+                produces,
+                groups,
+                stages,
+                self.options.manager.request_timeout_s,
+            )
             self._scheduler = SchedulerSide(
                 config, self._outbox.send if self._outbox is not None else _no_workers
             )
@@ -106,29 +115,36 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         # Each data-parallel rank and pipeline stage of a prefill instance serves its own
         # bootstrap service.
         stage = int(get_pp_group().rank_in_group)
-        port = self.options.bootstrap_port
+        port = self.options.manager.bootstrap_port
         if port:
             port += int(parallel.data_parallel_index) * stages + stage
         vllm_groups = kv_cache_config.kv_cache_groups if kv_cache_config is not None else [None]
         self._worker = WorkerSide(
             WorkerConfig(
-                produces=produces, consumes=consumes,
+                produces=produces,
+                consumes=consumes,
                 tp_rank=int(get_tensor_model_parallel_rank()),
-                tp_size=int(parallel.tensor_parallel_size), pp_rank=stage,
+                tp_size=int(parallel.tensor_parallel_size),
+                pp_rank=stage,
                 total_kv_heads=int(vllm_config.model_config.get_total_num_kv_heads()),
                 use_mla=bool(vllm_config.model_config.use_mla),
-                block_size=attention_block_size(groups), state_layers=state_layers,
-                state_groups=frozenset(index for index, group in enumerate(groups)
-                                       if group.kind == GroupKind.STATE),
-                mamba=mamba_state(kv_cache_config, vllm_config.model_config.hf_text_config,
-                                  int(parallel.tensor_parallel_size)),
+                block_size=attention_block_size(groups),
+                state_layers=state_layers,
+                state_groups=frozenset(
+                    index for index, group in enumerate(groups) if group.kind == GroupKind.STATE
+                ),
+                mamba=mamba_state(
+                    kv_cache_config,
+                    vllm_config.model_config.hf_text_config,
+                    int(parallel.tensor_parallel_size),
+                ),
                 num_blocks=kv_cache_config.num_blocks if kv_cache_config is not None else None,
                 bootstrap_port=port,
                 # vLLM takes failed loads by block only from a model of one KV cache group.
                 multi_group=len(vllm_groups) > 1,
             ),
             self.options,
-        )  # fmt: skip
+        )
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
@@ -206,9 +222,12 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
 
     @classmethod
     def build_prom_metrics(
-        cls, vllm_config: Any, metric_types: dict[Any, Any], labelnames: list[str],
+        cls,
+        vllm_config: Any,
+        metric_types: dict[Any, Any],
+        labelnames: list[str],
         per_engine_labelvalues: dict[int, list[object]],
-    ) -> KVBridgePromMetrics:  # fmt: skip
+    ) -> KVBridgePromMetrics:
         return KVBridgePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # --- scheduler side --------------------------------------------------------------------

@@ -58,8 +58,9 @@ class GroupBlocks:
     blocks: tuple[int, ...]
 
 
-def blocks_to_send(groups: Sequence[Group], block_ids: Sequence[Sequence[int]],
-                   num_tokens: int) -> list[GroupBlocks]:  # fmt: skip
+def blocks_to_send(
+    groups: Sequence[Group], block_ids: Sequence[Sequence[int]], num_tokens: int
+) -> list[GroupBlocks]:
     """Prefill: per group, the blocks of a finished request that decode may need: every block
     of its `num_tokens` (full attention), the ones still in the window (sliding), the state
     block (state)."""
@@ -116,8 +117,7 @@ def blocks_to_load(
         )
     end = prefix_tokens + num_tokens
     loads = []
-    for index, (group, ids, (first, count)) in enumerate(zip(groups, block_ids, sent,
-                                                             strict=True)):  # fmt: skip
+    for index, (group, ids, (first, count)) in enumerate(zip(groups, block_ids, sent, strict=True)):
         if group.kind == GroupKind.STATE:
             block = state_block(ids, group.spec_blocks)
             if block is None or count != 1:

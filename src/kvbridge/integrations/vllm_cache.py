@@ -80,8 +80,9 @@ class VLLMCache:
         """Whether the group's blocks move as state slots (else as KV pages)."""
         return self.state_slots and group in state_groups
 
-    def send_contents(self, blocks: Sequence[Sequence[int]],
-                      state_groups: AbstractSet[int]) -> RoomContents:  # fmt: skip
+    def send_contents(
+        self, blocks: Sequence[Sequence[int]], state_groups: AbstractSet[int]
+    ) -> RoomContents:
         """Prefill: what a request's room moves, per KV cache group its blocks that move
         (`state_groups`: those that keep a recurrent state)."""
         pages: list[int] = []
@@ -94,9 +95,12 @@ class VLLMCache:
         return RoomContents(pages, slots)
 
     def load_contents(
-        self, blocks: Sequence[Sequence[int]], skips: Sequence[int], sent: Sequence[int],
+        self,
+        blocks: Sequence[Sequence[int]],
+        skips: Sequence[int],
+        sent: Sequence[int],
         state_groups: AbstractSet[int],
-    ) -> RoomContents:  # fmt: skip
+    ) -> RoomContents:
         """Decode: what it asks of a request's room. Per KV cache group: the blocks it fills,
         how many of the blocks prefill sends for the group come before them (`skips`) and
         how many prefill sends (`sent`, in blocks of the same size where another group
@@ -105,8 +109,9 @@ class VLLMCache:
         per = self.pages_per_block
         pages: list[int] = []
         slots: list[int] = []
-        last_kv = max((g for g in range(len(blocks)) if not self._slots(g, state_groups)),
-                      default=-1)  # fmt: skip
+        last_kv = max(
+            (g for g in range(len(blocks)) if not self._slots(g, state_groups)), default=-1
+        )
         for group, (ids, skip, count) in enumerate(zip(blocks, skips, sent, strict=True)):
             if self._slots(group, state_groups):
                 slots += ids
@@ -267,31 +272,49 @@ def describe_kv_caches(
                 f"layout such as BLHNC): kvbridge moves the {REQUIRED_LAYOUT} and LBNHC layouts"
             )
 
-    def kv_args(layout: KVLayout, heads: int, head_dim: int, dtype: str, page_size: int,
-                kv_views: Sequence[View], state_views: Sequence[View] = ()) -> KVArgs:  # fmt: skip
+    def kv_args(
+        layout: KVLayout,
+        heads: int,
+        head_dim: int,
+        dtype: str,
+        page_size: int,
+        kv_views: Sequence[View],
+        state_views: Sequence[View] = (),
+    ) -> KVArgs:
         state_parts = () if mamba is None else (mamba.parts(attn_tp_rank, attn_tp_size),)
         return KVArgs(
-            kv_layout=layout, layer_ids=tuple(view[0] for view in kv_views),
-            total_kv_heads=heads, head_dim=head_dim, dtype=dtype, page_size=page_size,
+            kv_layout=layout,
+            layer_ids=tuple(view[0] for view in kv_views),
+            total_kv_heads=heads,
+            head_dim=head_dim,
+            dtype=dtype,
+            page_size=page_size,
             kv_buffers=tuple(_buffer(view[2]) for view in kv_views),
             state_buffers=tuple(_buffer(view[2]) for view in state_views),
             state_parts=state_parts * len(state_views) if state_views else (),
-            attn_tp_rank=attn_tp_rank, attn_tp_size=attn_tp_size,
+            attn_tp_rank=attn_tp_rank,
+            attn_tp_size=attn_tp_size,
             memory_kind=MemoryKind.VRAM if on_gpu else MemoryKind.DRAM,
-            device_id=int(first.device.index or 0) if on_gpu else 0, keepalive=keepalive,
-        )  # fmt: skip
+            device_id=int(first.device.index or 0) if on_gpu else 0,
+            keepalive=keepalive,
+        )
 
     def one_per_slot(names: AbstractSet[str]) -> list[View]:
         """The lowest-numbered of these layers in each slot that has one."""
-        return [next(v for v in views if v[1] in names) for views in slots
-                if any(v[1] in names for v in views)]  # fmt: skip
+        return [
+            next(v for v in views if v[1] in names)
+            for views in slots
+            if any(v[1] in names for v in views)
+        ]
 
     state_names = state_layers.intersection(kv_caches)
     attention = one_per_slot(set(kv_caches) - state_names)
     geometries = {
         (tuple(tensor.shape), tensor.stride(), str(tensor.dtype))
-        for views in slots for _, name, tensor in views if name not in state_names
-    }  # fmt: skip
+        for views in slots
+        for _, name, tensor in views
+        if name not in state_names
+    }
     if len(geometries) == 1 and (not state_names or _packed(attention[0][2])):
         tensor = attention[0][2]
         layout, head_dim = _attention_layout(tensor, use_mla)
@@ -305,8 +328,15 @@ def describe_kv_caches(
                 f"vLLM's KV tensors hold {heads} heads, but {total_kv_heads} KV heads over "
                 f"attention TP {attn_tp_size} gives {expected} per rank"
             )
-        args = kv_args(layout, 1 if mla else total_kv_heads, head_dim, _dtype(tensor), tokens,
-                       attention, one_per_slot(state_names))  # fmt: skip
+        args = kv_args(
+            layout,
+            1 if mla else total_kv_heads,
+            head_dim,
+            _dtype(tensor),
+            tokens,
+            attention,
+            one_per_slot(state_names),
+        )
         return VLLMCache(args, block_size // tokens, state_slots=bool(state_names))
     views = [view for views in slots for view in views]
     pages = {_byte_strides(tensor)[0] for _, _, tensor in views}

@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import zmq
 
-from kvbridge.integrations.vllm_core import OptionsError
+from kvbridge.integrations.vllm_options import OptionsError
 from kvbridge.integrations.vllm_requests import SendSpec
 from kvbridge.wire.address import tcp_endpoint
 
@@ -128,8 +128,12 @@ class SendOutbox:
             try:
                 socket.send_multipart([token.encode(), data], zmq.NOBLOCK)
             except zmq.ZMQError as exc:
-                log.error("worker (stage, rank) %s: a send for request %s lost: %s",
-                          worker, send.request_id, exc)  # fmt: skip
+                log.error(
+                    "worker (stage, rank) %s: a send for request %s lost: %s",
+                    worker,
+                    send.request_id,
+                    exc,
+                )
         return None
 
     def close(self) -> None:

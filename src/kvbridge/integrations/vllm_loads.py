@@ -103,14 +103,16 @@ def _renew_leases(decode: DecodeManager, url: str, rooms: list[int]) -> None:
         log.exception("leases of %d room(s) at %s not renewed", len(rooms), url)
 
 
-def _open_room(decode: DecodeManager, url: str, room: int,
-               contents: RoomContents | None) -> KVReceiver:  # fmt: skip
+def _open_room(
+    decode: DecodeManager, url: str, room: int, contents: RoomContents | None
+) -> KVReceiver:
     """Look the prefill instance up, send the request for these (KV pages, state slots) (on
     the opener pool, or inline once the instance is known)."""
     receiver = decode.receiver(room, url)
     if contents is not None:
-        receiver.init(contents.pages, state_indices=contents.slots,
-                      decode_prefix_len=contents.prefix_tokens)  # fmt: skip
+        receiver.init(
+            contents.pages, state_indices=contents.slots, decode_prefix_len=contents.prefix_tokens
+        )
     return receiver
 
 
@@ -136,8 +138,13 @@ class Loads:
         """Whether a load or a release is in flight (decode's activity may end it)."""
         return bool(self._loads or self._releases)
 
-    def start(self, load: LoadSpec, decode: DecodeManager | None, cache: VLLMCache | None,
-              state_groups: frozenset[int] = frozenset()) -> None:  # fmt: skip
+    def start(
+        self,
+        load: LoadSpec,
+        decode: DecodeManager | None,
+        cache: VLLMCache | None,
+        state_groups: frozenset[int] = frozenset(),
+    ) -> None:
         """Open the rooms of a request's load (`state_groups`: the groups whose block is a
         recurrent state); one that cannot load (no decode manager, or the scheduler could
         not plan it) fails at once."""
@@ -174,8 +181,10 @@ class Loads:
 
     def release(self, remote: RemotePrefill, decode: DecodeManager) -> None:
         """Tell every room of a request's prefill that decode needs nothing from it."""
-        rooms = [_Room(self._opening(decode, url, room), abort_reason="decode needs no block")
-                 for url, room in self._stage_rooms(remote)]  # fmt: skip
+        rooms = [
+            _Room(self._opening(decode, url, room), abort_reason="decode needs no block")
+            for url, room in self._stage_rooms(remote)
+        ]
         self._releases.append(_Load(rooms, ()))
 
     def renew(self, remotes: Sequence[RemotePrefill], decode: DecodeManager) -> None:
@@ -198,8 +207,9 @@ class Loads:
         """(bootstrap URL, room) of the request's room at each pipeline stage."""
         return [(url, stage_room(remote.room, stage)) for stage, url in enumerate(remote.stages)]
 
-    def _opening(self, decode: DecodeManager, url: str, room: int,
-                 contents: RoomContents | None = None) -> Future[KVReceiver]:  # fmt: skip
+    def _opening(
+        self, decode: DecodeManager, url: str, room: int, contents: RoomContents | None = None
+    ) -> Future[KVReceiver]:
         """The room opened here when its prefill instance is known (no blocking lookup: a
         hop to the pool would only add thread hand-offs), else on the pool."""
         if not decode.knows_prefill(url):

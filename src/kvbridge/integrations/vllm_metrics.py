@@ -28,8 +28,25 @@ from kvbridge.integrations.vllm_stats import (
 )
 from kvbridge.wire.messages import FailureKind
 
-SECONDS_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75,
-                   1.0, 2.5, 5.0, 10.0, 30.0]  # fmt: skip
+SECONDS_BUCKETS = [
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.2,
+    0.3,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+]
 BYTES_BUCKETS = [float(2 ** (10 + i)) for i in range(1, 25, 2)]  # 2 KiB to 8 GiB, as NIXL's
 # Counters of the connector's interval data, by metric and side.
 COUNTERS = {
@@ -62,9 +79,12 @@ class KVBridgeStats(KVConnectorStats):  # type: ignore[misc]
 
 class KVBridgePromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
     def __init__(
-        self, vllm_config: Any, metric_types: dict[type[PromMetric], type[PromMetric]],
-        labelnames: list[str], per_engine_labelvalues: dict[int, list[object]],
-    ) -> None:  # fmt: skip
+        self,
+        vllm_config: Any,
+        metric_types: dict[type[PromMetric], type[PromMetric]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         histogram, counter, gauge = self._histogram_cls, self._counter_cls, self._gauge_cls
         self._histograms = {
@@ -72,19 +92,22 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
                 name="vllm:kvbridge_load_time_seconds",
                 documentation="Seconds from the start of a request's KV load to its KV in "
                 "place, per decode worker.",
-                buckets=SECONDS_BUCKETS, labelnames=labelnames,
+                buckets=SECONDS_BUCKETS,
+                labelnames=labelnames,
             ),
             WRITE_SECONDS: histogram(
                 name="vllm:kvbridge_xfer_time_seconds",
                 documentation="Seconds per transfer-engine write of KV pages (prefill).",
-                buckets=SECONDS_BUCKETS, labelnames=labelnames,
+                buckets=SECONDS_BUCKETS,
+                labelnames=labelnames,
             ),
             WRITE_BYTES: histogram(
                 name="vllm:kvbridge_bytes_transferred",
                 documentation="Bytes per transfer-engine write of KV pages (prefill).",
-                buckets=BYTES_BUCKETS, labelnames=labelnames,
+                buckets=BYTES_BUCKETS,
+                labelnames=labelnames,
             ),
-        }  # fmt: skip
+        }
         by_side = [*labelnames, "side"]
         self._counters = {
             "requests_transferred": counter(
@@ -108,7 +131,7 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
                 documentation="Loads given up because the request ended on decode.",
                 labelnames=labelnames,
             ),
-        }  # fmt: skip
+        }
         self._failed = counter(
             name="vllm:kvbridge_num_failed_transfers",
             documentation="Rooms (a request's transfer on one worker) that failed, by side and "

@@ -28,7 +28,7 @@ from urllib.parse import urlsplit
 import aiohttp
 from aiohttp import web
 
-from kvbridge.integrations.vllm_core import OptionsError
+from kvbridge.integrations.vllm_options import OptionsError
 from kvbridge.integrations.vllm_proxy_pool import Pool
 from kvbridge.integrations.vllm_requests import decode_request, prefill_request
 
@@ -71,9 +71,13 @@ class PDProxy:
     go without sending a byte before its request ends with 504, the instance named."""
 
     def __init__(
-        self, prefill: Sequence[str], decode: Sequence[str], host: str = "127.0.0.1",
-        port: int = 0, upstream_timeout_s: float = UPSTREAM_TIMEOUT_S,
-    ) -> None:  # fmt: skip
+        self,
+        prefill: Sequence[str],
+        decode: Sequence[str],
+        host: str = "127.0.0.1",
+        port: int = 0,
+        upstream_timeout_s: float = UPSTREAM_TIMEOUT_S,
+    ) -> None:
         if not prefill or not decode:
             raise ValueError("a PD proxy needs at least one prefill and one decode instance")
         if not upstream_timeout_s > 0:
@@ -220,11 +224,11 @@ class PDProxy:
         assert self._session is not None
         return self._session
 
-    async def _send(self, url: str, path: str, body: bytes, headers: dict[str, str],
-                    role: str) -> aiohttp.ClientResponse:  # fmt: skip
+    async def _send(
+        self, url: str, path: str, body: bytes, headers: dict[str, str], role: str
+    ) -> aiohttp.ClientResponse:
         try:
-            return await self._client.post(url + path, data=body,
-                                           headers={**headers, **JSON_BODY})  # fmt: skip
+            return await self._client.post(url + path, data=body, headers={**headers, **JSON_BODY})
         except UPSTREAM_ERRORS as exc:
             raise self._failure(role, url, exc, "failed") from None
 
@@ -239,8 +243,9 @@ class PDProxy:
             return UpstreamError(504, silent)
         return UpstreamError(502, f"{role} {url} {doing}: {_reason(exc)}")
 
-    async def _prefill_answer(self, url: str, path: str, body: bytes, headers: dict[str, str]
-                              ) -> bytes:  # fmt: skip
+    async def _prefill_answer(
+        self, url: str, path: str, body: bytes, headers: dict[str, str]
+    ) -> bytes:
         async with await self._send(url, path, body, headers, "prefill") as got:
             try:
                 data = await got.read()
@@ -250,8 +255,13 @@ class PDProxy:
                 raise UpstreamError(got.status, f"prefill {url}: {data[:2000]!r}")
         return data
 
-    async def _relay(self, request: web.Request, upstream: aiohttp.ClientResponse, url: str,
-                     clock: OwnTime | None = None) -> web.StreamResponse:  # fmt: skip
+    async def _relay(
+        self,
+        request: web.Request,
+        upstream: aiohttp.ClientResponse,
+        url: str,
+        clock: OwnTime | None = None,
+    ) -> web.StreamResponse:
         """Decode's answer (from `url`) to the client, whole or chunk by chunk as it streams
         (the waits for it on `clock`). A streamed answer cut off upstream cuts the client's
         connection: its status is already sent."""
@@ -264,8 +274,9 @@ class PDProxy:
                         data = await upstream.read()
                 except UPSTREAM_ERRORS as exc:
                     raise self._failure("decode", url, exc, "answered in part") from None
-                return web.Response(status=upstream.status, body=data,
-                                    headers={"Content-Type": content_type})  # fmt: skip
+                return web.Response(
+                    status=upstream.status, body=data, headers={"Content-Type": content_type}
+                )
             response = web.StreamResponse(
                 status=upstream.status, headers={"Content-Type": content_type}
             )

@@ -21,8 +21,9 @@ class Pool:
 
     @contextlib.contextmanager
     def take(self, partner: str = "") -> Iterator[str]:
-        url = min(self.urls, key=lambda u: (self._in_flight[u],
-                                            self._last_used.get((partner, u), -1)))  # fmt: skip
+        url = min(
+            self.urls, key=lambda u: (self._in_flight[u], self._last_used.get((partner, u), -1))
+        )
         self._in_flight[url] += 1
         self._last_used[partner, url] = next(self._order)
         try:

@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from kvbridge.integrations.vllm_core import OptionsError
+from kvbridge.integrations.vllm_options import OptionsError
 
 T = TypeVar("T")
 
@@ -84,8 +84,9 @@ class RemotePrefill:
         url = _url(BOOTSTRAP_KEY, params.get(BOOTSTRAP_KEY))
         stages = _listed(params, STAGES_KEY, _url) if STAGES_KEY in params else [url]
         if not stages or stages[0] != url:
-            raise OptionsError(f"kv_transfer_params.{STAGES_KEY}: {stages!r} does not begin "
-                               f"with {BOOTSTRAP_KEY}")  # fmt: skip
+            raise OptionsError(
+                f"kv_transfer_params.{STAGES_KEY}: {stages!r} does not begin with {BOOTSTRAP_KEY}"
+            )
         tokens = _count(params, "remote_num_tokens", params.get("remote_num_tokens"))
         room = _room(params)
         blocks = _listed(params, BLOCKS_KEY, _block_range)
@@ -99,10 +100,16 @@ class RemotePrefill:
         if not isinstance(lease, int | float) or isinstance(lease, bool) or not lease >= 0:
             raise OptionsError(f"kv_transfer_params.{LEASE_KEY}: {lease!r} is not seconds ≥ 0")
         return RemotePrefill(
-            url, room, tokens, str(params.get("remote_engine_id", "")),
-            str(params.get("remote_request_id", "")), tuple(blocks), tuple(sizes),
-            tuple(stages) if len(stages) > 1 else (), float(lease),
-        )  # fmt: skip
+            url,
+            room,
+            tokens,
+            str(params.get("remote_engine_id", "")),
+            str(params.get("remote_request_id", "")),
+            tuple(blocks),
+            tuple(sizes),
+            tuple(stages) if len(stages) > 1 else (),
+            float(lease),
+        )
 
 
 def stage_room(room: int, stage: int) -> int:
@@ -194,8 +201,11 @@ class SendSpec:
 
     def encode(self) -> bytes:
         """As the scheduler side hands it to a worker (`vllm_handoff`)."""
-        fields = {"request_id": self.request_id, "room": self.room,
-                  "blocks": [list(group) for group in self.blocks]}  # fmt: skip
+        fields = {
+            "request_id": self.request_id,
+            "room": self.room,
+            "blocks": [list(group) for group in self.blocks],
+        }
         return json.dumps(fields, separators=(",", ":")).encode()
 
     @staticmethod

@@ -17,7 +17,7 @@ from kvbridge.integrations.vllm_blocks import (
     blocks_to_load,
     blocks_to_send,
 )
-from kvbridge.integrations.vllm_core import OptionsError
+from kvbridge.integrations.vllm_options import OptionsError
 from kvbridge.integrations.vllm_requests import (
     LoadSpec,
     RemotePrefill,
@@ -61,9 +61,10 @@ def _no_hand_off(send: SendSpec) -> str | None:
 
 class SchedulerSide:
     def __init__(
-        self, config: SchedulerConfig,
+        self,
+        config: SchedulerConfig,
         hand_off: Callable[[SendSpec], str | None] = _no_hand_off,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """`hand_off` gives a finished prefill request's send to the workers at once (why it
         could not, else None): no engine step need follow (`vllm_handoff`)."""
         self.config = config
@@ -141,8 +142,9 @@ class SchedulerSide:
         self._computed[request.request_id] = num_computed
         return (count, True) if count > 0 else (0, False)
 
-    def after_alloc(self, request: Any, block_ids: Sequence[Sequence[int]],
-                    num_external_tokens: int) -> None:  # fmt: skip
+    def after_alloc(
+        self, request: Any, block_ids: Sequence[Sequence[int]], num_external_tokens: int
+    ) -> None:
         """Decode: the request's blocks are allocated (`block_ids`: per transfer group, by
         block position): plan the load of the `num_external_tokens` after its local prefix."""
         params = request.kv_transfer_params
@@ -158,8 +160,9 @@ class SchedulerSide:
         try:
             load = self._plan_load(request, remote, block_ids, prefix, num_external_tokens)
         except LoadPlanError as exc:  # a load that cannot be right fails at once
-            load = LoadSpec(request.request_id, remote, self._unloaded(block_ids, prefix), (),
-                            str(exc))  # fmt: skip
+            load = LoadSpec(
+                request.request_id, remote, self._unloaded(block_ids, prefix), (), str(exc)
+            )
         self._step.loads.append(load)
         self._loading.add(request.request_id)
 
@@ -169,15 +172,22 @@ class SchedulerSide:
         """The blocks a failed load leaves unfilled: past the local prefix (those stay valid,
         and other requests may share them)."""
         return tuple(
-            tuple(b for b in ids[prefix // group.block_size if group.kind == GroupKind.FULL
-                                 else 0:] if b)
+            tuple(
+                b
+                for b in ids[prefix // group.block_size if group.kind == GroupKind.FULL else 0 :]
+                if b
+            )
             for group, ids in zip(self.config.groups, block_ids, strict=False)
-        )  # fmt: skip
+        )
 
     def _plan_load(
-        self, request: Any, remote: RemotePrefill, block_ids: Sequence[Sequence[int]],
-        prefix: int, count: int,
-    ) -> LoadSpec:  # fmt: skip
+        self,
+        request: Any,
+        remote: RemotePrefill,
+        block_ids: Sequence[Sequence[int]],
+        prefix: int,
+        count: int,
+    ) -> LoadSpec:
         groups = self.config.groups
         backoff = self.config.backoff
         if backoff and remote.num_tokens != request.num_prompt_tokens - backoff:
@@ -199,13 +209,19 @@ class SchedulerSide:
                 f"block sizes differ: prefill {list(theirs)}, decode {list(ours)}; a model "
                 "with several KV cache groups needs the same block size on both instances"
             )
-        loads = blocks_to_load(groups, block_ids, prefix, count, remote.blocks,
-                               same_block_size=theirs == ours)  # fmt: skip
-        return LoadSpec(request.request_id, remote, tuple(load.blocks for load in loads),
-                        tuple(load.skip for load in loads))  # fmt: skip
+        loads = blocks_to_load(
+            groups, block_ids, prefix, count, remote.blocks, same_block_size=theirs == ours
+        )
+        return LoadSpec(
+            request.request_id,
+            remote,
+            tuple(load.blocks for load in loads),
+            tuple(load.skip for load in loads),
+        )
 
-    def finished(self, request: Any, block_ids: Sequence[Sequence[int]]
-                 ) -> tuple[bool, dict[str, Any] | None]:  # fmt: skip
+    def finished(
+        self, request: Any, block_ids: Sequence[Sequence[int]]
+    ) -> tuple[bool, dict[str, Any] | None]:
         """A request ended (`block_ids`: per transfer group); prefill keeps the blocks of one
         that a decode instance will load, and says where in its kv_transfer_params."""
         params = request.kv_transfer_params or {}
@@ -246,10 +262,16 @@ class SchedulerSide:
             return False, None
         self._sending.add(request_id)
         remote = RemotePrefill(
-            urls[0], room, request.num_computed_tokens, self.config.engine_id, request_id,
+            urls[0],
+            room,
+            request.num_computed_tokens,
+            self.config.engine_id,
+            request_id,
             tuple((group.first, len(group.blocks)) for group in sent),
-            tuple(group.block_size for group in self.config.groups), urls, self.config.lease_s,
-        )  # fmt: skip
+            tuple(group.block_size for group in self.config.groups),
+            urls,
+            self.config.lease_s,
+        )
         return True, remote.to_params()
 
     def take_step(self, idle: bool, now: float = 0.0) -> StepMetadata:
@@ -261,8 +283,9 @@ class SchedulerSide:
         waiting = self._waiting
         if any(now - renewed >= remote.lease_s / 3 for remote, renewed in waiting.values()):
             step.renewals = [remote for remote, _ in waiting.values()]
-            self._waiting = {request_id: (remote, now) for request_id, (remote, _)
-                             in waiting.items()}  # fmt: skip
+            self._waiting = {
+                request_id: (remote, now) for request_id, (remote, _) in waiting.items()
+            }
         return step
 
     def on_output(self, finished_sending: set[str], finished_recving: set[str]) -> None:

@@ -29,8 +29,13 @@ class _Send:
 
 
 class Sends:
-    def __init__(self, counters: ConnectorCounters, interval: Interval, pipeline_stage: int,
-                 state_groups: frozenset[int]) -> None:  # fmt: skip
+    def __init__(
+        self,
+        counters: ConnectorCounters,
+        interval: Interval,
+        pipeline_stage: int,
+        state_groups: frozenset[int],
+    ) -> None:
         self._counters = counters
         self._interval = interval
         self._stage = pipeline_stage
@@ -67,7 +72,7 @@ class Sends:
             sends = list(self._sends.items())
         for request_id, send in sends:
             sender = send.sender
-            if sender is not None and not sender.pages_free:
+            if sender is not None and not sender.pages_safe:
                 continue
             if sender is None or sender.poll() == KVPoll.Failed:
                 kind = sender.failure_kind if sender is not None else FailureKind.INTERNAL

@@ -68,8 +68,11 @@ def mamba_state(kv_cache_config: Any, hf_config: Any, tp_size: int) -> MambaStat
     between equal TP sizes only."""
     if kv_cache_config is None:
         return None
-    specs = {group.kv_cache_spec for group in kv_cache_config.transfer_groups
-             if isinstance(group.kv_cache_spec, MambaSpec)}  # fmt: skip
+    specs = {
+        group.kv_cache_spec
+        for group in kv_cache_config.transfer_groups
+        if isinstance(group.kv_cache_spec, MambaSpec)
+    }
     names = [name for name in N_GROUPS_NAMES if isinstance(getattr(hf_config, name, None), int)]
     if len(specs) != 1 or not names:
         return None
@@ -80,12 +83,19 @@ def mamba_state(kv_cache_config: Any, hf_config: Any, tp_size: int) -> MambaStat
     (rows, dim), (heads, head_dim, state) = (map(int, shape) for shape in spec.shapes)
     sizes = [torch.empty((), dtype=dtype).element_size() for dtype in spec.dtypes]
     n_groups = int(getattr(hf_config, names[0]))
-    found = MambaState((rows, dim), (heads, head_dim, state), sizes[0], sizes[1], n_groups,
-                       dim_first=is_conv_state_dim_first())  # fmt: skip
+    found = MambaState(
+        (rows, dim),
+        (heads, head_dim, state),
+        sizes[0],
+        sizes[1],
+        n_groups,
+        dim_first=is_conv_state_dim_first(),
+    )
     try:
         found.parts(0, tp_size)
     except GeometryError as exc:  # whole slots still move between equal TP sizes
-        log.warning("kvbridge: this model's Mamba-2 state moves between equal TP sizes only: %s",
-                    exc)  # fmt: skip
+        log.warning(
+            "kvbridge: this model's Mamba-2 state moves between equal TP sizes only: %s", exc
+        )
         return None
     return found

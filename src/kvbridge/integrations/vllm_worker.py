@@ -19,9 +19,9 @@ from typing import Any, TypeVar
 
 from kvbridge.decode import DecodeManager
 from kvbridge.integrations.vllm_cache import MambaState, VLLMCache, describe_kv_caches
-from kvbridge.integrations.vllm_core import ConnectorOptions, StepTimes, cpu_list
 from kvbridge.integrations.vllm_handoff import SendInbox
 from kvbridge.integrations.vllm_loads import Loads
+from kvbridge.integrations.vllm_options import ConnectorOptions, StepTimes, cpu_list
 from kvbridge.integrations.vllm_requests import SendSpec, StepMetadata
 from kvbridge.integrations.vllm_sends import Sends
 from kvbridge.integrations.vllm_stats import WRITE_BYTES, WRITE_SECONDS, ConnectorCounters, Interval
@@ -123,11 +123,16 @@ class WorkerSide:
         config = self.config
         self.kv_caches = dict(kv_caches)
         self.cache = describe_kv_caches(
-            kv_caches, use_mla=config.use_mla, total_kv_heads=config.total_kv_heads,
-            attn_tp_rank=config.tp_rank, attn_tp_size=config.tp_size,
-            block_size=config.block_size, state_layers=config.state_layers,
-            num_blocks=config.num_blocks, mamba=config.mamba,
-        )  # fmt: skip
+            kv_caches,
+            use_mla=config.use_mla,
+            total_kv_heads=config.total_kv_heads,
+            attn_tp_rank=config.tp_rank,
+            attn_tp_size=config.tp_size,
+            block_size=config.block_size,
+            state_layers=config.state_layers,
+            num_blocks=config.num_blocks,
+            mamba=config.mamba,
+        )
         args = self.cache.kv_args
         if config.produces:
             if config.tp_size > 1 and config.bootstrap_port == 0:
@@ -135,7 +140,7 @@ class WorkerSide:
                     "kvbridge with TP > 1 on a prefill instance needs "
                     "kv_connector_extra_config.bootstrap_port: every rank registers there"
                 )
-            url = f"http://{self.options.host}:{config.bootstrap_port}"
+            url = f"http://{self.options.manager.host}:{config.bootstrap_port}"
             manager_config = dataclasses.replace(
                 self.options.manager_config(
                     run_bootstrap=config.tp_rank == 0,
@@ -145,21 +150,31 @@ class WorkerSide:
             )
             self.prefill = _unpinned(lambda: PrefillManager(args, manager_config))
             self.prefill.metrics.keep_writes()  # for vLLM's metrics (take_interval)
-            self.inbox = _unpinned(lambda: SendInbox(self.options.host, self._start_send))
+            self.inbox = _unpinned(lambda: SendInbox(self.options.manager.host, self._start_send))
             log.info(
                 "kvbridge prefill rank %d (pipeline stage %d): %s engine, bootstrap %s, %s KV "
-                "of %d buffers × %d pages (layers %s)", config.tp_rank, config.pp_rank,
-                manager_config.engine, self.prefill.bootstrap_url, args.kv_layout.name,
-                len(args.kv_buffers), args.num_pages, list(args.layer_ids),
-            )  # fmt: skip
+                "of %d buffers × %d pages (layers %s)",
+                config.tp_rank,
+                config.pp_rank,
+                manager_config.engine,
+                self.prefill.bootstrap_url,
+                args.kv_layout.name,
+                len(args.kv_buffers),
+                args.num_pages,
+                list(args.layer_ids),
+            )
         if config.consumes:
             decode_config = self.options.manager_config(run_bootstrap=False, bootstrap_url=None)
             self.decode = _unpinned(lambda: DecodeManager(args, decode_config))
         for role, manager in (("prefill", self.prefill), ("decode", self.decode)):
             if manager is not None and manager.metrics.port is not None:
-                log.info("kvbridge %s rank %d: Prometheus metrics on http://%s:%d/metrics",
-                         role, config.tp_rank, self.options.host,
-                         manager.metrics.port)  # fmt: skip
+                log.info(
+                    "kvbridge %s rank %d: Prometheus metrics on http://%s:%d/metrics",
+                    role,
+                    config.tp_rank,
+                    self.options.manager.host,
+                    manager.metrics.port,
+                )
 
     def _start_send(self, send: SendSpec) -> None:
         """On the send inbox's thread, as the scheduler hands a send over."""
@@ -171,8 +186,9 @@ class WorkerSide:
         for load in step.loads:
             self._loads.start(load, self.decode, self.cache, self.config.state_groups)
         if step.loads:
-            log.debug("step: %d load(s) started; %d in flight", len(step.loads),
-                      self._loads.in_flight)  # fmt: skip
+            log.debug(
+                "step: %d load(s) started; %d in flight", len(step.loads), self._loads.in_flight
+            )
         for request_id in step.aborts:
             self._loads.abort(request_id)
         for remote in step.releases:
@@ -220,9 +236,11 @@ class WorkerSide:
             now = time.monotonic()
             if more_loaded:
                 window = self._step_times.batch_window(
-                    self.options.idle_batch_s, ended=len(loaded), in_flight=self._loads.in_flight,
+                    self.options.idle_batch_s,
+                    ended=len(loaded),
+                    in_flight=self._loads.in_flight,
                     gap_s=(now - first_end) / (len(loaded) - 1) if len(loaded) > 1 else 0.0,
-                )  # fmt: skip
+                )
                 deadline = min(latest, now + window)
             if (remaining := deadline - now) <= 0:
                 break
@@ -232,9 +250,12 @@ class WorkerSide:
             loaded |= more_loaded
             if not more_sent and not more_loaded:
                 activity.wait(remaining)
-        log.debug("idle step: %d load(s) ended, %d in flight, waited %.1f ms for them",
-                  len(loaded), self._loads.in_flight,
-                  1000 * (time.monotonic() - first_end))  # fmt: skip
+        log.debug(
+            "idle step: %d load(s) ended, %d in flight, waited %.1f ms for them",
+            len(loaded),
+            self._loads.in_flight,
+            1000 * (time.monotonic() - first_end),
+        )
         return sent, loaded
 
     def _activity(self) -> threading.Event:

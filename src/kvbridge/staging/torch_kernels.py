@@ -97,8 +97,13 @@ def prepare(device: Any) -> Any:
         with torch.cuda.device(device):
             triton_kernels.warm_up(device)
     except Exception as exc:  # Triton's compilers raise many kinds; any means "do not use it"
-        log.warning("staging on %s: one-launch Triton kernels unusable (%s: %s); one torch copy "
-                    "per KV buffer instead", device, type(exc).__name__, exc)  # fmt: skip
+        log.warning(
+            "staging on %s: one-launch Triton kernels unusable (%s: %s); one torch copy "
+            "per KV buffer instead",
+            device,
+            type(exc).__name__,
+            exc,
+        )
         return None
     return triton_kernels
 

@@ -33,8 +33,18 @@ _SIZES_VARY = ["n_rows", "row_words", "start", "width"]
 
 
 @triton.jit(do_not_specialize=_SIZES_VARY, do_not_specialize_on_alignment=["staged"])
-def _copy_kernel(table, rows, staged, n_rows, row_words, start, width, GATHER: tl.constexpr,
-                 BLOCK_ROWS: tl.constexpr, BLOCK_WIDTH: tl.constexpr):  # fmt: skip
+def _copy_kernel(
+    table,
+    rows,
+    staged,
+    n_rows,
+    row_words,
+    start,
+    width,
+    GATHER: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_WIDTH: tl.constexpr,
+):
     """A tile of token rows × words of one buffer: cache → staged (GATHER) or back."""
     buffer = tl.program_id(1).to(tl.int64)
     base = tl.load(table + buffer).to(tl.pointer_type(staged.dtype.element_ty))
@@ -62,17 +72,27 @@ def pointer_table(views: Sequence[Tensor]) -> Tensor:
     return _table(tuple(int(view.data_ptr()) for view in views), views[0].device)
 
 
-def _launch(gathering: bool, views: Sequence[Tensor], rows: Tensor, start: int, width: int,
-            staged: Tensor) -> None:  # fmt: skip
+def _launch(
+    gathering: bool, views: Sequence[Tensor], rows: Tensor, start: int, width: int, staged: Tensor
+) -> None:
     """`views`: ``[rows, row_words]`` tensors of one word type; `staged`: ``[buffers, rows,
     width]`` of that type, contiguous; `start`, `width`: the slice in words."""
     n_rows = int(rows.numel())
     if n_rows == 0:
         return
     grid = (triton.cdiv(n_rows, BLOCK_ROWS), len(views), triton.cdiv(width, BLOCK_WIDTH))
-    _copy_kernel[grid](pointer_table(views), rows, staged, n_rows, int(views[0].shape[-1]),
-                       start, width, GATHER=gathering, BLOCK_ROWS=BLOCK_ROWS,
-                       BLOCK_WIDTH=BLOCK_WIDTH)  # fmt: skip
+    _copy_kernel[grid](
+        pointer_table(views),
+        rows,
+        staged,
+        n_rows,
+        int(views[0].shape[-1]),
+        start,
+        width,
+        GATHER=gathering,
+        BLOCK_ROWS=BLOCK_ROWS,
+        BLOCK_WIDTH=BLOCK_WIDTH,
+    )
 
 
 def warm_up(device: Any, word: Any = torch.int64) -> None:

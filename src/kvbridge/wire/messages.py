@@ -134,7 +134,7 @@ def check_staging(staging_base_ptr: int, staging_total_size: int) -> None:
         )
 
 
-class StagingRing:
+class CarriesStagingRing:
     """Mixin for registrations that carry a decode staging ring."""
 
     staging_base_ptr: int

@@ -31,6 +31,7 @@ from kvbridge.wire.layout import Field, FieldValueError, FrameRow, Layout, Messa
 from kvbridge.wire.messages import (
     Abort,
     AbortAck,
+    CarriesStagingRing,
     ChunkReady,
     FailureKind,
     Heartbeat,
@@ -40,7 +41,6 @@ from kvbridge.wire.messages import (
     RoomLease,
     StagingRequest,
     StagingResponse,
-    StagingRing,
     TransferStatus,
     Watermark,
     check_dcp,
@@ -82,7 +82,7 @@ class Header:
 
 
 @dataclass(eq=False)
-class Registration(Message, StagingRing):
+class Registration(Message, CarriesStagingRing):
     """Decode → prefill, once per peer: everything a prefill rank needs to plan transfers."""
 
     peer_id: str

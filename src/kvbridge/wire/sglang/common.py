@@ -19,10 +19,10 @@ from kvbridge.wire import codecs as c
 from kvbridge.wire.errors import WireError, describe_bytes
 from kvbridge.wire.layout import Field, FieldValueError, Layout, Message
 from kvbridge.wire.messages import (
+    CarriesStagingRing,
     ChunkReady,
     StagingRequest,
     StagingResponse,
-    StagingRing,
     Watermark,
     check_dcp,
     check_port,
@@ -37,7 +37,7 @@ RELEASE = "sglang 0.5.23"
 REGISTRATION_ROOM = "None"
 
 
-class Registration(StagingRing):
+class Registration(CarriesStagingRing):
     """What both backends' registrations share, and their rules."""
 
     room: str

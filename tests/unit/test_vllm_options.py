@@ -3,9 +3,14 @@ and which blocks move: test_vllm_cache.py; the connector itself runs in tests/vl
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
-from kvbridge.integrations.vllm_core import (
+from kvbridge.config import ManagerConfig
+from kvbridge.integrations.vllm_options import (
+    CONNECTOR_DEFAULTS,
+    MANAGER_OPTIONS,
     ConnectorOptions,
     OptionsError,
     StepTimes,
@@ -30,7 +35,11 @@ def test_options_come_from_extra_config_with_their_types_checked() -> None:
     options = ConnectorOptions.from_extra_config(
         {"engine": "mooncake", "peer_timeout_s": 2, "metrics_port": 0, "staging": False}
     )
-    assert (options.engine, options.peer_timeout_s, options.metrics_port) == ("mooncake", 2.0, 0)
+    assert (
+        options.manager.engine,
+        options.manager.peer_timeout_s,
+        options.manager.metrics_port,
+    ) == ("mooncake", 2.0, 0)
     config = options.manager_config(run_bootstrap=True, bootstrap_url=None)
     assert (config.engine, config.peer_timeout_s, config.staging) == ("mooncake", 2.0, False)
     assert ConnectorOptions.from_extra_config(None) == ConnectorOptions()
@@ -52,8 +61,9 @@ def test_only_the_supported_vllm_release_starts() -> None:
 
 
 def test_remote_prefill_travels_in_kv_transfer_params() -> None:
-    remote = RemotePrefill("http://127.0.0.1:8998", 2**62 + 5, 300, "engine-a", "req-1",
-                           ((0, 10), (0, 0)), (32, 32))  # fmt: skip
+    remote = RemotePrefill(
+        "http://127.0.0.1:8998", 2**62 + 5, 300, "engine-a", "req-1", ((0, 10), (0, 0)), (32, 32)
+    )
     params = remote.to_params()
     assert params["do_remote_prefill"] is True
     assert params["do_remote_decode"] is False
@@ -151,3 +161,22 @@ def test_step_times_average_compute_steps_and_bound_the_batch_window() -> None:
     assert times.typical_s == pytest.approx(0.02, rel=1e-3)  # follows the recent steps
     assert times.batch_window(1.0, ended=4, in_flight=4) == pytest.approx(0.01, rel=1e-3)
     assert times.batch_window(0.0, ended=1, in_flight=7) == 0.0  # 0: each load reported at once
+
+
+def test_the_connector_options_are_manager_config_fields_with_the_connector_defaults() -> None:
+    manager_fields = {option.name for option in dataclasses.fields(ManagerConfig)}
+    assert set(MANAGER_OPTIONS) <= manager_fields
+    assert set(CONNECTOR_DEFAULTS) <= set(MANAGER_OPTIONS)
+    config = ConnectorOptions().manager_config(run_bootstrap=False, bootstrap_url="http://h:1")
+    assert (config.bootstrap_timeout_s, config.request_timeout_s, config.transfer_timeout_s) == (
+        5.0,
+        30.0,
+        120.0,
+    )
+    assert config.bootstrap_url == "http://h:1"
+    # What the connector does not set keeps the manager's own default.
+    assert config.write_timeout_s == ManagerConfig().write_timeout_s
+    options = ConnectorOptions.from_extra_config({"secret": "s3cret", "idle_batch_s": 0})
+    assert (options.manager.secret, options.idle_batch_s) == (b"s3cret", 0.0)
+    with pytest.raises(OptionsError, match="write_timeout_s"):  # not a connector option
+        ConnectorOptions.from_extra_config({"write_timeout_s": 1})

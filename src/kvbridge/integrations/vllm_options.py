@@ -7,13 +7,14 @@ loads.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from kvbridge.config import DEFAULT_STAGING_BYTES, ManagerConfig
-from kvbridge.engines import DEFAULT_ENGINE, PROCESS_ENGINES, EngineError, engine_spec
+from kvbridge.config import ManagerConfig
+from kvbridge.engines import PROCESS_ENGINES, EngineError, engine_spec
 from kvbridge.wire.auth import secret_from_env
 
 # The vLLM releases whose connector API this integration follows.
@@ -33,52 +34,72 @@ def check_vllm_version(version: str) -> None:
         )
 
 
+# ManagerConfig's fields a deployment sets in kv_connector_extra_config (the connector decides
+# the rest: who runs the bootstrap service, decode's bootstrap URL per request), and the
+# connector's own defaults for some: a serving deployment gives up on an unreachable prefill
+# within seconds, and keeps an unclaimed request's blocks for NixlConnector's 30 s lease
+# (kv_lease_duration), renewed while decode's request waits in its queue.
+MANAGER_OPTIONS = (
+    "engine",
+    "engine_options",
+    "host",
+    "bootstrap_port",
+    "bootstrap_timeout_s",
+    "request_timeout_s",
+    "transfer_timeout_s",
+    "peer_timeout_s",
+    "heartbeat_interval_s",
+    "staging",
+    "staging_bytes",
+    "metrics_port",
+    "secret",
+)
+CONNECTOR_DEFAULTS: dict[str, Any] = {
+    "bootstrap_timeout_s": 5.0,
+    "request_timeout_s": 30.0,
+    "transfer_timeout_s": 120.0,
+}
+
+
+def _connector_manager_config() -> ManagerConfig:
+    return ManagerConfig(**CONNECTOR_DEFAULTS)
+
+
 @dataclass(frozen=True)
 class ConnectorOptions:
     """kvbridge's options inside vLLM, from ``kv_connector_extra_config``.
 
-    engine: transfer engine (nixl, mooncake). engine_options: the engine's own options, e.g.
-        {"protocol": "rdma", "device": "mlx5_0"} for Mooncake (kvbridge.engines.REGISTRY lists
-        them). host: address kvbridge binds and advertises.
-    bootstrap_port: the prefill instance's bootstrap service (0: a free port; with TP > 1
-        every rank must know it, so set it). bootstrap_timeout_s: how long decode tries to
-        reach a prefill instance's bootstrap service before the load fails. metrics_port:
-        kvbridge's Prometheus metrics (0: a free port; unset: none). request_timeout_s: the
-        lease on a finished request's blocks on prefill: they are freed if no decode asks for
-        them within it, and a decode whose request waits in its queue renews it every third
-        of it (NixlConnector's kv_lease_duration, 30 s too). transfer_timeout_s: how long
-        decode waits for a transfer.
-        peer_timeout_s / heartbeat_interval_s: liveness (a silent peer is declared dead after
-        peer_timeout_s). staging / staging_bytes: the staging ring for different TP sizes.
-        idle_poll_s: how long an engine step with nothing to compute waits for a transfer to
-        end while transfers are pending (it returns as soon as one ends), so that a waiting
-        instance does not spin a core. idle_batch_s: in such a step, once some loads ended,
-        how long at most they may wait for the other loads in flight so that all start
-        computing in one step (each time loads end, the wait is decided anew from a recent
-        compute step, the share of loads still in flight and the pace of the ends so far — see
-        StepTimes.batch_window; all of it never runs past idle_batch_s after the first end; 0:
-        report each load at once).
+    manager: the manager's configuration (`ManagerConfig`; its fields in MANAGER_OPTIONS are
+        options here, with CONNECTOR_DEFAULTS; `secret` is given as a string). Notably
+        request_timeout_s is the lease on a finished request's blocks on prefill: they are
+        freed if no decode asks for them within it, and a decode whose request waits in its
+        queue renews it every third of it; bootstrap_port must be set with TP > 1 (every rank
+        registers there); metrics_port serves kvbridge's own Prometheus metrics per worker.
+    idle_poll_s: how long an engine step with nothing to compute waits for a transfer to end
+        while transfers are pending (it returns as soon as one ends), so that a waiting
+        instance does not spin a core.
+    idle_batch_s: in such a step, once some loads ended, how long at most they may wait for
+        the other loads in flight so that all start computing in one step (each time loads
+        end, the wait is decided anew from a recent compute step, the share of loads still in
+        flight and the pace of the ends so far — see StepTimes.batch_window; all of it never
+        runs past idle_batch_s after the first end; 0: report each load at once).
     """
 
-    engine: str = DEFAULT_ENGINE
-    engine_options: dict[str, str] = field(default_factory=dict)
-    host: str = "127.0.0.1"
-    bootstrap_port: int = 0
-    bootstrap_timeout_s: float = 5.0
-    metrics_port: int | None = None
-    request_timeout_s: float = 30.0
-    transfer_timeout_s: float = 120.0
-    peer_timeout_s: float = 3.0
-    heartbeat_interval_s: float = 0.5
-    staging: bool = True
-    staging_bytes: int = DEFAULT_STAGING_BYTES
+    manager: ManagerConfig = field(default_factory=_connector_manager_config)
     idle_poll_s: float = 0.005
     idle_batch_s: float = 1.0
-    secret: str | None = field(default=None, repr=False)
 
     @staticmethod
     def from_extra_config(extra: Mapping[str, Any] | None) -> ConnectorOptions:
-        known = {option.name: option for option in fields(ConnectorOptions)}
+        own = {
+            option.name: option for option in fields(ConnectorOptions) if option.name != "manager"
+        }
+        of_manager = {
+            option.name: option
+            for option in fields(ManagerConfig)
+            if option.name in MANAGER_OPTIONS
+        }
+        known = [*of_manager, *own]
         given = dict(extra or {})
         unknown = sorted(set(given) - set(known))
         if unknown:
@@ -86,38 +107,33 @@ class ConnectorOptions:
                 f"kv_connector_extra_config: unknown option(s) {', '.join(unknown)}; kvbridge "
                 f"knows {', '.join(known)}"
             )
-        values: dict[str, Any] = {}
+        manager_values = dict(CONNECTOR_DEFAULTS)
+        own_values: dict[str, Any] = {}
         for name, value in given.items():
-            values[name] = _option_value(name, known[name].type, value)
-        options = ConnectorOptions(**values)
-        if options.engine not in PROCESS_ENGINES:
+            if name == "secret":  # a string in JSON, bytes to the manager
+                secret = _option_value(name, "str | None", value)
+                manager_values[name] = (
+                    secret.encode() if isinstance(secret, str) and secret else secret_from_env()
+                )
+            elif name in of_manager:
+                manager_values[name] = _option_value(name, of_manager[name].type, value)
+            else:
+                own_values[name] = _option_value(name, own[name].type, value)
+        options = ConnectorOptions(manager=ManagerConfig(**manager_values), **own_values)
+        if options.manager.engine not in PROCESS_ENGINES:
             raise OptionsError(
-                f"kv_connector_extra_config.engine: {options.engine!r} is not a transfer engine "
-                f"between processes; choose {' or '.join(PROCESS_ENGINES)}"
+                f"kv_connector_extra_config.engine: {options.manager.engine!r} is not a transfer "
+                f"engine between processes; choose {' or '.join(PROCESS_ENGINES)}"
             )
         try:
-            engine_spec(options.engine).resolve(options.engine_options)
+            engine_spec(options.manager.engine).resolve(options.manager.engine_options)
         except EngineError as exc:
             raise OptionsError(f"kv_connector_extra_config.engine_options: {exc}") from None
         return options
 
     def manager_config(self, *, run_bootstrap: bool, bootstrap_url: str | None) -> ManagerConfig:
-        return ManagerConfig(
-            engine=self.engine,
-            engine_options=self.engine_options,
-            host=self.host,
-            bootstrap_url=bootstrap_url,
-            run_bootstrap=run_bootstrap,
-            bootstrap_port=self.bootstrap_port,
-            bootstrap_timeout_s=self.bootstrap_timeout_s,
-            transfer_timeout_s=self.transfer_timeout_s,
-            request_timeout_s=self.request_timeout_s,
-            staging=self.staging,
-            staging_bytes=self.staging_bytes,
-            heartbeat_interval_s=self.heartbeat_interval_s,
-            peer_timeout_s=self.peer_timeout_s,
-            metrics_port=self.metrics_port,
-            secret=self.secret.encode() if self.secret else secret_from_env(),
+        return dataclasses.replace(
+            self.manager, run_bootstrap=run_bootstrap, bootstrap_url=bootstrap_url
         )
 
 
@@ -163,7 +179,7 @@ class StepTimes:
 def _option_value(name: str, annotation: object, value: object) -> object:
     """An extra-config value checked against the option's type (JSON gives int for floats)."""
     expected = str(annotation)
-    if expected.startswith("dict"):
+    if expected.startswith(("dict", "Mapping")):
         ok = isinstance(value, dict) and all(
             isinstance(key, str) and isinstance(item, str) for key, item in value.items()
         )
