@@ -500,15 +500,20 @@ def test_a_data_parallel_prefill_serves_each_request_from_its_own_rank(
     server): each DP rank runs its own kvbridge bootstrap service at bootstrap_port + its DP
     index, and decode loads each request from the rank that served it."""
     port = free_port()
+    # Three engines on this machine's two cores: liveness and look-ups get time to spare
+    # (what this test checks is the routing; the fault tests check liveness).
+    patient = {"peer_timeout_s": 10.0, "bootstrap_timeout_s": 30.0}
     with behind_proxy(
         lambda: Server(
             model,
-            kvbridge_config("kv_producer", "nixl", bootstrap_port=port),
+            kvbridge_config("kv_producer", "nixl", bootstrap_port=port, **patient),
             tmp_path / "prefill-dp2.log",
             arguments=("--skip-tokenizer-init", "--data-parallel-size", "2"),
             environment={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
         ),
-        lambda: Server(model, kvbridge_config("kv_consumer", "nixl"), tmp_path / "decode.log"),
+        lambda: Server(
+            model, kvbridge_config("kv_consumer", "nixl", **patient), tmp_path / "decode.log"
+        ),
     ) as (prefill, decode, proxy):
         prompts = PROMPTS * 2
         assert complete_all(proxy.url, model, prompts) == [reference[tuple(p)] for p in prompts]

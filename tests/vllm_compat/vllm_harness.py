@@ -24,6 +24,9 @@ from typing import Any
 HERE = Path(__file__).parent
 INSTANCE = HERE / "instance.py"
 BLOCK_SIZE = 32
+# Every log a server or proxy of this session writes: a failed test reports what they said
+# during it (conftest.py), so that a failure on a machine nobody can log in to explains itself.
+LOGS: list[Path] = []
 
 
 def make_model(folder: Path, layers: int = 2, family: str = "llama") -> Path:
@@ -303,6 +306,7 @@ class Server:
         self.url = f"http://{host}:{self.port}"
         self.log_path = log_path
         self._log = open(log_path, "w")  # noqa: SIM115 (closed in close())
+        LOGS.append(log_path)
         inside = ["ip", "netns", "exec", namespace] if namespace else []
         command = [
             *inside,
@@ -400,6 +404,7 @@ class Instance:
             self._temp, {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **(env or {})}
         )
         self._log = open(log_path, "w")  # noqa: SIM115 (closed in close())
+        LOGS.append(log_path)
         self.process = subprocess.Popen(
             [sys.executable, str(INSTANCE), str(model), json.dumps(transfer)],
             stdin=subprocess.PIPE,
@@ -492,6 +497,7 @@ class ProxyProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._log = open(log_path, "w")  # noqa: SIM115 (closed in close())
+        LOGS.append(log_path)
         self.process = subprocess.Popen(
             [arg.replace("{port}", str(self.port)) for arg in command],
             stdout=self._log,
