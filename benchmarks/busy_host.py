@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvbridge import ManagerConfig
 from kvbridge_tools.bench import engine_unavailable, raw_baseline
 
 RESULTS = Path("bench-results") / "busy_host.json"
@@ -52,13 +53,13 @@ def measure(requests: int, tokens: int, load: HostLoad, repeats: int) -> dict[st
         config = DemoConfig(
             requests=requests,
             tokens=tokens,
-            engine="nixl",
             measure_raw=True,
             warmup=True,
             decode_pool_factor=1.0,
             timeout_s=600.0,
             prefill_busy_loop=load.busy_loop,
             prefill_switch_interval_s=load.switch_interval_s,
+            transfer=ManagerConfig(engine="nixl"),
         )
         result = run_demo(config)
         if not result.ok:

@@ -39,6 +39,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from kvbridge import ManagerConfig
 from kvbridge.engines import engine_spec
 from kvbridge_tools import netns
 from kvbridge_tools.bench import engine_unavailable, json_in_private_netns, raw_baseline
@@ -92,13 +93,12 @@ def run_here(workload: Workload, repeats: int, hosts: dict[str, str] | None) -> 
         config = DemoConfig(
             requests=workload.requests,
             tokens=workload.tokens,
-            engine=workload.engine,
-            engine_options=options,
             measure_raw=True,
             decode_pool_factor=1.0,
             timeout_s=900.0,
             warmup=True,
             **(hosts or {}),
+            transfer=ManagerConfig(engine=workload.engine, engine_options=dict(options)),
         )
         result = run_demo(config)
         if not result.ok:

@@ -24,6 +24,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from kvbridge import ManagerConfig
 from kvbridge_tools.demo import DemoConfig, run_demo
 
 RESULTS = Path("bench-results") / "hetero.json"
@@ -39,8 +40,8 @@ def run(
         tokens=tokens,
         prefill_tp=prefill_tp,
         decode_tp=decode_tp,
-        staging=staging,
         timeout_s=600.0,
+        transfer=ManagerConfig(staging=staging),
     )
     result = run_demo(config)
     if not result.ok:

@@ -48,11 +48,13 @@ from kvbridge.core.decode_protocol import (
     RoomOpened,
     ScatterChunk,
 )
+from kvbridge.core.decode_room import DecodeRoom
 from kvbridge.core.protocol import Tick
-from kvbridge.core.room import COMPLETING_NOTIFICATIONS, SKIPPED_PAGE, DecodeRoom, RoomStatus
+from kvbridge.core.room import SKIPPED_PAGE, RoomStatus
 from kvbridge.runtime import RankManager, RankRuntime
 from kvbridge.wire import FailureKind, KVPoll, Message, TransferRequest
 from kvbridge.wire.address import tcp_endpoint
+from kvbridge.wire.notifications import COMPLETING_NOTIFICATIONS
 
 log = logging.getLogger("kvbridge.decode")
 
@@ -358,8 +360,7 @@ class KVReceiver:
         tells about the room. The first source alone writes the aux and state slots.
 
         `kv_pages` pairs with the room's pages after the first `decode_prefix_len` tokens;
-        SKIPPED_PAGE (-1) where decode needs nothing (pages of one size on both sides, and
-        prefill ranks of native 1.4 or later: an older one may misplace the others)."""
+        SKIPPED_PAGE (-1) where decode needs nothing (pages of one size on both sides)."""
         if self._status.finished or self._route is None:
             return
         pages = np.asarray(kv_pages, dtype=np.int32).ravel()

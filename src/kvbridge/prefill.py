@@ -42,13 +42,10 @@ from kvbridge.control.bootstrap import (
     PrefillRank,
     register_prefill,
 )
-from kvbridge.core.prefill_protocol import (
-    FINISHED_ROOMS_KEPT,
-    MAX_UNCLAIMED_ROOMS,
+from kvbridge.core.prefill_events import (
     ChunkSubmitted,
     Connect,
     Connected,
-    PrefillProtocol,
     PrefillSettings,
     PrefillStats,
     SenderAborted,
@@ -56,15 +53,17 @@ from kvbridge.core.prefill_protocol import (
     SenderOpened,
     Write,
     WriteEnded,
-    plan_write,
     transfer_notification,
 )
+from kvbridge.core.prefill_protocol import PrefillProtocol
+from kvbridge.core.prefill_rooms import FINISHED_ROOMS_KEPT, MAX_UNCLAIMED_ROOMS
 from kvbridge.core.protocol import Tick
 from kvbridge.core.room import Chunk, Failure, RoomStatus
 from kvbridge.core.waits import WINDOW_S, EngineWaits
 from kvbridge.engines import EngineError, EngineTimeout, PendingWrite, TransferHandle, WriteFenced
 from kvbridge.runtime import RankManager, RankRuntime
 from kvbridge.wire import FailureKind, KVPoll, Message
+from kvbridge.write_plan import plan_write
 
 log = logging.getLogger("kvbridge.prefill")
 

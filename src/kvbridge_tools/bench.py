@@ -20,10 +20,11 @@ import statistics
 import subprocess
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from kvbridge.config import ManagerConfig
 from kvbridge.engines import PROCESS_ENGINES, engine_spec, unavailable_reason
 from kvbridge.wire import KVLayout
 from kvbridge_tools.demo import DemoConfig, DemoResult, available_memory, run_demo
@@ -170,12 +171,12 @@ def demo_config(
         page_size=cell.page_size,
         prefill_tp=cell.prefill_tp,
         decode_tp=cell.decode_tp,
-        engine=cell.engine,
         requests=1,
         measure_raw=True,
         decode_pool_factor=1.0,
         timeout_s=600.0,
         log_level=log_level,
+        transfer=ManagerConfig(engine=cell.engine),
     )
     per_request = cell.tokens * config.shape.bytes_per_token()  # one full copy of the cache
     # Both groups hold a copy; a replicated (MLA) cache is held by every rank.
@@ -188,7 +189,7 @@ def demo_config(
     fits = budget // (per_request * copies)
     wanted = max(preset.min_requests, preset.cell_bytes // per_request)
     requests = int(min(wanted, fits, preset.max_requests))
-    return DemoConfig(**{**asdict(config), "requests": requests})
+    return replace(config, requests=requests)
 
 
 def summarize(cell: Cell, result: DemoResult) -> CellResult:

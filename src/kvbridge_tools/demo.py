@@ -21,7 +21,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from multiprocessing.synchronize import Barrier, Event
 from typing import Any
 
@@ -31,7 +31,7 @@ import numpy.typing as npt
 from kvbridge.cache import KVArgs, TransferPlan, kv_heads_on_rank
 from kvbridge.cache.topology import HeadRange, TopologyError, rank_heads, topology
 from kvbridge.config import DEFAULT_STAGING_BYTES, ManagerConfig
-from kvbridge.engines import DEFAULT_ENGINE, EngineError, engine_spec
+from kvbridge.engines import EngineError, engine_spec
 from kvbridge.logs import configure as configure_logging
 from kvbridge.wire import KVLayout, KVPoll
 
@@ -96,17 +96,15 @@ class DemoConfig:
     decode_tp: int = 1
     # Decode context parallelism: each decode TP rank is `dcp` processes, token i on i % dcp.
     dcp: int = 1
-    engine: str = DEFAULT_ENGINE
-    # The engine's own options, as (name, value) pairs (kvbridge.engines.REGISTRY lists them).
-    engine_options: tuple[tuple[str, str], ...] = ()
+    # The managers' settings (the engine and its options, staging, timeouts): each rank runs
+    # with these, its own host and the group's bootstrap URL (`manager_config`).
+    transfer: ManagerConfig = field(default_factory=ManagerConfig)
     chunks: int = 2
     timeout_s: float = 120.0
     # Decode's page pool as a multiple of what the requests need (pages are drawn scattered).
     decode_pool_factor: float = 1.25
     # After the kvbridge run, replay the identical blocks through the raw engine and time it.
     measure_raw: bool = False
-    # Use the staging path where the TP sizes differ (off: per-token blocks).
-    staging: bool = True
     # kvbridge's log level in the rank processes (logging.WARNING: problems only).
     log_level: int = 30
     # Where the KV cache lives: "host" (numpy arrays), "torch-cpu" (torch tensors sharing
@@ -136,16 +134,16 @@ class DemoConfig:
     def shape(self) -> ModelShape:
         return MODELS[self.model]
 
+    @property
+    def engine(self) -> str:
+        return self.transfer.engine
+
     def manager_config(self, bootstrap_url: str, host: str) -> ManagerConfig:
         """Either side's manager settings. Torch memory gets torch staging kernels: forced on
         CPU tensors, chosen by `auto` on a GPU."""
-        return ManagerConfig(
-            host=host,
-            engine=self.engine,
-            engine_options=dict(self.engine_options),
-            bootstrap_url=bootstrap_url,
-            staging=self.staging,
-            staging_kernels="torch" if self.memory == "torch-cpu" else "auto",
+        kernels = "torch" if self.memory == "torch-cpu" else self.transfer.staging_kernels
+        return replace(
+            self.transfer, host=host, bootstrap_url=bootstrap_url, staging_kernels=kernels
         )
 
     @property
@@ -197,7 +195,7 @@ class DemoConfig:
         """Refuse, at once and in words, a run that cannot work here (`DemoConfigError`)."""
         shape = self.shape
         try:
-            engine_spec(self.engine).resolve(dict(self.engine_options))
+            engine_spec(self.engine).resolve(dict(self.transfer.engine_options))
         except EngineError as exc:
             raise DemoConfigError(f"--engine-option for {self.engine}: {exc.detail}") from None
         try:

@@ -26,6 +26,7 @@ from kvbridge.cache.peer import registration_for
 from kvbridge.config import ManagerConfig
 from kvbridge.decode import DecodeManager
 from kvbridge.wire import NATIVE, Heartbeat, KVPoll
+from kvbridge.wire.native import VERSION
 
 PEER = Path(__file__).with_name("prefill_peer.py")
 GEOMETRY = dict(layer_ids=(0, 1), page_size=4, total_kv_heads=2, head_dim=16)
@@ -143,7 +144,14 @@ def test_with_a_secret_forged_and_replayed_messages_are_refused(
         f"{said['bootstrap']}/prefill",
         method="PUT",
         data=json.dumps(
-            {"rank": 0, "attn_tp_size": 1, "host": "127.0.0.1", "port": 1, "engine": "nixl"}
+            {
+                "rank": 0,
+                "attn_tp_size": 1,
+                "host": "127.0.0.1",
+                "port": 1,
+                "engine": "nixl",
+                "version": VERSION,
+            }
         ).encode(),
     )
     with pytest.raises(urllib.error.HTTPError) as refused:

@@ -132,7 +132,7 @@ def test_forged_registrations_are_refused_and_nothing_is_written() -> None:
         push.connect(prefill.channel.endpoint)
         push.send_multipart(frames)
         wait_for(lambda: prefill.channel.stats.malformed == 1, 10)
-        assert "forger" not in prefill.protocol.peers
+        assert "forger" not in prefill.protocol.decode_peers.by_id
         assert prefill.stats.blocks_written == 0
     finally:
         push.close(linger=0)

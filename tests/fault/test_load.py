@@ -57,7 +57,8 @@ def test_ten_thousand_rooms() -> None:
         assert prefill.open_rooms == decode.open_rooms == 0
         # The finished-room memory is bounded, its set in step with its queue (no leak).
         remembered = min(ROOMS, FINISHED_ROOMS_KEPT)
-        assert len(prefill.protocol._finished_set) == len(prefill.protocol._finished) == remembered
+        rooms = prefill.protocol.room_table
+        assert len(rooms._finished_set) == len(rooms._finished) == remembered
         last = ROOMS - 1
         slot = last % IN_FLIGHT
         for got, want in zip(dst.kv, src.kv, strict=True):

@@ -22,9 +22,17 @@ from collections.abc import Iterator
 import pytest
 
 from kvbridge.control.bootstrap import bootstrap_token
+from kvbridge.wire.native import VERSION
 
 HALF_OPEN = 600
-RANK = {"rank": 0, "attn_tp_size": 1, "host": "127.0.0.1", "port": 9000, "engine": "nixl"}
+RANK = {
+    "rank": 0,
+    "attn_tp_size": 1,
+    "host": "127.0.0.1",
+    "port": 9000,
+    "engine": "nixl",
+    "version": VERSION,
+}
 
 
 def start(secret: str | None = None) -> tuple[subprocess.Popen[str], str]:

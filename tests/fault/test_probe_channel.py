@@ -32,6 +32,7 @@ from kvbridge.control.channel import ControlChannel
 from kvbridge.decode import DecodeManager
 from kvbridge.prefill import PrefillManager
 from kvbridge.wire import Heartbeat, KVPoll, TransferRequest
+from kvbridge.wire.native import VERSION
 
 require_engine()
 GEOMETRY = dict(layer_ids=(0, 1), page_size=4, total_kv_heads=2, head_dim=8)
@@ -117,7 +118,14 @@ def test_hostile_messages_are_counted_and_both_channels_keep_serving() -> None:
         assert prefill.open_rooms == 0
         # The bootstrap refuses a wildcard host with 400 and stays complete.
         body = json.dumps(
-            {"rank": 0, "attn_tp_size": 1, "host": "*", "port": 5555, "engine": ENGINE}
+            {
+                "rank": 0,
+                "attn_tp_size": 1,
+                "host": "*",
+                "port": 5555,
+                "engine": ENGINE,
+                "version": VERSION,
+            }
         ).encode()
         put = urllib.request.Request(f"{prefill.bootstrap_url}/prefill", body, method="PUT")
         with pytest.raises(urllib.error.HTTPError) as refused:

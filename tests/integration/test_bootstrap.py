@@ -9,7 +9,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import pytest
 from kv_cache import rank_cache
@@ -25,6 +25,7 @@ from kvbridge.control.bootstrap import (
     register_prefill,
 )
 from kvbridge.prefill import PrefillManager
+from kvbridge.wire.native import VERSION
 
 
 @pytest.fixture
@@ -69,6 +70,17 @@ def test_conflicts_are_refused_not_overwritten(server: BootstrapServer) -> None:
     assert call(f"{server.url}/prefill")[1] == {"registered": 1, "expected": 2}
 
 
+def test_a_prefill_rank_of_another_protocol_version_is_refused(server: BootstrapServer) -> None:
+    other = replace(rank(1), version="kvbridge/1.5")
+    with pytest.raises(BootstrapError, match=f"409.*speaks kvbridge/1.5, this side {VERSION}"):
+        register_prefill(server.url, other)
+    # A service of another release that holds it: decode's look-up refuses the group.
+    register_prefill(server.url, rank(0))
+    assert server.service.group.register(other, time.monotonic()) is None
+    with pytest.raises(BootstrapError, match=f"speaks kvbridge/1.5, this side {VERSION}: run"):
+        lookup_prefill_group(server.url, timeout_s=5.0)
+
+
 @pytest.mark.parametrize(
     ("body", "match"),
     [
@@ -77,6 +89,10 @@ def test_conflicts_are_refused_not_overwritten(server: BootstrapServer) -> None:
         (json.dumps({**asdict(rank(0)), "rank": "0"}).encode(), "rank must be a int"),
         (json.dumps({**asdict(rank(0)), "rank": 5}).encode(), "outside attn_tp_size"),
         (json.dumps({**asdict(rank(0)), "port": 70000}).encode(), "not a TCP port"),
+        (
+            json.dumps({k: v for k, v in asdict(rank(0)).items() if k != "version"}).encode(),
+            f"names no protocol version: it runs a kvbridge older than {VERSION}",
+        ),
     ],
 )
 def test_bad_registrations_get_400(server: BootstrapServer, body: bytes, match: str) -> None:

@@ -16,6 +16,7 @@ import pytest
 from processes import children_of, interruptible
 
 from kvbridge.engines import unavailable_reason
+from kvbridge.wire.native import VERSION
 
 ROOT = Path(__file__).resolve().parents[2]
 # Enough rooms that the demo is still running when the signal arrives (≈1.3 GiB per rank).
@@ -127,7 +128,14 @@ def test_the_bootstrap_service_logs_registrations_only_when_asked(
     url = service.stdout.readline().decode().split(" on ")[1].strip()
     host, port = url.removeprefix("http://").rsplit(":", 1)
     body = json.dumps(
-        {"rank": 0, "attn_tp_size": 1, "host": "127.0.0.1", "port": 5555, "engine": "nixl"}
+        {
+            "rank": 0,
+            "attn_tp_size": 1,
+            "host": "127.0.0.1",
+            "port": 5555,
+            "engine": "nixl",
+            "version": VERSION,
+        }
     )
     connection = http.client.HTTPConnection(host, int(port), timeout=5)
     try:

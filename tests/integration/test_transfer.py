@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from kvbridge import ManagerConfig
 from kvbridge.cache.plan import DIRECT_MIN_BLOCK_BYTES
 from kvbridge.engines import unavailable_reason
 from kvbridge_tools.demo import RAW_STRATEGIES, DemoConfig, DemoConfigError, run_demo
@@ -49,9 +50,8 @@ def test_nixl_requests_arrive_byte_exact(
         page_size=page_size,
         prefill_tp=prefill_tp,
         decode_tp=decode_tp,
-        engine="nixl",
         chunks=chunks,
-        staging=staging,
+        transfer=ManagerConfig(engine="nixl", staging=staging),
     )
     result = run_demo(config)
     assert result.ok, [report for report in result.reports if not report.ok]
@@ -86,9 +86,9 @@ def test_a_warm_up_batch_and_raw_replays_around_the_timed_one(
         prefill_tp=prefill_tp,
         decode_tp=decode_tp,
         dcp=dcp,
-        engine="nixl",
         warmup=True,
         measure_raw=True,
+        transfer=ManagerConfig(engine="nixl"),
     )
     result = run_demo(config)
     assert result.ok, [report for report in result.reports if not report.ok]
@@ -106,7 +106,12 @@ def test_decode_ranks_start_the_timed_batch_together_after_the_warm_up() -> None
     pages on the same CPUs (with no raw replays between them, nothing else lines them up)."""
     require("nixl")
     config = DemoConfig(
-        requests=4, tokens=200, prefill_tp=1, decode_tp=2, engine="nixl", warmup=True
+        requests=4,
+        tokens=200,
+        prefill_tp=1,
+        decode_tp=2,
+        warmup=True,
+        transfer=ManagerConfig(engine="nixl"),
     )
     result = run_demo(config)
     assert result.ok, [report for report in result.reports if not report.ok]
@@ -125,9 +130,9 @@ def test_a_prefill_process_whose_python_never_waits() -> None:
     config = DemoConfig(
         requests=4,
         tokens=64,
-        engine="nixl",
         prefill_busy_loop=True,
         prefill_switch_interval_s=0.001,
+        transfer=ManagerConfig(engine="nixl"),
     )
     result = run_demo(config, progressed.append)
     assert result.ok, [report for report in result.reports if not report.ok]
@@ -161,8 +166,8 @@ def test_torch_tensors_arrive_byte_exact(memory: str, prefill_tp: int, decode_tp
         page_size=16,
         prefill_tp=prefill_tp,
         decode_tp=decode_tp,
-        engine="nixl",
         memory=memory,
+        transfer=ManagerConfig(engine="nixl"),
     )
     result = run_demo(config)
     assert result.ok, [report for report in result.reports if not report.ok]
@@ -178,9 +183,9 @@ def test_mla_model_arrives_byte_exact(prefill_tp: int, decode_tp: int) -> None:
         model="deepseek-v3",
         requests=3,
         tokens=64,
-        engine="nixl",
         prefill_tp=prefill_tp,
         decode_tp=decode_tp,
+        transfer=ManagerConfig(engine="nixl"),
     )
     result = run_demo(config)
     assert result.ok, result.reports
@@ -236,8 +241,7 @@ def test_decode_context_parallelism(
         prefill_tp=prefill_tp,
         decode_tp=decode_tp,
         dcp=dcp,
-        staging=staging,
-        engine="nixl",
+        transfer=ManagerConfig(staging=staging, engine="nixl"),
     )
     result = run_demo(config)
     assert result.ok, [report for report in result.reports if not report.ok]

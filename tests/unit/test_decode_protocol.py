@@ -25,8 +25,9 @@ from kvbridge.core.decode_protocol import (
     RoomOpened,
     ScatterChunk,
 )
+from kvbridge.core.decode_room import DecodeRoom
 from kvbridge.core.protocol import DueQueue, RoomsChanged, Send, Tick
-from kvbridge.core.room import DecodeRoom, RoomStatus, notification_for
+from kvbridge.core.room import RoomStatus
 from kvbridge.wire import (
     STAGING_NEVER_FITS,
     Abort,
@@ -42,6 +43,7 @@ from kvbridge.wire import (
     TransferRequest,
     TransferStatus,
 )
+from kvbridge.wire.notifications import notification_for
 
 TOKEN = b"t" * 16
 ENDPOINTS = ("tcp://10.0.0.1:7000", "tcp://10.0.0.2:7000")  # prefill ranks 0 and 1

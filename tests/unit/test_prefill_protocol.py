@@ -14,14 +14,12 @@ from kv_cache import rank_cache
 
 from kvbridge.cache import BufferSpec, KVArgs
 from kvbridge.cache.peer import registration_for
-from kvbridge.core.prefill_protocol import (
-    MAX_UNCLAIMED_ROOMS,
+from kvbridge.core.prefill_events import (
     Action,
     ChunkSubmitted,
     Connect,
     Connected,
     PageRows,
-    PrefillProtocol,
     PrefillSettings,
     RingSpace,
     SenderAborted,
@@ -31,8 +29,11 @@ from kvbridge.core.prefill_protocol import (
     WriteEnded,
     transfer_notification,
 )
+from kvbridge.core.prefill_protocol import PrefillProtocol
+from kvbridge.core.prefill_room import Phase
+from kvbridge.core.prefill_rooms import MAX_UNCLAIMED_ROOMS
 from kvbridge.core.protocol import Send, Tick
-from kvbridge.core.room import COMPLETING_NOTIFICATIONS, Chunk, Failure
+from kvbridge.core.room import Chunk, Failure
 from kvbridge.wire import (
     Abort,
     AbortAck,
@@ -47,12 +48,14 @@ from kvbridge.wire import (
     TransferRequest,
     TransferStatus,
 )
+from kvbridge.wire.notifications import COMPLETING_NOTIFICATIONS
 
 GEOMETRY = dict(layer_ids=(0, 1), page_size=4, total_kv_heads=2, head_dim=8)
 DECODE_ENDPOINT = "tcp://10.0.0.2:7100"
 PEER = f"decode-0@{DECODE_ENDPOINT}"
 TOKEN = b"d" * 16
 TIMEOUT_S = 3.0
+FAILED_PHASES = (Phase.FAILED_DRAINING, Phase.FAILED_SETTLED, Phase.CLEARED_DRAINING)
 RING_PTR = 0x7000_0000
 
 
@@ -170,14 +173,18 @@ def test_a_request_while_the_lease_ran_out_renews_it_at_once() -> None:
     assert messages(prefill.handle(request(7, [6]), stalled + 0.5), Heartbeat)
 
 
-def test_a_heartbeat_names_its_sender_by_endpoint_and_a_1_1_peer_by_its_id() -> None:
-    for sender in (DECODE_ENDPOINT, PEER):
-        prefill = protocol()
-        (beat,) = messages(prefill.handle(registration(), 0.0), Heartbeat)
-        assert isinstance(beat, Heartbeat)
-        assert beat.sender_id == "tcp://10.0.0.1:7000"  # prefill's own endpoint
-        prefill.handle(Heartbeat(sender, 1, 3000, beat.sequence), 0.1)
-        assert prefill.lease_problem(PEER, 1.0) is None
+def test_a_heartbeat_names_its_sender_by_its_control_endpoint() -> None:
+    prefill = protocol()
+    (beat,) = messages(prefill.handle(registration(), 0.0), Heartbeat)
+    assert isinstance(beat, Heartbeat)
+    assert beat.sender_id == "tcp://10.0.0.1:7000"  # prefill's own endpoint
+    prefill.handle(Heartbeat(DECODE_ENDPOINT, 1, 3000, beat.sequence), 0.1)
+    assert prefill.lease_problem(PEER, 1.0) is None
+    # By its peer id (what kvbridge/1.1 sent) it names nobody.
+    by_id = protocol()
+    by_id.handle(registration(), 0.0)
+    by_id.handle(Heartbeat(PEER, 1, 3000, beat.sequence), 0.1)
+    assert by_id.lease_problem(PEER, 1.0) is not None
     stranger = protocol()
     stranger.handle(registration(), 0.0)
     stranger.handle(Heartbeat("tcp://6.6.6.6:1", 1, 3000, 1), 0.1)
@@ -304,7 +311,7 @@ def test_rooms_toward_a_peer_are_written_in_arrival_order_not_interleaved() -> N
     prefill.handle(ChunkSubmitted(5, Chunk(np.array([11]), last=True)), 0.3)
     actions = prefill.handle(ChunkSubmitted(4, Chunk(np.array([1, 2]), last=True)), 0.3)
     assert writes(actions) == []  # room 5 fills the window
-    (blocking, _) = [w for w in prefill._jobs.values() if w.write is not None]
+    (blocking, _) = [w for w in prefill.jobs.by_key.values() if w.write is not None]
     assert blocking.write is not None
     (next_write,) = writes(prefill.handle(WriteEnded(blocking.write), 0.4))
     assert next_write.room == 4  # room 4 arrived first
@@ -417,7 +424,7 @@ def test_a_room_lease_from_decode_starts_its_request_deadline_again() -> None:
     assert not messages(actions, TransferStatus)  # nobody asked: nobody to tell
 
 
-def staging_pair(direct: bool = False) -> tuple[PrefillProtocol, Registration]:
+def staging_pair(direct: bool = False, window: int = 2) -> tuple[PrefillProtocol, Registration]:
     """Chunks of head slices: prefill rank 0 of TP 2 to a decode rank of TP 1 with a ring
     (decode's rows interleave both prefill ranks' heads), or — `direct` — prefill at TP 1 to
     decode rank 0 of TP 2, whose one head this rank alone holds (no ring needed)."""
@@ -425,7 +432,7 @@ def staging_pair(direct: bool = False) -> tuple[PrefillProtocol, Registration]:
     remote = rank_cache(seed=None, **GEOMETRY, attn_tp_size=2 if direct else 1).args
     if not direct:
         remote = dataclasses.replace(remote, staging_buffer=BufferSpec(RING_PTR, 1 << 20, 1))
-    prefill = protocol(local)
+    prefill = protocol(local, window=window)
     reg = registration(remote)
     actions = prefill.handle(reg, 0.0)
     (beat,) = messages(actions, Heartbeat)
@@ -563,8 +570,7 @@ def test_a_failure_is_never_reported_while_a_write_can_land(
         prefill = protocol(window=window)
         leased(prefill)
     else:
-        prefill, _ = staging_pair(direct=mode == "direct")
-        prefill.settings = dataclasses.replace(prefill.settings, writes_in_flight=window)
+        prefill, _ = staging_pair(direct=mode == "direct", window=window)
     now = 0.0
     out: dict[int, list[Write]] = {}  # per room, writes the "engine" has not ended
     asked: dict[int, list[StagingRequest]] = {}  # per room, unanswered ring requests
@@ -618,15 +624,21 @@ def test_a_failure_is_never_reported_while_a_write_can_land(
                     assert reported[message.room] == 1, "success reported twice"
         # Ring requests the protocol gave up on (the peer fell silent, or the staging
         # deadline passed) are answered by nobody.
-        awaited = {(e.job.room, e.job.chunk_idx) for e in prefill._jobs.values() if e.staging}
+        awaited = {(e.job.room, e.job.chunk_idx) for e in prefill.jobs.by_key.values() if e.staging}
         asked = {
             room: [a for a in asks if (room, a.chunk_idx) in awaited]
             for room, asks in asked.items()
         }
-        indexed = {key for keys in prefill._jobs_of_room.values() for key in keys}
-        assert indexed == set(prefill._jobs), "the per-room index of jobs drifted"
+        indexed = {key for keys in prefill.jobs.of_room.values() for key in keys}
+        assert indexed == set(prefill.jobs.by_key), "the per-room index of jobs drifted"
         # The window: never more writes and ring requests out toward the peer than allowed.
         assert sum(map(len, out.values())) + sum(map(len, asked.values())) <= window
         for room_id in prefill.rooms:
             if prefill.pages_safe(room_id):
                 assert not out.get(room_id), "pages free while a write of them is out"
+        for state in prefill.rooms.values():  # the phase and the KVPoll status agree
+            poll, phase = state.status.poll, state.phase
+            assert (poll == KVPoll.Success) == (phase is Phase.SUCCEEDED), (poll, phase)
+            assert (poll == KVPoll.Failed) == (phase in FAILED_PHASES), (poll, phase)
+            out_now = prefill.jobs.in_flight(state.room)
+            assert phase.draining == (poll == KVPoll.Failed and out_now), phase

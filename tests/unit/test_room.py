@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import numpy as np
 import pytest
 
-from kvbridge.core.room import (
-    Chunk,
-    DecodeRoom,
-    PrefillRoom,
-    RoomStatus,
-    notification_for,
-    parse_notification,
-)
+from kvbridge.core.decode_room import DecodeRoom
+from kvbridge.core.prefill_room import TRANSITIONS, LifecycleError, Phase, PrefillRoom, Step
+from kvbridge.core.room import Chunk, Failure, RoomStatus
 from kvbridge.wire import FailureKind, KVPoll, TransferRequest
+from kvbridge.wire.notifications import notification_for, parse_notification
 
 
 def test_status_only_moves_forward_and_failure_sticks() -> None:
@@ -49,19 +48,15 @@ def test_prefill_room_slices_destination_pages_per_chunk() -> None:
     (first,) = room.next_jobs()
     assert (first.page_offset, first.dst_pages.tolist()) == (0, [10, 11, 12])
     assert first.dst_aux_index is None
-    room.job_handed_out()
-    assert room.in_flight
     room.add_chunk(Chunk(np.array([9]), last=True, aux_index=5, state_indices=(2,)))
     (second,) = room.next_jobs()  # the next chunk may go while the first one moves
     assert (second.chunk_idx, second.page_offset) == (1, 2)
     assert (second.src_aux_index, second.dst_aux_index) == (5, 0)
     assert (second.src_state_indices, second.dst_state_indices) == ((2,), (4,))
-    room.job_handed_out()
-    room.job_ended(handed_out=True)  # the last chunk's write ended first
+    room.maybe_succeed(open_jobs=1)  # the last chunk's write ended first
     assert room.status.poll == KVPoll.Transferring  # the first one is still out
-    room.job_ended(handed_out=True)
+    room.maybe_succeed(open_jobs=0)
     assert room.status.poll == KVPoll.Success
-    assert not room.in_flight
     with pytest.raises(ValueError, match="after the last chunk"):
         room.add_chunk(Chunk(np.array([1]), last=True))
 
@@ -78,8 +73,7 @@ def test_decode_prefix_pages_are_skipped_and_offsets_count_from_the_prefix() -> 
     first, last = room.next_jobs()  # the first chunk had nothing to send
     assert (first.src_pages.tolist(), first.page_offset) == ([3], 0)
     assert (last.src_pages.tolist(), last.page_offset, last.src_aux_index) == ([4, 5], 1, 7)
-    room.job_ended(handed_out=False)
-    room.job_ended(handed_out=False)
+    room.maybe_succeed(open_jobs=0)
     assert room.status.poll == KVPoll.Success
 
 
@@ -111,6 +105,7 @@ def test_dummy_requests_get_no_write_and_finish_with_the_last_chunk() -> None:
     room.add_chunk(Chunk(np.array([3]), last=True))
     room.on_request(TransferRequest(1, "d0", True, np.array([], np.int32), None, [], 1))
     assert room.next_jobs() == []
+    room.maybe_succeed(open_jobs=0)
     assert room.status.poll == KVPoll.Success
 
 
@@ -225,3 +220,47 @@ def test_skipped_positions_need_one_page_size_and_no_dcp() -> None:
     assert room.request_problem(negative, dst_page_size=4) == (
         "room 1: decode page index -2 (only -1 skips a page)"
     )
+
+
+def test_a_prefill_room_moves_only_through_its_transition_table() -> None:
+    for phase in Phase:
+        for step in Step:
+            room = PrefillRoom(1, phase=phase)
+            if (phase, step) in TRANSITIONS:
+                assert room.step(step) is TRANSITIONS[phase, step]
+            else:
+                with pytest.raises(LifecycleError, match=step.value):
+                    room.step(step)
+    # An open room is failed before it is cleared; nothing leaves FORGOTTEN.
+    assert (Phase.OPEN, Step.CLEAR) not in TRANSITIONS
+    assert not [key for key in TRANSITIONS if key[0] is Phase.FORGOTTEN]
+    # Every phase but OPEN is reached, and every path ends in FORGOTTEN.
+    assert {to for to in TRANSITIONS.values()} == set(Phase) - {Phase.OPEN}
+    reachable = {Phase.FORGOTTEN}
+    while True:
+        more = {phase for (phase, _), to in TRANSITIONS.items() if to in reachable}
+        if more <= reachable:
+            break
+        reachable |= more
+    assert reachable == set(Phase)
+
+
+def test_a_room_that_fails_with_a_write_out_drains_before_it_settles() -> None:
+    room = PrefillRoom(1)
+    room.on_request(request("d0", [10, 11]))
+    room.add_chunk(Chunk(np.array([7, 8]), last=True))
+    room.next_jobs()  # its job is out
+    assert room.fail(Failure(FailureKind.ABORTED, "aborted"))
+    assert (room.phase, room.pages_safe) == (Phase.FAILED_DRAINING, False)
+    assert room.step(Step.CLEAR) is Phase.CLEARED_DRAINING
+    assert not room.fail(Failure(FailureKind.TIMEOUT, "later"))  # the first failure stands
+    assert room.status.failure_kind == FailureKind.ABORTED
+    assert room.step(Step.DRAINED) is Phase.FORGOTTEN
+    assert room.pages_safe
+
+
+def test_the_lifecycle_table_in_the_architecture_doc_is_the_code_s() -> None:
+    doc = (Path(__file__).parents[2] / "docs" / "ARCHITECTURE.md").read_text()
+    rows = re.findall(r"^\| ([A-Z_]+) \| ([a-z]+) \| ([A-Z_]+) \|$", doc, re.MULTILINE)
+    documented = {(Phase[phase], Step(step)): Phase[to] for phase, step, to in rows}
+    assert documented == TRANSITIONS

@@ -21,14 +21,15 @@ from kvbridge.integrations.vllm_requests import (
     BLOCK_SIZES_KEY,
     BLOCKS_KEY,
     BOOTSTRAP_KEY,
-    GROUP_ROOMS_KEY,
     ROOM_KEY,
     STAGES_KEY,
+    VERSION_KEY,
     RemotePrefill,
     stage_room,
     tokens_to_load,
 )
 from kvbridge.integrations.vllm_stats import ConnectorCounters
+from kvbridge.wire.native import VERSION
 
 
 def test_options_come_from_extra_config_with_their_types_checked() -> None:
@@ -80,18 +81,13 @@ def test_remote_prefill_travels_in_kv_transfer_params() -> None:
         RemotePrefill.from_params({**params, BLOCKS_KEY: [[0], [0, 0]]})
     with pytest.raises(OptionsError, match="one entry per KV cache group, got 2 and 1"):
         RemotePrefill.from_params({**params, BLOCK_SIZES_KEY: [32]})
-    # The release before sent a room per group: one group's is the request's room, several
-    # are refused with the reason; a one-group model's parameters still name it there.
-    single = RemotePrefill("http://h:1", 5, 64, "e", "r", ((0, 2),), (32,)).to_params()
-    assert single[GROUP_ROOMS_KEY] == [5]
-    assert GROUP_ROOMS_KEY not in params
-    older = {key: value for key, value in params.items() if key != ROOM_KEY}
-    one_group = {**older, GROUP_ROOMS_KEY: [9], BLOCKS_KEY: [[0, 10]], BLOCK_SIZES_KEY: [32]}
-    legacy = RemotePrefill.from_params(one_group)
-    assert legacy is not None
-    assert legacy.room == 9
-    with pytest.raises(OptionsError, match="sends a room per KV cache group; run one release"):
-        RemotePrefill.from_params({**older, GROUP_ROOMS_KEY: [9, None]})
+    # A prefill instance of another release is refused, both versions named.
+    assert params[VERSION_KEY] == VERSION
+    with pytest.raises(OptionsError, match=r"speaks 'kvbridge/1\.5', this decode .*run one"):
+        RemotePrefill.from_params({**params, VERSION_KEY: "kvbridge/1.5"})
+    older = {key: value for key, value in params.items() if key != VERSION_KEY}
+    with pytest.raises(OptionsError, match=f"names no version, this decode instance {VERSION}"):
+        RemotePrefill.from_params(older)
 
 
 def test_each_pipeline_stage_has_its_bootstrap_and_rooms() -> None:

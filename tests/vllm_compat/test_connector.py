@@ -44,6 +44,7 @@ from vllm_harness import (
 )
 
 from kvbridge.integrations.vllm_proxy import PDProxy
+from kvbridge.wire.native import VERSION
 
 # Shorter than a block, exactly one, several, not a multiple of the block size, long.
 LENGTHS = (5, 32, 97, 300, 1000)
@@ -149,16 +150,25 @@ def test_bad_or_unreachable_parameters_are_computed_locally(
         "kvbridge_blocks": [[0, 4]],
         "kvbridge_block_sizes": [32],
         "remote_num_tokens": 97,
+        "kvbridge_version": VERSION,
     }
     unreachable = {**malformed, "kvbridge_room": 7}  # nothing listens on port 1
+    other_release = {**unreachable, "kvbridge_version": "kvbridge/1.5"}
     began = time.monotonic()
-    outputs = pair.decode.generate([PROMPTS[2]] * 2, MAX_TOKENS, [malformed, unreachable])
+    outputs = pair.decode.generate(
+        [PROMPTS[2]] * 3, MAX_TOKENS, [malformed, unreachable, other_release]
+    )
     assert time.monotonic() - began < 20  # bootstrap_timeout_s is 5 s
-    computed, failed = outputs["outputs"]
+    computed, failed, refused = outputs["outputs"]
     assert computed["tokens"] == reference[tuple(PROMPTS[2])]
     assert failed["finish_reason"] == "error"  # vLLM's default kv_load_failure_policy: fail
+    assert refused["tokens"] == reference[tuple(PROMPTS[2])]
     log = pair.decode.log()
     assert "computed locally: kv_transfer_params.kvbridge_room: 'seven' is not an integer" in log
+    assert (
+        "computed locally: kv_transfer_params: the prefill instance speaks 'kvbridge/1.5', "
+        f"this decode instance {VERSION}: run one kvbridge release on both"
+    ) in log
     assert "KV load failed: prefill group at http://127.0.0.1:1 not complete after 5 s" in log
 
 

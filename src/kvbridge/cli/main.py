@@ -18,6 +18,7 @@ from rich.table import Table
 
 import kvbridge
 from kvbridge import samples
+from kvbridge.config import ManagerConfig
 from kvbridge.control.bootstrap import BootstrapServer
 from kvbridge.engines import DEFAULT_ENGINE, PROCESS_ENGINES, REGISTRY, unavailable_reason
 from kvbridge.integrations.vllm_proxy import UPSTREAM_TIMEOUT_S
@@ -503,13 +504,11 @@ def demo_command(
         page_size=page_size,
         prefill_tp=prefill_tp or tp,
         decode_tp=decode_tp or tp,
-        engine=engine,
-        engine_options=engine_options,
         chunks=chunks,
-        staging=staging,
         dcp=dcp,
         log_level=log_level,
         memory=memory,
+        transfer=ManagerConfig(engine=engine, engine_options=dict(engine_options), staging=staging),
     )
     reason = unavailable_reason(engine)
     if reason is not None:

@@ -39,6 +39,7 @@ from http import HTTPStatus
 from typing import Any
 
 from kvbridge.wire.address import host_problem
+from kvbridge.wire.native import VERSION
 
 MAX_BODY = 4 * 1024  # a registration is ~100 bytes
 MAX_ATTN_TP = 4096
@@ -68,13 +69,26 @@ class PrefillRank:
     host: str
     port: int
     engine: str
+    version: str = VERSION  # the protocol version the rank speaks
 
     @staticmethod
     def parse(document: Any) -> PrefillRank:
         """From JSON, refusing anything that is not exactly the expected fields and types."""
         if not isinstance(document, dict):
             raise ValueError("expected a JSON object")
-        types = {"rank": int, "attn_tp_size": int, "host": str, "port": int, "engine": str}
+        types = {
+            "rank": int,
+            "attn_tp_size": int,
+            "host": str,
+            "port": int,
+            "engine": str,
+            "version": str,
+        }
+        if set(document) == set(types) - {"version"}:
+            raise ValueError(
+                f"the prefill rank names no protocol version: it runs a kvbridge older than "
+                f"{VERSION}, which this side speaks; run one kvbridge release on both sides"
+            )
         if set(document) != set(types):
             raise ValueError(f"expected the fields {sorted(types)}, got {sorted(document)}")
         for name, kind in types.items():
@@ -93,7 +107,19 @@ class PrefillRank:
             raise ValueError(f"rank {rank.rank} is outside attn_tp_size {rank.attn_tp_size}")
         if not 0 < rank.port < 65536:
             raise ValueError(f"port {rank.port} is not a TCP port")
+        if not 0 < len(rank.version) <= MAX_ENGINE_NAME:
+            raise ValueError(f"version must be like {VERSION}, got {rank.version[:80]!r}")
         return rank
+
+    @property
+    def version_problem(self) -> str | None:
+        """Why this side cannot work with the rank (another protocol version), or None."""
+        if self.version == VERSION:
+            return None
+        return (
+            f"prefill rank {self.rank} speaks {self.version}, this side {VERSION}: run one "
+            "kvbridge release on both sides"
+        )
 
 
 class PrefillGroup:
@@ -242,7 +268,7 @@ class BootstrapService:
                 return Reply(HTTPStatus.NOT_FOUND, {"error": "no such registration"})
             log.info("prefill rank %d withdrew its registration", rank.rank)
             return Reply(HTTPStatus.OK, {"withdrawn": asdict(rank)})
-        conflict = self.group.register(rank, now)
+        conflict = rank.version_problem or self.group.register(rank, now)
         if conflict is not None:
             log.warning("refused prefill rank %d: %s", rank.rank, conflict)
             return Reply(HTTPStatus.CONFLICT, {"error": conflict})
@@ -501,9 +527,13 @@ def lookup_prefill_group(
         else:
             if status == HTTPStatus.OK:
                 try:
-                    return [PrefillRank.parse(entry) for entry in document["ranks"]]
+                    ranks = [PrefillRank.parse(entry) for entry in document["ranks"]]
                 except (KeyError, TypeError, ValueError) as exc:
                     raise BootstrapError(f"bootstrap {url} sent a bad group: {exc}") from None
+                problem = next((r.version_problem for r in ranks if r.version_problem), None)
+                if problem is not None:
+                    raise BootstrapError(f"bootstrap {url}: {problem}")
+                return ranks
             if status in (HTTPStatus.UNAUTHORIZED, HTTPStatus.TOO_MANY_REQUESTS):
                 raise BootstrapError(
                     f"bootstrap {url} refused the lookup ({status}): {document.get('error')}"

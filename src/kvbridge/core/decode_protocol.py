@@ -19,9 +19,10 @@ import numpy as np
 import numpy.typing as npt
 
 from kvbridge.cache.topology import Source
+from kvbridge.core.decode_room import DecodeRoom
 from kvbridge.core.liveness import Liveness
 from kvbridge.core.protocol import DueQueue, ProtocolCore, RankStats, RoomsChanged, Send, Tick
-from kvbridge.core.room import DecodeRoom, RoomStatus, parse_notification
+from kvbridge.core.room import RoomStatus
 from kvbridge.staging.ring import Allocation, StagingRing
 from kvbridge.wire import (
     STAGING_NEVER_FITS,
@@ -39,6 +40,7 @@ from kvbridge.wire import (
     TransferStatus,
 )
 from kvbridge.wire.address import tcp_endpoint
+from kvbridge.wire.notifications import parse_notification
 
 log = logging.getLogger("kvbridge.decode")
 # Slack on top of a dead prefill rank's write lease before its rooms' pages count as safe:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from kvbridge.integrations.vllm_options import OptionsError
+from kvbridge.wire.native import VERSION
 
 T = TypeVar("T")
 
@@ -20,12 +21,12 @@ T = TypeVar("T")
 BOOTSTRAP_KEY = "kvbridge_bootstrap_url"
 STAGES_KEY = "kvbridge_stage_urls"
 ROOM_KEY = "kvbridge_room"
-# A release before the merged room sent a room per KV cache group under this key.
-GROUP_ROOMS_KEY = "kvbridge_rooms"
+# The protocol version the prefill instance speaks: decode refuses another, naming both.
+VERSION_KEY = "kvbridge_version"
 BLOCKS_KEY = "kvbridge_blocks"
 BLOCK_SIZES_KEY = "kvbridge_block_sizes"
-# Prefill's lease on the blocks, in seconds: decode renews it while the request waits (absent:
-# a prefill of a release without leases).
+# Prefill's lease on the blocks, in seconds: decode renews it while the request waits (0 or
+# absent: no renewals).
 LEASE_KEY = "kvbridge_lease_s"
 
 
@@ -69,10 +70,7 @@ class RemotePrefill:
             BLOCK_SIZES_KEY: list(self.block_sizes),
             STAGES_KEY: list(self.stages),
             LEASE_KEY: self.lease_s,
-            # A decode of the release before reads a one-group model's room here (it would
-            # read several groups' blocks as a room each: for those it finds none, and the
-            # request is computed there).
-            **({GROUP_ROOMS_KEY: [self.room]} if len(self.blocks) == 1 else {}),
+            VERSION_KEY: VERSION,
         }
 
     @staticmethod
@@ -81,6 +79,13 @@ class RemotePrefill:
         for another connector, or a plain one). Malformed kvbridge keys raise OptionsError."""
         if not isinstance(params, Mapping) or BOOTSTRAP_KEY not in params:
             return None
+        version = params.get(VERSION_KEY)
+        if version != VERSION:
+            speaks = f"speaks {version!r}" if version is not None else "names no version"
+            raise OptionsError(
+                f"kv_transfer_params: the prefill instance {speaks}, this decode instance "
+                f"{VERSION}: run one kvbridge release on both"
+            )
         url = _url(BOOTSTRAP_KEY, params.get(BOOTSTRAP_KEY))
         stages = _listed(params, STAGES_KEY, _url) if STAGES_KEY in params else [url]
         if not stages or stages[0] != url:
@@ -88,7 +93,7 @@ class RemotePrefill:
                 f"kv_transfer_params.{STAGES_KEY}: {stages!r} does not begin with {BOOTSTRAP_KEY}"
             )
         tokens = _count(params, "remote_num_tokens", params.get("remote_num_tokens"))
-        room = _room(params)
+        room = _count(params, ROOM_KEY, params.get(ROOM_KEY))
         blocks = _listed(params, BLOCKS_KEY, _block_range)
         sizes = _listed(params, BLOCK_SIZES_KEY, lambda key, v: _count(params, key, v))
         if len(blocks) != len(sizes) or not blocks:
@@ -96,7 +101,7 @@ class RemotePrefill:
                 f"kv_transfer_params: {BLOCKS_KEY} and {BLOCK_SIZES_KEY} need one entry per KV "
                 f"cache group, got {len(blocks)} and {len(sizes)}"
             )
-        lease = params.get(LEASE_KEY, 0.0)
+        lease = params.get(LEASE_KEY, 0.0)  # absent: no renewals
         if not isinstance(lease, int | float) or isinstance(lease, bool) or not lease >= 0:
             raise OptionsError(f"kv_transfer_params.{LEASE_KEY}: {lease!r} is not seconds ≥ 0")
         return RemotePrefill(
@@ -115,20 +120,6 @@ class RemotePrefill:
 def stage_room(room: int, stage: int) -> int:
     """A pipeline stage's room for a request's room (stage 0: the room itself)."""
     return room ^ stage
-
-
-def _room(params: Mapping[str, Any]) -> int:
-    """The request's room. A prefill of the release before sent a room per KV cache group:
-    with one group that is the same room; with several it moved them apart."""
-    if ROOM_KEY in params or GROUP_ROOMS_KEY not in params:
-        return _count(params, ROOM_KEY, params.get(ROOM_KEY))
-    rooms = params.get(GROUP_ROOMS_KEY)
-    if not (isinstance(rooms, list) and len(rooms) == 1):
-        raise OptionsError(
-            f"kv_transfer_params.{GROUP_ROOMS_KEY}: {rooms!r}: the prefill instance runs an "
-            "older kvbridge that sends a room per KV cache group; run one release on both"
-        )
-    return _count(params, f"{GROUP_ROOMS_KEY}[0]", rooms[0])
 
 
 def _url(key: str, value: object) -> str:

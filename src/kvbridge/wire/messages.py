@@ -274,8 +274,7 @@ class Heartbeat(Message):
     heartbeats decode really answered extend it. Prefill → decode heartbeats carry decode's
     registration token.
 
-    `sender_id` is the sender's control endpoint, either way (native 1.2; a 1.1 decode rank
-    sent its peer id, which prefill still accepts)."""
+    `sender_id` is the sender's control endpoint, either way."""
 
     sender_id: str
     sequence: int

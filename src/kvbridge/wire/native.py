@@ -8,10 +8,13 @@ packed integer arrays or opaque bytes. An optional field that is absent is an em
 over all frames before it (each preceded by its length as a little-endian uint32), the nonce
 and the timestamp; receivers with the secret also refuse stale timestamps and replayed nonces.
 
-Compatibility: a different major version is refused naming both versions. A peer with a newer
-minor version may append fields (always optional ones) and message types; this side ignores
-the extra trailing frames. A peer with an older minor version may omit trailing optional
-frames, which take their defaults.
+Compatibility: the ranks of one deployment speak one version, major and minor: a prefill rank's
+bootstrap registration names it, and the bootstrap service and decode's look-up refuse a rank
+of another version, naming both, before any message is exchanged. A different major version
+in a message header is refused naming both too. Frames stay readable across minor versions of
+one major version, so that `kvbridge inspect` reads any capture: a newer minor version's extra
+trailing frames are ignored, an older one's missing trailing optional frames take their
+defaults.
 """
 
 from __future__ import annotations
@@ -52,7 +55,10 @@ from kvbridge.wire.profile import Inspection, Profile, Receiver, require_frames
 PROFILE = "kvbridge/1"
 MAGIC = b"KVBR"
 MAJOR = 1
-MINOR = 5
+MINOR = 6
+# What both ends of a kvbridge deployment must speak alike: the bootstrap service and decode's
+# look-up refuse a prefill rank of another version, naming both.
+VERSION = f"kvbridge/{MAJOR}.{MINOR}"
 FLAG_TAG = 0x01
 KNOWN_FLAGS = FLAG_TAG
 
@@ -393,7 +399,7 @@ _LAYOUT_ROWS: tuple[tuple[int, type[Message], str, tuple[Field, ...]], ...] = (
             Field(
                 "sender_id",
                 c.UTF8,
-                "the sender's control endpoint (a 1.1 decode rank: its peer_id)",
+                "the sender's control endpoint",
             ),
             Field("sequence", c.U64),
             Field("lease_ms", c.U32),

@@ -1,0 +1,338 @@
+"""A prefill rank's write jobs, pure: each job's record from the moment its chunk is queued
+until it ended — queued per decode peer (a heap, oldest room first, so that rooms toward one
+peer complete in the order they arrived instead of all together at the end), handed out up
+to `writes_in_flight` per peer, gathered into this rank's staging buffer (its ring of space
+shared by the chunks while they move) and written straight into decode's pages or into ring
+space decode grants (a staging ask, with its deadline), or sent token by token when staging
+never fits. What a job's end means for its room is `PrefillRooms.job_ended`."""
+
+from __future__ import annotations
+
+import heapq
+from collections import Counter
+from collections.abc import Iterator
+
+import numpy as np
+import numpy.typing as npt
+
+from kvbridge.cache import KVArgs
+from kvbridge.cache.plan import token_rows
+from kvbridge.core.prefill_events import (
+    Action,
+    JobKey,
+    PageRows,
+    PrefillSettings,
+    PrefillStats,
+    RingSpace,
+    StagedChunk,
+    Write,
+    WriteEnded,
+)
+from kvbridge.core.prefill_peers import DecodePeer, Ignore, PrefillPeers
+from kvbridge.core.prefill_room import PrefillRoom
+from kvbridge.core.prefill_rooms import PrefillRooms
+from kvbridge.core.protocol import DueQueue, Send
+from kvbridge.core.room import ChunkJob, Failure
+from kvbridge.core.write_jobs import AwaitedStaging, JobTable, WriteJob
+from kvbridge.staging.kernels import staged_size
+from kvbridge.staging.ring import StagingRing
+from kvbridge.wire import ChunkReady, FailureKind, StagingRequest, StagingResponse
+from kvbridge.wire.notifications import COMPLETING_NOTIFICATIONS, notification_for
+
+# Chunks gathered into this rank's staging buffer start on this boundary.
+RING_ALIGNMENT = 64
+
+
+class WriteScheduler:
+    """The write jobs of one prefill rank: the one place they are kept."""
+
+    def __init__(
+        self,
+        settings: PrefillSettings,
+        stats: PrefillStats,
+        peers: PrefillPeers,
+        rooms: PrefillRooms,
+        jobs: JobTable,
+        ignore: Ignore,
+    ) -> None:
+        self.settings = settings
+        self.stats = stats
+        self.peers = peers
+        self.rooms = rooms
+        self._ignore = ignore
+        self.jobs = jobs
+        # Per decode peer, the queued jobs by (room arrival, chunk, room): a heap, oldest first.
+        self._queued: dict[str, list[tuple[int, int, int]]] = {}
+        self._out: Counter[str] = Counter()  # jobs handed out, per decode peer
+        # Staging asks by when their deadline runs out (by when asked).
+        self._staging_due: DueQueue[tuple[float, JobKey]] = DueQueue()
+        # This rank's staging buffer, shared by the chunks gathered into it while they move.
+        usable = (settings.staging_bytes or 0) // RING_ALIGNMENT * RING_ALIGNMENT
+        self._local = StagingRing(usable, RING_ALIGNMENT) if usable else None
+
+    def queue(self, state: PrefillRoom, jobs: list[ChunkJob]) -> None:
+        """Queue a room's jobs behind those of older rooms toward the same peer."""
+        for job in jobs:
+            self.jobs.add(WriteJob(job))
+            heapq.heappush(
+                self._queued.setdefault(job.peer_id, []), (state.sequence, job.chunk_idx, job.room)
+            )
+
+    def dispatch(self, now: float) -> list[Action]:
+        """Hand out queued jobs, oldest room first, while a peer has fewer than
+        `writes_in_flight` out (and a gathered chunk has room in the staging buffer)."""
+        actions: list[Action] = []
+        window = self.settings.writes_in_flight
+        for peer_id in list(self._queued):
+            queued = self._queued[peer_id]
+            while queued and self._out[peer_id] < window:
+                _, chunk_idx, room = queued[0]
+                entry = self.jobs.get((room, chunk_idx, peer_id))
+                state = self.rooms.get(room)
+                if entry is None or state is None or state.status.finished:
+                    heapq.heappop(queued)  # its room ended: nothing of it starts
+                    if entry is not None:
+                        actions += self.job_ended(entry)
+                    continue
+                started = self._start(state, entry, now)
+                if started is None:
+                    break  # no room in the staging buffer until a gathered chunk moved
+                heapq.heappop(queued)
+                actions += started
+            if not queued:
+                del self._queued[peer_id]
+        return actions
+
+    def _hand_out(self, state: PrefillRoom, entry: WriteJob) -> None:
+        entry.handed_out = True
+        self._out[entry.job.peer_id] += 1
+
+    def job_ended(self, entry: WriteJob) -> list[Action]:
+        """A job ended (written, failed, its staging answered for a room that failed, or
+        dropped before it was handed out): its resources go back, and its room hears."""
+        if self.jobs.forget(entry.key) is None:
+            return []  # dropped with its failed room already
+        if entry.local is not None:
+            assert self._local is not None
+            self._local.free(entry.local)
+        if entry.handed_out:
+            self._out[entry.job.peer_id] -= 1
+        return self.rooms.job_ended(entry.job.room, entry.handed_out)
+
+    def _start(self, state: PrefillRoom, entry: WriteJob, now: float) -> list[Action] | None:
+        """Hand the job out: a write, or a request for ring space. None when it must wait
+        for room in this rank's staging buffer."""
+        job = entry.job
+        peer = self.peers.get(job.peer_id)
+        if peer is None or peer.error is not None or peer.kv_args is None or peer.pairing is None:
+            why = peer.error.reason if peer is not None and peer.error else "not connected"
+            failure = Failure(FailureKind.ENGINE, f"room {state.room}: {why}")
+            return [*self.rooms.fail(state, failure), *self.job_ended(entry)]
+        if not peer.pairing.stageable:
+            self._hand_out(state, entry)
+            return [self._write(entry, peer, None)]
+        gather = gathering(self.settings.kv_args, self._local, job, peer)
+        if gather is None:  # nothing to gather, or too big for a staging buffer
+            self.stats.staging_fallbacks += 1
+            self._hand_out(state, entry)
+            return [self._write(entry, peer, None)]
+        src_rows, dst_rows, column, width, nbytes = gather
+        assert self._local is not None
+        entry.local = self._local.allocate(nbytes)
+        if entry.local is None:
+            return None
+        self._hand_out(state, entry)
+        if peer.pairing.direct:
+            staged = StagedChunk(
+                src_rows, column, width, nbytes, entry.local.offset, PageRows(dst_rows)
+            )
+            self.stats.staged_chunks += 1
+            return [self._write(entry, peer, staged)]
+        request = StagingRequest(
+            room=job.room,
+            chunk_idx=job.chunk_idx,
+            chunk_num_pages=job.src_pages.size,
+            session_id=self.settings.endpoint,
+            prefill_rank=self.settings.rank,
+            nbytes=nbytes,
+        )
+        entry.staging = AwaitedStaging(request, now, src_rows, column, width)
+        self._staging_due.push(now + self.settings.staging_timeout_s, (now, entry.key))
+        self._staging_due.compact(len(self.jobs), self._staging_entries)
+        return [Send(peer.endpoint, request)]
+
+    def _write(self, entry: WriteJob, peer: DecodePeer, staged: StagedChunk | None) -> Write:
+        assert peer.kv_args is not None
+        assert peer.pairing is not None
+        job = entry.job
+        rank = self.settings.rank
+        notify = notification_for(job.room, rank) if job.last else b""
+        notify_complete, complete_with = b"", frozenset[int]()
+        if (
+            job.last
+            and not peer.pairing.through_ring
+            and COMPLETING_NOTIFICATIONS in peer.registration.capabilities
+            and self.settings.engine_notifies
+        ):
+            notify_complete = notification_for(job.room, rank, complete=True)
+            complete_with = frozenset(
+                other.job.chunk_idx
+                for other in self.jobs.of(job.room)
+                if other.job.peer_id == job.peer_id
+                and other.job.chunk_idx != job.chunk_idx
+                and other.handed_out
+            )
+        entry.write = Write(
+            job.room,
+            job,
+            peer.kv_args,
+            peer.pairing,
+            notify,
+            staged,
+            notify_complete,
+            complete_with,
+        )
+        return entry.write
+
+    def on_staging_response(self, answer: StagingResponse, now: float) -> list[Action]:
+        entry = self.jobs.get((answer.room, answer.chunk_idx, answer.session_id))
+        awaited = entry.staging if entry is not None else None
+        if entry is None or awaited is None:  # an answer nobody waits for is never kept
+            return self._ignore(
+                "staging answer for room %d chunk %d that nobody awaits",
+                answer.room,
+                answer.chunk_idx,
+            )
+        entry.staging = None
+        self.stats.staging_wait_s += now - awaited.asked_at
+        state = self.rooms.get(answer.room)
+        if state is None or state.status.finished:
+            # It failed meanwhile; decode frees the grant on hearing it.
+            return self.job_ended(entry) + self.dispatch(now)
+        job, peer = entry.job, self.peers.by_id[entry.job.peer_id]
+        if answer.never_fits:
+            self.stats.staging_fallbacks += 1
+            if entry.local is not None and self._local is not None:
+                self._local.free(entry.local)
+                entry.local = None
+            return [self._write(entry, peer, None)]
+        assert peer.kv_args is not None
+        assert peer.kv_args.staging_buffer is not None
+        assert entry.local is not None
+        local = self.settings.kv_args
+        ready = ChunkReady(
+            room=job.room,
+            chunk_idx=job.chunk_idx,
+            page_start=job.page_offset,
+            num_pages=job.src_pages.size,
+            session_id=self.settings.endpoint,
+            prefill_rank=self.settings.rank,
+            token_start=job.page_offset * local.page_size,
+            token_count=job.src_pages.size * local.page_size,
+        )
+        staged = StagedChunk(
+            awaited.src_rows,
+            awaited.column,
+            awaited.width,
+            awaited.request.nbytes,
+            entry.local.offset,
+            RingSpace(peer.kv_args.staging_buffer.ptr + answer.offset, ready),
+        )
+        self.stats.staged_chunks += 1
+        return [self._write(entry, peer, staged)]
+
+    def on_write_ended(self, ended: WriteEnded, now: float) -> list[Action]:
+        job = ended.write.job
+        entry = self.jobs.get((job.room, job.chunk_idx, job.peer_id))
+        if entry is None or entry.write is not ended.write:
+            return []  # not a write this rank handed out
+        entry.write = None
+        state = self.rooms.get(job.room)
+        actions: list[Action] = []
+        if state is not None and ended.failure is not None:
+            state.fail(ended.failure)  # told once nothing of it is out (job_ended)
+        elif state is not None and ended.completed:
+            state.completed_by_notification.add(job.peer_id)
+        staged = ended.write.staged
+        peer = self.peers.get(job.peer_id)
+        if (
+            state is not None
+            and not state.status.finished
+            and staged is not None
+            and isinstance(staged.destination, RingSpace)
+            and peer is not None
+        ):  # it landed in the ring: decode may scatter it
+            actions.append(Send(peer.endpoint, staged.destination.ready))
+        return actions + self.job_ended(entry) + self.dispatch(now)
+
+    def on_tick(self, now: float) -> list[Action]:
+        """Staging asks decode left unanswered past their deadline fail their rooms."""
+        actions: list[Action] = []
+        for _, (asked_at, key) in self._staging_due.pop_due(now):
+            entry = self.jobs.get(key)
+            if entry is None or entry.staging is None or entry.staging.asked_at != asked_at:
+                continue  # answered, ended, or asked again since
+            entry.staging = None
+            job = entry.job
+            reason = (
+                f"room {job.room}: decode {job.peer_id} gave no staging space for chunk "
+                f"{job.chunk_idx} in {self.settings.staging_timeout_s:g} s"
+            )
+            waiting_room = self.rooms.get(job.room)
+            if waiting_room is not None:
+                actions += self.rooms.fail(waiting_room, Failure(FailureKind.TIMEOUT, reason))
+            actions += self.job_ended(entry)
+        return actions
+
+    def peer_dead(self, peer_id: str) -> list[Action]:
+        """The peer will never answer the staging asks it has."""
+        actions: list[Action] = []
+        awaiting = [
+            entry
+            for entry in self.jobs.by_key.values()
+            if entry.staging is not None and entry.job.peer_id == peer_id
+        ]
+        for entry in awaiting:
+            entry.staging = None
+            actions += self.job_ended(entry)
+        return actions
+
+    def _staging_entries(self) -> Iterator[tuple[float, tuple[float, JobKey]]]:
+        timeout_s = self.settings.staging_timeout_s
+        for key, entry in self.jobs.by_key.items():
+            if entry.staging is not None:
+                yield entry.staging.asked_at + timeout_s, (entry.staging.asked_at, key)
+
+
+def gathering(
+    local: KVArgs, buffer: StagingRing | None, job: ChunkJob, peer: DecodePeer
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], int, int, int] | None:
+    """What gathering the chunk's head slices into this rank's staging `buffer` takes —
+    (source rows, decode's rows, first byte, width, bytes) — or None to send it token by
+    token: no staging buffer here (or, through the ring, on decode), or the chunk does not fit
+    one."""
+    peer_args, pairing = peer.kv_args, peer.pairing
+    assert peer_args is not None
+    assert pairing is not None
+    assert pairing.source is not None
+    ring = peer_args.staging_buffer
+    if buffer is None or (not pairing.direct and ring is None):
+        return None
+    token_start = job.page_offset * local.page_size
+    src_rows, dst_rows = token_rows(
+        job.src_pages,
+        local.page_size,
+        token_start,
+        np.asarray(job.dst_pages, dtype=np.int64),
+        peer_args.page_size,
+        peer_args.dcp_size,
+        peer_args.dcp_rank,
+    )
+    column, width = pairing.source.columns(local.head_bytes, "src")
+    nbytes = staged_size(len(local.kv_buffers), src_rows.size, width)
+    too_big = not buffer.fits_ever(nbytes) or (
+        not pairing.direct and ring is not None and nbytes > ring.length
+    )
+    if nbytes == 0 or too_big:
+        return None
+    return src_rows, dst_rows, column, width, nbytes
