@@ -33,11 +33,9 @@ from kvbridge.cache.plan import dst_token_rows
 from kvbridge.cache.topology import DecodeRoute, TopologyError, topology
 from kvbridge.config import ManagerConfig
 from kvbridge.control.bootstrap import BootstrapError, PrefillRank, lookup_prefill_group
-from kvbridge.core.decode_protocol import (
-    FENCE_MARGIN_S,
+from kvbridge.core.decode_events import (
     ChunkScattered,
     Closing,
-    DecodeProtocol,
     DecodeSettings,
     DecodeStats,
     ForgetPrefill,
@@ -48,11 +46,11 @@ from kvbridge.core.decode_protocol import (
     RoomOpened,
     ScatterChunk,
 )
-from kvbridge.core.decode_room import DecodeRoom
+from kvbridge.core.decode_protocol import FENCE_MARGIN_S, DecodeProtocol
 from kvbridge.core.protocol import Tick
-from kvbridge.core.room import SKIPPED_PAGE, RoomStatus
+from kvbridge.core.room import RoomStatus
 from kvbridge.runtime import RankManager, RankRuntime
-from kvbridge.wire import FailureKind, KVPoll, Message, TransferRequest
+from kvbridge.wire import FailureKind, KVPoll, Message
 from kvbridge.wire.address import tcp_endpoint
 from kvbridge.wire.notifications import COMPLETING_NOTIFICATIONS
 
@@ -96,6 +94,8 @@ class DecodeManager(RankManager):
                 peer_timeout_s=config.peer_timeout_s,
                 write_grace_s=config.write_timeout_s if self.engine.progresses_on_its_own else 0,
                 staging_bytes=ring.length if ring is not None else None,
+                transfer_timeout_s=config.transfer_timeout_s,
+                engine_notifies=self.engine.delivers_notifications,
             )
         )
         self.stats: DecodeStats = self.protocol.stats
@@ -216,29 +216,36 @@ class DecodeManager(RankManager):
         self._handle(Registering(endpoint, registration))
         return endpoint
 
-    def open_room(self, state: DecodeRoom, requests: Sequence[tuple[str, TransferRequest]]) -> None:
+    def open_room(self, opened: RoomOpened) -> None:
         if self.protocol.busy:  # (read without the lock: a wrong answer costs one wait at most)
-            self._handle(RoomOpened(state, tuple(requests)))
+            self._handle(opened)
             return
         # The first room while none transfers: its requests leave before the scheduler opens
         # the next one (its burst of rooms otherwise keeps them until it blocks).
         with self.channel.sending_now(FIRST_SEND_WAIT_S):
-            self._handle(RoomOpened(state, tuple(requests)))
+            self._handle(opened)
 
-    def abort_room(
-        self, status: RoomStatus, room: int, reason: str, endpoints: Sequence[str]
-    ) -> None:
-        self._handle(RoomAborted(room, status, reason, tuple(endpoints)))
+    def room_status(self, room: int) -> RoomStatus | None:
+        """An open room's status (`DecodeProtocol.room_status`: read without the lock)."""
+        return self.protocol.room_status(room)
+
+    def abort_room(self, room: int, reason: str, endpoints: Sequence[str] = ()) -> None:
+        self._handle(RoomAborted(room, reason, tuple(endpoints)))
 
     def pages_safe(self, room: int, status: RoomStatus) -> bool:
+        """Whether no prefill rank can still write into the room's pages; `status`: the
+        receiver's own, for a room not open here."""
         with self._lock:
             safe = self.protocol.pages_safe(room, time.monotonic())
-            if safe is None:  # never opened: nothing was asked of any prefill rank
+            if safe is None:  # never opened, or cleared: as its last status says
                 return status.finished or status.poll != KVPoll.Transferring
             return safe
 
-    def clear_room(self, room: int, status: RoomStatus) -> None:
-        self._handle(RoomCleared(room, status))
+    def clear_room(self, room: int) -> RoomStatus | None:
+        """Forget the room (counted under its outcome); its last status, if it was open."""
+        status = self.protocol.room_status(room)
+        self._handle(RoomCleared(room))
+        return status
 
     # --- control thread --------------------------------------------------------------------
 
@@ -326,12 +333,16 @@ class DecodeManager(RankManager):
 
 
 class KVReceiver:
-    """One room on the decode side: give it the destination pages, poll its state."""
+    """One room on the decode side: give it the destination pages, poll its state. Until
+    `init` the receiver keeps the room's status (looking its prefill group up, or why it could
+    not); from `init` until `clear` the decode protocol does, and the receiver reads it there;
+    `clear` hands the last status back to the receiver."""
 
     def __init__(self, manager: DecodeManager, room: int, bootstrap_url: str | None) -> None:
         self.manager = manager
         self.room = room
         self._status = RoomStatus()
+        self._open = False  # from init() to clear(): the status lives in the protocol
         self._route: DecodeRoute | None = None
         self._required: dict[int, int] = {}
         self._endpoints: dict[int, str] = {}
@@ -355,86 +366,68 @@ class KVReceiver:
         state_indices: Sequence[int] = (),
         decode_prefix_len: int | None = None,
     ) -> None:
-        """Ask the prefill ranks to fill these pages (and aux slot, state slots): one request
-        to each prefill rank this decode rank reads heads from, a dummy to the ranks it only
-        tells about the room. The first source alone writes the aux and state slots.
+        """Ask the prefill ranks to fill these pages (and aux slot, state slots)
+        (`DecodeProtocol` decides what each prefill rank is asked).
 
         `kv_pages` pairs with the room's pages after the first `decode_prefix_len` tokens;
         SKIPPED_PAGE (-1) where decode needs nothing (pages of one size on both sides)."""
-        if self._status.finished or self._route is None:
+        if self._status.finished or self._route is None or self._open:
             return
-        pages = np.asarray(kv_pages, dtype=np.int32).ravel()
-        first_source = self._route.sources[0].prefill_rank if self._route.sources else None
-
-        def request(prefill_rank: int, dummy: bool) -> TransferRequest:
-            # The aux slot comes from the first source; every source sends its shard of the
-            # state slots (at equal TP that is one source and the whole slot).
-            first = prefill_rank == first_source
-            return TransferRequest(
-                room=self.room,
-                peer_id=self.manager.peer_id,
-                is_dummy=dummy,
-                dst_kv_indices=np.empty(0, dtype=np.int32) if dummy else pages,
-                dst_aux_index=aux_index if first else None,
-                dst_state_indices=[list(state_indices)] if state_indices and not dummy else [],
-                required_dst_info_num=self._required[prefill_rank],
-                decode_prefix_len=decode_prefix_len,
-            )
-
-        requests = [(s.prefill_rank, request(s.prefill_rank, False)) for s in self._route.sources]
-        requests += [(rank, request(rank, True)) for rank in self._route.dummies]
-        notifying = (
-            frozenset(source.prefill_rank for source in self._route.sources)
-            if self.manager.engine.delivers_notifications
-            else frozenset()
-        )
-        state = DecodeRoom(
+        opened = RoomOpened(
             room=self.room,
-            expected_ranks=frozenset(self._route.prefill_ranks),
-            notifying_ranks=notifying,
-            deadline=time.monotonic() + self.manager.config.transfer_timeout_s,
-            # Staged chunks name decode's pages by their place among those prefill fills.
-            dst_pages=pages[pages != SKIPPED_PAGE].astype(np.int64),
-            sources={source.prefill_rank: source for source in self._route.sources},
+            route=self._route,
+            required=dict(self._required),
             endpoints=dict(self._endpoints),
-            status=self._status,
+            pages=np.asarray(kv_pages, dtype=np.int32).ravel(),
+            aux_index=aux_index,
+            state_indices=tuple(state_indices),
+            decode_prefix_len=decode_prefix_len,
         )
-        self.manager.open_room(
-            state, [(self._endpoints[rank], message) for rank, message in requests]
-        )
-        log.debug(
-            "room %d: asked prefill rank(s) %s for %d page(s)",
-            self.room,
-            sorted(rank for rank, _ in requests),
-            pages.size,
-        )
+        self._open = True
+        self.manager.open_room(opened)
+
+    def _current(self) -> RoomStatus:
+        if self._open:
+            status = self.manager.room_status(self.room)
+            if status is not None:
+                return status
+        return self._status
 
     # A status's failure kind and reason are set before its state reads Failed: the reads
     # below need no lock.
     def poll(self) -> KVPoll:
-        return self._status.poll
+        return self._current().poll
 
     @property
     def failure_reason(self) -> str | None:
-        return self._status.failure_reason
+        return self._current().failure_reason
 
     @property
     def failure_kind(self) -> FailureKind | None:
         """Why the room failed, as a kind; None unless it failed."""
-        return self._status.failure_kind
+        return self._current().failure_kind
 
     def abort(self, reason: str) -> None:
         """Give up on the room: it fails at once; its pages are safe to reuse only when
         `pages_safe` says so (every prefill rank confirmed that nothing is in flight)."""
-        self.manager.abort_room(self._status, self.room, reason, list(self._endpoints.values()))
+        if self._open:
+            self.manager.abort_room(self.room, reason)
+        elif self._status.fail(FailureKind.ABORTED, f"aborted by decode: {reason}"):
+            # Before init(): the prefill ranks hear it now, not at their deadline.
+            self.manager.abort_room(self.room, reason, list(self._endpoints.values()))
 
     @property
     def pages_safe(self) -> bool:
         """Whether the room's pages can be handed back to the allocator: the room succeeded,
         or it failed and no prefill rank can still write into them (each confirmed, reported
         how the room ended, or was declared dead)."""
-        return self.manager.pages_safe(self.room, self._status)
+        return self.manager.pages_safe(self.room, self._current())
 
     def clear(self) -> None:
         """The one cleanup path of the room on this side (idempotent)."""
-        self.manager.clear_room(self.room, self._status)
+        if not self._open:
+            return
+        last = self.manager.clear_room(self.room)
+        if last is not None:
+            self._status = last
+        self._open = False

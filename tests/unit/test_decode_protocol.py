@@ -9,13 +9,11 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvbridge.cache.topology import HeadRange, Source
-from kvbridge.core.decode_protocol import (
-    FENCE_MARGIN_S,
+from kvbridge.cache.topology import DecodeRoute, HeadRange, Source
+from kvbridge.core.decode_events import (
     Action,
     ChunkScattered,
     Closing,
-    DecodeProtocol,
     DecodeSettings,
     ForgetPrefill,
     LeasesRenewing,
@@ -25,9 +23,9 @@ from kvbridge.core.decode_protocol import (
     RoomOpened,
     ScatterChunk,
 )
+from kvbridge.core.decode_protocol import FENCE_MARGIN_S, DecodeProtocol
 from kvbridge.core.decode_room import DecodeRoom
 from kvbridge.core.protocol import DueQueue, RoomsChanged, Send, Tick
-from kvbridge.core.room import RoomStatus
 from kvbridge.wire import (
     STAGING_NEVER_FITS,
     Abort,
@@ -40,7 +38,6 @@ from kvbridge.wire import (
     RoomLease,
     StagingRequest,
     StagingResponse,
-    TransferRequest,
     TransferStatus,
 )
 from kvbridge.wire.notifications import notification_for
@@ -56,7 +53,7 @@ def sends(actions: list[Action]) -> list[Send]:
     return [action for action in actions if isinstance(action, Send)]
 
 
-def protocol(staging_bytes: int | None = RING) -> DecodeProtocol:
+def protocol(staging_bytes: int | None = RING, notifying: bool = True) -> DecodeProtocol:
     return DecodeProtocol(
         DecodeSettings(
             rank=0,
@@ -67,6 +64,8 @@ def protocol(staging_bytes: int | None = RING) -> DecodeProtocol:
             heartbeat_interval_s=0.5,
             peer_timeout_s=LEASE_S,
             staging_bytes=staging_bytes,
+            transfer_timeout_s=100.0,
+            engine_notifies=notifying,
         )
     )
 
@@ -108,23 +107,19 @@ def source(rank: int) -> Source:
 
 
 def open_room(
-    decode: DecodeProtocol, room: int, now: float = 0.0, notifying: bool = True
+    decode: DecodeProtocol, room: int, now: float = 0.0
 ) -> tuple[DecodeRoom, list[Action]]:
-    state = DecodeRoom(
+    """A room toward prefill ranks 0 and 1, each a source of one head; deadline now + 100."""
+    opened = RoomOpened(
         room,
-        expected_ranks=frozenset({0, 1}),
-        notifying_ranks=frozenset({0, 1}) if notifying else frozenset(),
-        deadline=now + 100.0,
-        dst_pages=np.arange(4, dtype=np.int64),
-        sources={0: source(0), 1: source(1)},
-        endpoints={0: ENDPOINTS[0], 1: ENDPOINTS[1]},
+        DecodeRoute(0, (source(0), source(1)), ()),
+        {0: 1, 1: 1},
+        {0: ENDPOINTS[0], 1: ENDPOINTS[1]},
+        np.arange(4, dtype=np.int32),
+        aux_index=0,
     )
-    state.status.advance(KVPoll.WaitingForInput)
-    requests = tuple(
-        (ENDPOINTS[rank], TransferRequest(room, "d", False, np.arange(4, dtype=np.int32), 0, [], 1))
-        for rank in (0, 1)
-    )
-    return state, decode.handle(RoomOpened(state, requests), now)
+    actions = decode.handle(opened, now)
+    return decode.rooms[room], actions
 
 
 def status(room: int, rank: int, poll: KVPoll, kind: FailureKind | None = None) -> TransferStatus:
@@ -144,7 +139,7 @@ def test_a_room_succeeds_when_every_rank_reported_and_its_notification_arrived()
     decode.handle(Tick((notification_for(1, 0), notification_for(1, 1), b"other")), 0.2)
     assert state.status.poll == KVPoll.Success
     assert decode.pages_safe(1, 0.2)
-    decode.handle(RoomCleared(1, state.status), 0.3)
+    decode.handle(RoomCleared(1), 0.3)
     assert decode.stats.rooms_finished == {("Success", ""): 1}
     assert decode.pages_safe(1, 0.3) is None
 
@@ -203,23 +198,22 @@ def test_an_abort_asks_only_the_ranks_that_may_still_write_and_their_acks_settle
     register_all(decode)
     state, _ = open_room(decode, 1)
     decode.handle(status(1, 0, KVPoll.Success), 0.1)
-    actions = decode.handle(RoomAborted(1, state.status, "client gone", ()), 0.2)
+    actions = decode.handle(RoomAborted(1, "client gone"), 0.2)
     assert [(send.endpoint, type(send.message)) for send in sends(actions)] == [
         (ENDPOINTS[1], Abort)
     ]
     assert state.status.failure_kind == FailureKind.ABORTED
     assert not decode.pages_safe(1, 0.2)
-    assert decode.handle(RoomAborted(1, state.status, "again", ()), 0.2) == []  # once
+    assert decode.handle(RoomAborted(1, "again"), 0.2) == []  # once
     decode.handle(AbortAck(1, 1, TOKEN), 0.3)
     assert decode.pages_safe(1, 0.3)
 
 
 def test_an_abort_before_init_goes_to_the_given_endpoints() -> None:
     decode = protocol()
-    status_ = RoomStatus()
-    actions = decode.handle(RoomAborted(5, status_, "early", (ENDPOINTS[1], ENDPOINTS[1])), 0.0)
+    actions = decode.handle(RoomAborted(5, "early", (ENDPOINTS[1], ENDPOINTS[1])), 0.0)
     assert [send.endpoint for send in sends(actions)] == [ENDPOINTS[1]]
-    assert status_.poll == KVPoll.Failed
+    assert 5 not in decode.rooms  # its receiver failed it
 
 
 def test_a_silent_rank_fails_its_rooms_and_its_pages_are_safe_once_its_lease_ran_out() -> None:
@@ -258,7 +252,7 @@ def test_a_room_opened_again_under_its_number_keeps_its_own_deadline() -> None:
     register_all(decode)
     first, _ = open_room(decode, 1)  # deadline 100
     first.status.fail(FailureKind.ABORTED, "the scheduler gave up")
-    decode.handle(RoomCleared(1, first.status), 1.0)
+    decode.handle(RoomCleared(1), 1.0)
     second, _ = open_room(decode, 1, now=50.0)  # deadline 150
     for second_now in (99.0, 101.0, 149.0):  # both ranks alive all along
         for endpoint in ENDPOINTS:
@@ -325,10 +319,10 @@ def test_a_failed_status_reclaims_the_ring_space_of_chunks_that_will_not_come() 
     register_all(decode)
     open_room(decode, 1)
     decode.handle(staging_request(1, 0, 0, 3000), 0.1)
-    assert decode.ring is not None
-    assert decode.ring.in_use > 0
+    assert decode.staging.ring is not None
+    assert decode.staging.ring.in_use > 0
     decode.handle(status(1, 0, KVPoll.Failed, FailureKind.ENGINE), 0.2)
-    assert decode.ring.in_use == 0
+    assert decode.staging.ring.in_use == 0
 
 
 def test_a_chunk_nobody_granted_space_for_is_counted_not_scattered() -> None:
@@ -423,7 +417,7 @@ def test_pages_are_never_safe_while_a_write_can_land(
             model.settled.add((room, rank))
             actions = decode.handle(AbortAck(room, rank, TOKEN), now)
         elif kind == "abort" and state is not None:
-            actions = decode.handle(RoomAborted(room, state.status, "random", ()), now)
+            actions = decode.handle(RoomAborted(room, "random"), now)
         elif kind == "tick":
             actions = decode.handle(Tick(), now)
         elif kind == "notify":
@@ -432,7 +426,7 @@ def test_pages_are_never_safe_while_a_write_can_land(
             chunk += 1
             actions = decode.handle(staging_request(room, rank, chunk, 1000), now)
         elif kind == "ready" and state is not None and model.may_write(room, rank, now):
-            granted = [key for key in decode._staged if key[:2] == (rank, room)]
+            granted = [key for key in decode.staging._staged if key[:2] == (rank, room)]
             if granted:
                 ready = ChunkReady(room, granted[0][2], 0, 1, ENDPOINTS[rank], rank, 0, 4)
                 actions = decode.handle(ready, now)
@@ -440,7 +434,7 @@ def test_pages_are_never_safe_while_a_write_can_land(
             done = scatters.pop(0)
             actions = decode.handle(ChunkScattered(done.ready, done.allocation), now)
         elif kind == "clear" and state is not None and decode.pages_safe(room, now):
-            decode.handle(RoomCleared(room, state.status), now)
+            decode.handle(RoomCleared(room), now)
             del states[room]
         scatters += [action for action in actions if isinstance(action, ScatterChunk)]
         for room_id, state in states.items():
@@ -451,8 +445,8 @@ def test_pages_are_never_safe_while_a_write_can_land(
             if state.status.poll == KVPoll.Success:
                 assert state.reported == {0, 1}
                 assert state.notified == {0, 1}
-        assert decode.ring is not None
-        assert 0 <= decode.ring.in_use <= RING
+        assert decode.staging.ring is not None
+        assert 0 <= decode.staging.ring.in_use <= RING
     for polls in history.values():  # a room's state only moves forward; Failed and Success end
         ended = [i for i, poll in enumerate(polls) if poll in (KVPoll.Failed, KVPoll.Success)]
         if ended:

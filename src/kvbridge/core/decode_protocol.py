@@ -12,34 +12,39 @@ Dispatch is one table keyed by event type, wire messages included.
 from __future__ import annotations
 
 import logging
-from collections import deque
-from dataclasses import dataclass
 
 import numpy as np
-import numpy.typing as npt
 
-from kvbridge.cache.topology import Source
+from kvbridge.core.decode_events import (
+    Action,
+    ChunkScattered,
+    Closing,
+    DecodeSettings,
+    DecodeStats,
+    ForgetPrefill,
+    LeasesRenewing,
+    Registering,
+    RoomAborted,
+    RoomCleared,
+    RoomOpened,
+)
+from kvbridge.core.decode_ring import DecodeRing
 from kvbridge.core.decode_room import DecodeRoom
 from kvbridge.core.liveness import Liveness
-from kvbridge.core.protocol import DueQueue, ProtocolCore, RankStats, RoomsChanged, Send, Tick
-from kvbridge.core.room import RoomStatus
-from kvbridge.staging.ring import Allocation, StagingRing
+from kvbridge.core.protocol import DueQueue, ProtocolCore, RoomsChanged, Send, Tick
+from kvbridge.core.room import SKIPPED_PAGE, RoomStatus
 from kvbridge.wire import (
-    STAGING_NEVER_FITS,
     Abort,
     AbortAck,
     ChunkReady,
     FailureKind,
     Heartbeat,
     KVPoll,
-    Registration,
     RoomLease,
     StagingRequest,
-    StagingResponse,
     TransferRequest,
     TransferStatus,
 )
-from kvbridge.wire.address import tcp_endpoint
 from kvbridge.wire.notifications import parse_notification
 
 log = logging.getLogger("kvbridge.decode")
@@ -51,127 +56,10 @@ FENCE_MARGIN_S = 0.5
 SWEEP_INTERVAL_S = 0.01
 
 
-# --- actions: what the manager executes ----------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ScatterChunk:
-    """Copy a staged chunk from the ring into the room's pages, then report `ChunkScattered`."""
-
-    ready: ChunkReady
-    allocation: Allocation
-    dst_pages: npt.NDArray[np.int64]
-    source: Source
-
-
-@dataclass(frozen=True)
-class ForgetPrefill:
-    """A prefill rank was declared dead: drop every cached bootstrap group it was in (a
-    restarted rank has a new endpoint, and the next room looks its group up again)."""
-
-    endpoint: str
-
-
-Action = Send | ScatterChunk | ForgetPrefill | RoomsChanged
-
-
-# --- local events: what the scheduler, the scatter thread and the clock report -------------
-
-
-@dataclass(frozen=True)
-class Registering:
-    """A receiver needs this prefill rank: register with it, once."""
-
-    endpoint: str
-    registration: Registration
-
-
-@dataclass(frozen=True)
-class RoomOpened:
-    """`KVReceiver.init`: the room's state, and its requests by prefill control endpoint."""
-
-    state: DecodeRoom
-    requests: tuple[tuple[str, TransferRequest], ...]
-
-
-@dataclass(frozen=True)
-class LeasesRenewing:
-    """Decode's scheduler still means to ask for these rooms of a prefill group (requests in
-    its queue): renew their request deadlines on the group's ranks this rank talks to."""
-
-    endpoints: tuple[str, ...]
-    rooms: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class RoomAborted:
-    """The scheduler gave up on a room (`status`: its receiver's); `endpoints`: where to send
-    the abort if the room never reached `init` (no state here yet)."""
-
-    room: int
-    status: RoomStatus
-    reason: str
-    endpoints: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class RoomCleared:
-    """The scheduler's one cleanup of a room: counted under its outcome and forgotten."""
-
-    room: int
-    status: RoomStatus
-
-
-@dataclass(frozen=True)
-class ChunkScattered:
-    """A `ScatterChunk` ended (`failed`: it raised): its ring space is free again."""
-
-    ready: ChunkReady
-    allocation: Allocation
-    failed: bool = False
-
-
-@dataclass(frozen=True)
-class Closing:
-    """The rank is closing: rooms whose pages a prefill rank may still write into fail and
-    their writers are asked to stop."""
-
-
-@dataclass(frozen=True)
-class DecodeSettings:
-    """What the protocol needs to know about its rank and its configuration."""
-
-    rank: int
-    peer_id: str
-    host: str  # this rank's control address, named in its aborts
-    control_port: int
-    session_token: bytes  # sent in registrations; prefill's statuses, acks and beats echo it
-    heartbeat_interval_s: float
-    peer_timeout_s: float  # also the write lease this rank grants, in its heartbeats
-    # How long after its lease a writer that is hung, not dead, may still land a write: its
-    # write timeout where the engine moves writes on its own threads, else nothing.
-    write_grace_s: float = 0.0
-    staging_bytes: int | None = None  # the ring's size; None: no ring
-
-    @property
-    def lease_ms(self) -> int:
-        return int(self.peer_timeout_s * 1000)
-
-    @property
-    def endpoint(self) -> str:
-        """This rank's control endpoint: who it is in its heartbeats."""
-        return tcp_endpoint(self.host, self.control_port)
-
-
-@dataclass
-class DecodeStats(RankStats):
-    unexpected_chunks: int = 0
-    # Kept by the manager's scatter thread.
-    scattered_chunks: int = 0
-    scatter_s: float = 0.0
-
-
 class DecodeProtocol(ProtocolCore):
+    """Every rule of a decode rank, behind one handler table; its staging ring's in
+    `staging` (`DecodeRing`)."""
+
     role = "decode"
     stats: DecodeStats
 
@@ -183,9 +71,7 @@ class DecodeProtocol(ProtocolCore):
         self._registered: set[str] = set()  # prefill control endpoints
         self._heard_sequence: dict[str, int] = {}  # prefill endpoint → last heartbeat heard
         self._heartbeats = 0
-        self.ring = StagingRing(settings.staging_bytes) if settings.staging_bytes else None
-        self._staged: dict[tuple[int, int, int], Allocation] = {}  # (rank, room, chunk)
-        self._waiting: deque[StagingRequest] = deque()  # no ring space yet
+        self.staging = DecodeRing(settings, self.stats, self._registered, self.rooms, self._ignore)
         # Ticks come every millisecond while rooms transfer (the engine's notifications);
         # deadlines and liveness, which look at every room and peer, only every sweep.
         self._next_sweep = 0.0
@@ -196,14 +82,14 @@ class DecodeProtocol(ProtocolCore):
                 Heartbeat: self._on_heartbeat,
                 AbortAck: self._on_abort_ack,
                 TransferStatus: self._on_status,
-                StagingRequest: self._on_staging_request,
-                ChunkReady: self._on_chunk_ready,
+                StagingRequest: self.staging.on_staging_request,
+                ChunkReady: self.staging.on_chunk_ready,
                 Registering: self._on_registering,
                 RoomOpened: self._on_room_opened,
                 RoomAborted: self._on_room_aborted,
                 LeasesRenewing: self._on_leases_renewing,
                 RoomCleared: self._on_room_cleared,
-                ChunkScattered: self._on_chunk_scattered,
+                ChunkScattered: self.staging.on_chunk_scattered,
                 Tick: self._on_tick,
                 Closing: self._on_closing,
             }
@@ -221,6 +107,17 @@ class DecodeProtocol(ProtocolCore):
 
     def unsafe_rooms(self, now: float) -> list[int]:
         return [room for room, state in self.rooms.items() if not state.pages_safe(now)]
+
+    def scatter_wanted(self, room: int) -> bool:
+        """Whether a staged chunk of the room should still go into its pages."""
+        return self.staging.scatter_wanted(room)
+
+    def room_status(self, room: int) -> RoomStatus | None:
+        """The status of a room opened here and not cleared; None otherwise. A plain read,
+        safe without the manager's lock: a status's failure kind and reason are set before it
+        reads Failed."""
+        state = self.rooms.get(room)
+        return state.status if state is not None else None
 
     @property
     def busy(self) -> bool:
@@ -269,116 +166,12 @@ class DecodeProtocol(ProtocolCore):
         if message.status == KVPoll.Failed:
             # Prefill reports a failure only once nothing of the room is in flight: ring
             # space it was granted for chunks it never wrote is free again.
-            self._reclaim({(message.prefill_rank, message.room)})
+            self.staging.reclaim({(message.prefill_rank, message.room)})
         state = self.rooms.get(message.room)
         if state is None:
             return self._ignore("status for unknown or cleared room %d", message.room)
         state.on_status(message.prefill_rank, message.status, message.reason, message.failure_kind)
         return [RoomsChanged()]
-
-    # --- the staging ring ------------------------------------------------------------------
-
-    def _on_staging_request(self, request: StagingRequest, now: float) -> list[Action]:
-        """Grant ring space for a chunk, queue the request while the ring is full, or answer
-        that it can never fit (prefill then sends that chunk token by token)."""
-        if request.session_id not in self._registered:
-            return self._ignore("StagingRequest from unknown prefill %s", request.session_id)
-        if self.ring is None or not self.ring.fits_ever(request.nbytes):
-            return [self._answer(request, None)]
-        allocation = self.ring.allocate(request.nbytes)
-        if allocation is None:
-            self._waiting.append(request)
-            return []
-        self._staged[(request.prefill_rank, request.room, request.chunk_idx)] = allocation
-        return [self._answer(request, allocation)]
-
-    def _answer(self, request: StagingRequest, allocation: Allocation | None) -> Send:
-        response = StagingResponse(
-            room=request.room,
-            chunk_idx=request.chunk_idx,
-            offset=allocation.offset if allocation else STAGING_NEVER_FITS,
-            round=allocation.round if allocation else 0,
-            end=allocation.end if allocation else 0,
-            session_id=self.settings.peer_id,
-        )
-        return Send(request.session_id, response)
-
-    def _on_chunk_ready(self, ready: ChunkReady, now: float) -> list[Action]:
-        """A staged chunk landed: scatter it (elsewhere, so that ring requests keep being
-        answered), holding the room's success until it is in the pages."""
-        if ready.session_id not in self._registered:
-            return self._ignore("ChunkReady from unknown prefill %s", ready.session_id)
-        allocation = self._staged.pop((ready.prefill_rank, ready.room, ready.chunk_idx), None)
-        if allocation is None:
-            self.stats.unexpected_chunks += 1
-            self.stats.ignored += 1
-            log.warning(
-                "chunk %d of room %d from prefill rank %d has no ring space here",
-                ready.chunk_idx,
-                ready.room,
-                ready.prefill_rank,
-            )
-            return []
-        state = self.rooms.get(ready.room)
-        source = state.sources.get(ready.prefill_rank) if state is not None else None
-        if state is None or source is None or state.status.finished:
-            return self._free_ring(ready, allocation)  # nothing to scatter it into
-        state.chunk_arrived()
-        return [ScatterChunk(ready, allocation, state.dst_pages, source)]
-
-    def scatter_wanted(self, room: int) -> bool:
-        """Whether a staged chunk of the room should still go into its pages (a room that
-        ended meanwhile takes none: its pages may be about to go back)."""
-        state = self.rooms.get(room)
-        return state is not None and not state.status.finished
-
-    def _on_chunk_scattered(self, done: ChunkScattered, now: float) -> list[Action]:
-        state = self.rooms.get(done.ready.room)
-        if state is not None:  # its chunk_arrived() was counted when the scatter was asked for
-            if done.failed:
-                reason = f"room {state.room}: scatter of a staged chunk failed"
-                state.status.fail(FailureKind.INTERNAL, reason)
-            state.chunk_scattered()
-        return self._free_ring(done.ready, done.allocation)
-
-    def _free_ring(self, ready: ChunkReady, allocation: Allocation) -> list[Action]:
-        """Free a chunk's ring space and grant it to requests waiting for space. (No
-        `Watermark` goes back: this rank grants space explicitly, so a prefill rank never
-        needs to know the ring's tail; sglang's own decode sends one.)"""
-        assert self.ring is not None
-        self.ring.free(allocation)
-        actions: list[Action] = [RoomsChanged()]
-        while self._waiting:
-            granted = self.ring.allocate(self._waiting[0].nbytes)
-            if granted is None:
-                break
-            waiting = self._waiting.popleft()
-            self._staged[(waiting.prefill_rank, waiting.room, waiting.chunk_idx)] = granted
-            actions.append(self._answer(waiting, granted))
-        return actions
-
-    def _reclaim(self, writers: set[tuple[int, int]]) -> None:
-        """Free ring space granted for chunks that will never arrive: those of the (prefill
-        rank, room) pairs in `writers`, which can no longer write them."""
-        if self.ring is None:
-            return
-        stale = [key for key in self._staged if (key[0], key[1]) in writers]
-        for key in stale:
-            self.ring.free(self._staged.pop(key))
-        # Requests still waiting for space would be granted to a writer that is gone.
-        waiting = len(self._waiting)
-        self._waiting = deque(
-            request
-            for request in self._waiting
-            if (request.prefill_rank, request.room) not in writers
-        )
-        if stale or waiting != len(self._waiting):
-            log.info(
-                "reclaimed ring space of %d chunk(s) that will not arrive, dropped %d "
-                "waiting request(s)",
-                len(stale),
-                waiting - len(self._waiting),
-            )
 
     # --- the scheduler's rooms -------------------------------------------------------------
 
@@ -390,7 +183,42 @@ class DecodeProtocol(ProtocolCore):
         return [Send(event.endpoint, event.registration)]
 
     def _on_room_opened(self, event: RoomOpened, now: float) -> list[Action]:
-        state = event.state
+        """Ask the prefill ranks to fill the room's pages (and aux slot, state slots): one
+        request to each prefill rank this decode rank reads heads from, a dummy to the ranks
+        it only tells about the room. The first source alone writes the aux slot; every source
+        sends its shard of the state slots (at equal TP that is one source and the whole
+        slot). The room waits for every one of them, and for the last write's notification
+        of each source where the engine notifies, until `transfer_timeout_s` from now."""
+        route, pages = event.route, event.pages
+        first_source = route.sources[0].prefill_rank if route.sources else None
+
+        def request(prefill_rank: int, dummy: bool) -> TransferRequest:
+            state_slots = [list(event.state_indices)] if event.state_indices and not dummy else []
+            return TransferRequest(
+                room=event.room,
+                peer_id=self.settings.peer_id,
+                is_dummy=dummy,
+                dst_kv_indices=np.empty(0, dtype=np.int32) if dummy else pages,
+                dst_aux_index=event.aux_index if prefill_rank == first_source else None,
+                dst_state_indices=state_slots,
+                required_dst_info_num=event.required[prefill_rank],
+                decode_prefix_len=event.decode_prefix_len,
+            )
+
+        requests = [(s.prefill_rank, request(s.prefill_rank, False)) for s in route.sources]
+        requests += [(rank, request(rank, True)) for rank in route.dummies]
+        sources = {source.prefill_rank: source for source in route.sources}
+        state = DecodeRoom(
+            room=event.room,
+            expected_ranks=frozenset(route.prefill_ranks),
+            notifying_ranks=frozenset(sources) if self.settings.engine_notifies else frozenset(),
+            deadline=now + self.settings.transfer_timeout_s,
+            # Staged chunks name decode's pages by their place among those prefill fills.
+            dst_pages=pages[pages != SKIPPED_PAGE].astype(np.int64),
+            sources=sources,
+            endpoints=dict(event.endpoints),
+            status=RoomStatus(KVPoll.WaitingForInput),
+        )
         state.status.advance(KVPoll.Transferring)
         self._transferring = True
         self.rooms[state.room] = state
@@ -399,7 +227,13 @@ class DecodeProtocol(ProtocolCore):
             len(self.rooms), lambda: ((room.deadline, room.room) for room in self.rooms.values())
         )
         self.stats.rooms_started += 1
-        return [Send(endpoint, request) for endpoint, request in event.requests]
+        log.debug(
+            "room %d: asked prefill rank(s) %s for %d page(s)",
+            event.room,
+            sorted(rank for rank, _ in requests),
+            pages.size,
+        )
+        return [Send(event.endpoints[rank], message) for rank, message in requests]
 
     def _on_leases_renewing(self, event: LeasesRenewing, now: float) -> list[Action]:
         lease = RoomLease(self.settings.endpoint, list(event.rooms))
@@ -408,10 +242,11 @@ class DecodeProtocol(ProtocolCore):
         ]
 
     def _on_room_aborted(self, event: RoomAborted, now: float) -> list[Action]:
-        if not event.status.fail(FailureKind.ABORTED, f"aborted by decode: {event.reason}"):
-            return []  # it had ended already
         state = self.rooms.get(event.room)
         if state is not None:
+            reason = f"aborted by decode: {event.reason}"
+            if not state.status.fail(FailureKind.ABORTED, reason):
+                return []  # it had ended already
             return self._abort_unsettled(state, event.reason)
         # Before init(): the prefill ranks hear it now, not at their deadline.
         message = self._abort(event.room, event.reason)
@@ -428,8 +263,9 @@ class DecodeProtocol(ProtocolCore):
         return [Send(endpoint, message) for endpoint in sorted(endpoints)]
 
     def _on_room_cleared(self, event: RoomCleared, now: float) -> list[Action]:
-        if self.rooms.pop(event.room, None) is not None:
-            status = event.status
+        state = self.rooms.pop(event.room, None)
+        if state is not None:
+            status = state.status
             self.stats.count_finished(status)
             log.debug(
                 "room %d: cleared (%s)", event.room, status.failure_reason or status.poll.name
@@ -497,7 +333,7 @@ class DecodeProtocol(ProtocolCore):
                     if known == endpoint:  # it writes no more: settled, failed if needed
                         state.on_rank_dead(rank, f"room {state.room}: {reason}", fenced_at)
                         dead.add((rank, state.room))
-            self._reclaim(dead)
+            self.staging.reclaim(dead)
             self.liveness.forget(endpoint)
             self._heard_sequence.pop(endpoint, None)
             self._registered.discard(endpoint)
