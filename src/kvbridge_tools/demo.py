@@ -482,13 +482,13 @@ def run_prefill(
         report.rooms = len(active)
         report.staged_chunks = manager.stats.staged_chunks
         report.staging_fallbacks = manager.stats.staging_fallbacks
-        report.blocks_written = manager.stats.blocks_written
-        stats = manager.stats
+        writes = manager.pipeline.stats
+        report.blocks_written = writes.blocks_written
         report.timings = {
-            "staging_wait_s": stats.staging_wait_s,
-            "gather_s": stats.gather_s,
-            "plan_s": stats.plan_s,
-            "write_s": stats.write_s,
+            "staging_wait_s": manager.stats.staging_wait_s,
+            "gather_s": writes.gather_s,
+            "plan_s": writes.plan_s,
+            "write_s": writes.write_s,
             "control_cpu_s": manager.channel.stats.cpu_seconds,
             "engine_call_s": manager.engine_waits.busy_s,
             "engine_call_wait_s": manager.engine_waits.waited_s,
@@ -583,7 +583,7 @@ def _timed_writes(
     all at once), polling each until it is done — as prefill's engine thread waits: between
     polls it sleeps 0.1 ms, or, with an engine that moves writes on its own threads, until one
     of them ended (kvbridge's and the raw engine's side alike)."""
-    from kvbridge.prefill import WRITE_POLL_S, WRITE_WAIT_S
+    from kvbridge.write_pipeline import WRITE_POLL_S, WRITE_WAIT_S
 
     pending = list(writes)
     out: list[Any] = []

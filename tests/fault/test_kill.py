@@ -106,7 +106,7 @@ def test_killed_decode_fails_its_rooms_on_prefill(
         for room, sender in enumerate(doomed):
             sender.send([2 * room])  # not the last chunk: the rooms stay in flight
         # Every room's first chunk has been written (4 buffers × one page each) …
-        wait_until(lambda: prefill.stats.blocks_written >= 12, 10)
+        wait_until(lambda: prefill.pipeline.stats.blocks_written >= 12, 10)
         victim.send_signal(signal.SIGKILL)  # … and the decode side dies mid-room
         killed_at = time.monotonic()
         wait_until(lambda: all(s.poll() == KVPoll.Failed for s in doomed), TIMEOUT_S + 5)

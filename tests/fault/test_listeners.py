@@ -133,7 +133,7 @@ def test_forged_registrations_are_refused_and_nothing_is_written() -> None:
         push.send_multipart(frames)
         wait_for(lambda: prefill.channel.stats.malformed == 1, 10)
         assert "forger" not in prefill.protocol.decode_peers.by_id
-        assert prefill.stats.blocks_written == 0
+        assert prefill.pipeline.stats.blocks_written == 0
     finally:
         push.close(linger=0)
         context.term()

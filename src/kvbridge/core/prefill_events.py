@@ -176,9 +176,4 @@ class PrefillStats(RankStats):
     staged_chunks: int = 0
     leases_renewed: int = 0  # rooms whose request deadline a decode lease started again
     staging_fallbacks: int = 0
-    # Kept by the manager's worker: where its time goes (seconds) and what it wrote.
-    blocks_written: int = 0
-    staging_wait_s: float = 0.0
-    plan_s: float = 0.0
-    gather_s: float = 0.0
-    write_s: float = 0.0
+    staging_wait_s: float = 0.0  # waiting for decode's ring space
