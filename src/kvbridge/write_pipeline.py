@@ -102,6 +102,7 @@ class WritePipeline:
         self._to_engine: queue.SimpleQueue[_Wake | None] = queue.SimpleQueue()
         self._to_report: queue.SimpleQueue[Ended | None] = queue.SimpleQueue()
         engine.add_write_end_listener(self._wake_engine_thread)
+        self._closed = False
         # Prepared writes in the order the protocol handed them out, and the next transfer set
         # up from them (at most one ahead of the engine, so that what waits together merges):
         # the preparing thread sets it up while the engine copies, the engine thread itself
@@ -148,12 +149,14 @@ class WritePipeline:
         self.transfers.observers.append(observer)
 
     def close(self) -> None:
-        """Stop the threads: the preparing thread stops the engine thread, and that the
-        reporting one; transfers still in flight are released."""
+        """Stop the threads (idempotent): the preparing thread stops the engine thread, and
+        that the reporting one; transfers still in flight are released."""
         self._to_prepare.put(None)
         for thread in self.threads:
             thread.join(timeout=10.0)
-        self.engine.remove_write_end_listener(self._wake_engine_thread)
+        if not self._closed:
+            self._closed = True
+            self.engine.remove_write_end_listener(self._wake_engine_thread)
 
     # --- preparing thread: connect, lease, gather, plan, set up -------------------------------
 

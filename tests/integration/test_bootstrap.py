@@ -72,8 +72,10 @@ def test_conflicts_are_refused_not_overwritten(server: BootstrapServer) -> None:
 
 def test_a_prefill_rank_of_another_protocol_version_is_refused(server: BootstrapServer) -> None:
     other = replace(rank(1), version="kvbridge/1.5")
-    with pytest.raises(BootstrapError, match=f"409.*speaks kvbridge/1.5, this side {VERSION}"):
-        register_prefill(server.url, other)
+    began = time.monotonic()
+    with pytest.raises(BootstrapError, match=f"400.*speaks kvbridge/1.5, this side {VERSION}"):
+        register_prefill(server.url, other, timeout_s=30.0, wait_out_conflicts=True)
+    assert time.monotonic() - began < 5.0  # refused at once, not waited out like a conflict
     # A service of another release that holds it: decode's look-up refuses the group.
     register_prefill(server.url, rank(0))
     assert server.service.group.register(other, time.monotonic()) is None

@@ -196,6 +196,7 @@ def rig(request: pytest.FixtureRequest) -> Iterator[tuple[WritePipeline, FakeEng
         yield pipeline, engine, host
     finally:
         pipeline.close()
+        pipeline.close()  # again: nothing
         assert not any(thread.is_alive() for thread in pipeline.threads)
 
 

@@ -268,7 +268,10 @@ class BootstrapService:
                 return Reply(HTTPStatus.NOT_FOUND, {"error": "no such registration"})
             log.info("prefill rank %d withdrew its registration", rank.rank)
             return Reply(HTTPStatus.OK, {"withdrawn": asdict(rank)})
-        conflict = rank.version_problem or self.group.register(rank, now)
+        if rank.version_problem is not None:  # not a conflict to wait out: refused at once
+            log.warning("refused prefill rank %d: %s", rank.rank, rank.version_problem)
+            return Reply(HTTPStatus.BAD_REQUEST, {"error": rank.version_problem})
+        conflict = self.group.register(rank, now)
         if conflict is not None:
             log.warning("refused prefill rank %d: %s", rank.rank, conflict)
             return Reply(HTTPStatus.CONFLICT, {"error": conflict})
