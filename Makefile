@@ -98,6 +98,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/busy_host.py
 	$(MAKE) --no-print-directory $(SGLANG_STAMP)
 	$(BIN)/python benchmarks/e2e.py
+	$(BIN)/python benchmarks/sglang_mooncake.py --compare 3
 	$(BIN)/python benchmarks/hetero.py
 	$(BIN)/kvbridge bench --preset quick
 	$(MAKE) --no-print-directory $(VLLM_STAMP)
@@ -105,6 +106,7 @@ bench: $(STAMP)
 	for family in mla sliding mamba; do \
 		$(VLLM_VENV)/bin/python benchmarks/vllm_pd.py --quick --family $$family || exit 1; done
 	$(VLLM_VENV)/bin/python benchmarks/vllm_serve.py --quick
+	$(BIN)/python -m kvbridge_tools.bench_report
 
 docs: $(STAMP)
 	$(BIN)/kvbridge protocol-doc --output docs/PROTOCOL.md

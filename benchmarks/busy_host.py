@@ -16,16 +16,14 @@ Writes bench-results/busy_host.json.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from kvbridge import ManagerConfig
 from kvbridge_tools.bench import engine_unavailable, raw_baseline
+from kvbridge_tools.bench_results import save
 
-RESULTS = Path("bench-results") / "busy_host.json"
 WORKLOADS = ((32, 128), (8, 2048))  # (requests, tokens)
 
 
@@ -106,9 +104,7 @@ def main() -> None:
                 f"{row['p50_ms']:.0f}",
                 flush=True,
             )
-    RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps({"rows": rows}, indent=2))
-    print(f"wrote {RESULTS}")
+    print(f"wrote {save('busy_host', {'rows': rows})}")
 
 
 if __name__ == "__main__":

@@ -41,10 +41,10 @@ from typing import Any
 
 from kvbridge import ManagerConfig
 from kvbridge.engines import engine_spec
-from kvbridge_tools import netns
+from kvbridge_tools import bench_tables, netns
 from kvbridge_tools.bench import engine_unavailable, json_in_private_netns, raw_baseline
+from kvbridge_tools.bench_results import save
 
-RESULTS = Path("bench-results") / "e2e.json"
 DEFAULTS = "kvbridge's defaults"  # the setting label of a demo run with no engine options
 # The median request of 32 issued at once ends within this share of the batch's wall time.
 LATENCY_TARGET = 0.55
@@ -72,7 +72,8 @@ class Workload:
         return f"{self.engine}, {self.name}"
 
 
-# Mooncake's parallel submission, as sglang uses it: two batches at once.
+# Mooncake's parallel submission: two batches at once (kvbridge's setting on hosts with more
+# cores; sglang keeps one batch in flight toward one decode rank).
 PARALLEL_SUBMISSION = ((("submit_threads", "2"),),)
 WORKLOADS = (
     Workload("demo workload", "nixl", 32, 2048, 0.95),
@@ -245,22 +246,10 @@ SGLANG_PYTHON = Path(".venv-sglang") / "bin" / "python"
 SGLANG_TARGET = 1.0  # kvbridge on Mooncake ÷ sglang's own layer on Mooncake, at least
 
 
-def one_host_mooncake(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The Mooncake row on one host, which sglang's own layer is held against."""
-    return next(
-        (
-            row
-            for row in rows
-            if row["workload"]["engine"] == "mooncake" and not row["workload"]["two_hosts"]
-        ),
-        None,
-    )
-
-
 def sglang_row(rows: list[dict[str, Any]], only: str | None) -> dict[str, Any] | None:
     """sglang's own transfer layer on Mooncake, on the Mooncake row's workload, in a network
     namespace of its own (benchmarks/sglang_mooncake.py, in sglang's environment)."""
-    mooncake = one_host_mooncake(rows)
+    mooncake = bench_tables.one_host_mooncake(rows)
     if mooncake is None or (only and "sglang" not in only and "mooncake" not in only):
         return None
     if not SGLANG_PYTHON.exists():
@@ -313,55 +302,15 @@ def main() -> None:
         rows.append(row)
 
     sglang = sglang_row(rows, options.only)
-    print()
-    header = (
-        "engine",
-        "workload",
-        "transport",
-        "GB",
-        "kvbridge GB/s",
-        "raw GB/s (best way)",
-        "ratio (range)",
-        "target",
-        "p50 / p99 ms",
-    )
-    print(" | ".join(header))
-    print(" | ".join("---" for _ in header))
-    for row in rows:
-        workload = Workload(**row["workload"])
-        best = row["raw_best"]
-        setting = "" if row["kvbridge_setting"] == DEFAULTS else f" ({row['kvbridge_setting']})"
-        met = "met" if row["ratio"] >= workload.target else "NOT met"
-        print(
-            f"{workload.engine} | {workload.name} | {row['transport']} | "
-            f"{row['bytes'] / 1e9:.2f} | {row['kvbridge_gbps']}{setting} | "
-            f"{row['raw_gbps'][best]} ({best}) | {row['ratio']} "
-            f"({row['ratio_range'][0]}-{row['ratio_range'][1]}, {row['runs']} runs) | "
-            f"≥ {workload.target} {met} | "
-            f"{row['p50_ms']:.0f} / {row['p99_ms']:.0f}"
-        )
-    for row in rows:
-        workload = Workload(**row["workload"])
-        if workload.requests == 32 and not workload.two_hosts:
-            met = "met" if row["p50_of_wall"] <= LATENCY_TARGET else "NOT met"
-            print(
-                f"{workload.key}, 32 requests at once: median latency {row['p50_ms']:.0f} ms "
-                f"= {row['p50_of_wall']} × the batch's {row['wall_ms']:.0f} ms "
-                f"(target ≤ {LATENCY_TARGET}: {met})"
-            )
-    mooncake = one_host_mooncake(rows)
-    if sglang is not None and mooncake is not None:
-        ratio = round(mooncake["kvbridge_gbps"] / sglang["gbps"], 3)
-        met = "met" if ratio >= SGLANG_TARGET else "NOT met"
-        print(
-            f"sglang 0.5.23's own layer on Mooncake, same workload: {sglang['gbps']} GB/s "
-            f"({sglang['verified']}/{sglang['requests']} verified); kvbridge {ratio}× it "
-            f"(target ≥ {SGLANG_TARGET}: {met})"
-        )
-    RESULTS.parent.mkdir(exist_ok=True)
-    document = {"rows": rows, "sglang_mooncake": sglang}
-    RESULTS.write_text(json.dumps(document, indent=2) + "\n")
-    print(f"wrote {RESULTS}")
+    document = {
+        "rows": rows,
+        "sglang_mooncake": sglang,
+        "latency_target": LATENCY_TARGET,
+        "sglang_target": SGLANG_TARGET,
+        "kvbridge_defaults": DEFAULTS,
+    }
+    print("\n" + "\n".join(bench_tables.e2e(document)))
+    print(f"wrote {save('e2e', document)}")
 
 
 if __name__ == "__main__":

@@ -18,17 +18,14 @@ table and writes bench-results/gpu_check.json.
 from __future__ import annotations
 
 import argparse
-import json
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from kvbridge.staging import torch_kernels
+from kvbridge_tools.bench_results import save
 from kvbridge_tools.demo import DemoConfig, run_demo
-
-RESULTS = Path("bench-results") / "gpu_check.json"
 
 
 def timed(action: Any, device: torch.device, repeats: int = 5) -> float:
@@ -141,8 +138,7 @@ def main() -> None:
             print(f"  {process}: " + ", ".join(f"{name} {s}" for name, s in timings.items()))
         for error in row["errors"]:
             print(f"  error: {error}")
-    RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps(report, indent=1) + "\n")
+    save("gpu_check", report)
     raise SystemExit(0 if all(row["verified"] for row in report["transfers"]) else 1)
 
 

@@ -19,15 +19,13 @@ wide), the GB/s the medians of the runs. Writes bench-results/hetero.json.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-from pathlib import Path
 from typing import Any
 
 from kvbridge import ManagerConfig
+from kvbridge_tools.bench_results import save
 from kvbridge_tools.demo import DemoConfig, run_demo
 
-RESULTS = Path("bench-results") / "hetero.json"
 PER_TOKEN_TARGET = 3.0
 EQUAL_TP_TARGET = 0.5
 
@@ -146,9 +144,14 @@ def main() -> None:
                 f"2->4: staging {row['staging_vs_equal_tp']}× equal TP "
                 f"(target on this CPU host ≥ {EQUAL_TP_TARGET}: {met})"
             )
-    RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps(rows, indent=2) + "\n")
-    print(f"wrote {RESULTS}")
+    document = {
+        "requests": options.requests,
+        "tokens": options.tokens,
+        "per_token_target": PER_TOKEN_TARGET,
+        "equal_tp_target": EQUAL_TP_TARGET,
+        "rows": rows,
+    }
+    print(f"wrote {save('hetero', document)}")
 
 
 if __name__ == "__main__":

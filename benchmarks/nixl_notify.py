@@ -17,12 +17,10 @@ Writes bench-results/nixl_notify.json.
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing
 import statistics
 import time
 from multiprocessing.connection import Connection
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -30,8 +28,8 @@ import numpy as np
 from kvbridge.cache.plan import TransferPlan
 from kvbridge.cache.regions import MemoryRegion
 from kvbridge_tools.bench import engine_unavailable
+from kvbridge_tools.bench_results import save
 
-RESULTS = Path("bench-results") / "nixl_notify.json"
 TOTAL_BYTES = 256 << 20
 BLOCK_BYTES = 32 << 10  # a page of 16 tokens of Llama-3-8B's K or V on one rank
 POLL_INTERVALS_S = (0.0001, 0.001, 0.003)
@@ -124,8 +122,7 @@ def main() -> None:
     here.send(None)
     target.join(timeout=30)
     engine.close()
-    RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps({"rows": results}, indent=2))
+    print(f"wrote {save('nixl_notify', {'block_bytes': BLOCK_BYTES, 'rows': results})}")
 
 
 if __name__ == "__main__":

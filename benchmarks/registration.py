@@ -22,15 +22,14 @@ import mmap
 import os
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 from kvbridge.cache.regions import MemoryRegion
 from kvbridge.engines import PROCESS_ENGINES, create_engine, engine_spec
 from kvbridge.engines.base import rdma_device_present
 from kvbridge_tools.bench import engine_unavailable, json_in_private_netns
+from kvbridge_tools.bench_results import save
 
-RESULTS = Path("bench-results") / "registration.json"
 BUFFERS = 64  # Llama-3-8B: K and V of 32 layers
 
 
@@ -122,9 +121,7 @@ def main() -> None:
         )
     pinned = any(row["rdma_device"] for row in rows)
     print("(no RDMA device: the engines register without pinning pages)" if not pinned else "")
-    RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps(rows, indent=2) + "\n")
-    print(f"wrote {RESULTS}", file=sys.stderr)
+    print(f"wrote {save('registration', {'rows': rows})}", file=sys.stderr)
 
 
 if __name__ == "__main__":

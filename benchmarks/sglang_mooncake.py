@@ -1,8 +1,14 @@
 """sglang 0.5.23's own transfer layer on the Mooncake engine, on the demo's workload.
 
     .venv-sglang/bin/python benchmarks/sglang_mooncake.py [--requests N --tokens L]
+        [--decode sglang|kvbridge]
     (run inside a network namespace of its own: Mooncake binds wildcard listeners;
     benchmarks/e2e.py does that)
+    .venv/bin/python benchmarks/sglang_mooncake.py --compare 3     (as root: make bench)
+
+`--decode kvbridge` puts a kvbridge `DecodeManager` (`peer_protocol="sglang"`) where sglang's
+decode was, on identical work; `--compare ROUNDS` runs both, alternating, and writes
+bench-results/sglang_mooncake.json.
 
 A prefill and a decode process drive sglang's real `MooncakeKVManager`, `MooncakeKVSender`,
 `MooncakeKVReceiver` and `MooncakeKVBootstrapServer`, built as sglang's schedulers build them
@@ -10,10 +16,17 @@ A prefill and a decode process drive sglang's real `MooncakeKVManager`, `Mooncak
 KV cache is the demo's (Llama-3-8B: 32 layers of K and V, 8 heads × 128, bf16, pages of 16
 tokens), prefill's pages hold known contents, decode's pages are scattered, and decode checks
 every byte it received. Each request goes in two chunks, as the demo sends it; all requests
-are issued at once. Prints one JSON line: GB/s (decimal) from the first receiver's metadata to
-the last room's success, and the per-request latencies. Environment as sglang is run on these
-machines: SGLANG_HOST_IP=127.0.0.1, MOONCAKE_PROTOCOL=tcp, MC_FORCE_TCP=1, and Mooncake's
-per-peer queue limits raised as sglang deployments raise them (as kvbridge does).
+are issued at once. As in the demo, an untimed warm-up batch first moves every request once
+into the same pages (rooms R..2R-1), so that Mooncake's connections and the first write into
+every page are paid before the clock starts; decode's pages are then zeroed again (they stay
+resident) and the timed batch (rooms 0..R-1) must write every byte anew. Both sides' memory is
+written once when it is made, as sglang's pools are (`torch.zeros`): a page first touched
+inside a transfer costs the kernel's fault and zeroing. Prints one JSON line: GB/s (decimal)
+from the first receiver's metadata to the last room's success, and the per-request latencies.
+Environment as sglang is run on these machines: SGLANG_HOST_IP=127.0.0.1,
+MOONCAKE_PROTOCOL=tcp, MC_FORCE_TCP=1, and Mooncake's per-peer queue limits raised as sglang
+deployments raise them (as kvbridge does). sglang's thread pool and queue settings change
+nothing here: one decode rank's chunks all go to one queue and one worker, one batch in flight.
 """
 
 from __future__ import annotations
@@ -22,155 +35,74 @@ import argparse
 import json
 import multiprocessing
 import os
+import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYERS, HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
+sys.path.insert(0, str(ROOT / "tests" / "sglang_compat"))
+sys.path.insert(0, str(ROOT / "src"))  # kvbridge's decode, in sglang's environment
+from sglang_side import Geometry, aux_content, sglang_kv_args, sglang_role  # noqa: E402
+
+GEOMETRY = Geometry()  # Llama-3-8B: 32 layers of K and V, 8 heads × 128, pages of 16 tokens
 BOOTSTRAP_PORT = 18998
 # How often the driver polls sglang's senders and receivers (a scheduler's step, about).
 POLL_S = float(os.environ.get("POLL_S", "0.005"))
-ENVIRONMENT = {
-    "SGLANG_HOST_IP": "127.0.0.1",
-    "MOONCAKE_PROTOCOL": "tcp",
-    "MC_FORCE_TCP": "1",
-    "MC_LOG_LEVEL": "WARNING",
-    "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": "65535",
-    "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER": "65535",
-}
 
 
-def _sglang(role: str) -> dict[str, Any]:
-    """Import sglang's PD modules and publish a scheduler's server args for `role`."""
-    for name, value in ENVIRONMENT.items():
-        os.environ.setdefault(name, value)
-    sys.path.insert(0, str(ROOT / "tests" / "sglang_compat"))
-    from sglang_import import import_sglang
-
-    import_sglang()
-    from sglang.srt.disaggregation.utils import (
-        DisaggregationMode,
-        KVClassType,
-        TransferBackend,
-        get_kv_class,
-    )
-    from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import (
-        init_mooncake_transfer_engine,
-    )
-    from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish
-    from sglang.srt.server_args import ServerArgs
-
-    server_args = ServerArgs(
-        model_path="dummy",
-        device="cpu",
-        disaggregation_mode=role,
-        disaggregation_transfer_backend="mooncake",
-        disaggregation_bootstrap_port=BOOTSTRAP_PORT,
-    )
-    publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=0, gpu_id=0))
-    get_parallel().override_permanently(pp_group=None)
-    init_mooncake_transfer_engine("127.0.0.1", gpu_id=0, ib_device=None)
-
-    def kind(name: str) -> Any:
-        return get_kv_class(TransferBackend.MOONCAKE, getattr(KVClassType, name))
-
-    mode = DisaggregationMode.PREFILL if role == "prefill" else DisaggregationMode.DECODE
-    return {"server_args": server_args, "mode": mode, "class": kind}
-
-
-def _kv_args(kind: Any, pages: int, slots: int) -> tuple[Any, list[np.ndarray], np.ndarray]:
-    """sglang's KVArgs for the demo's cache, filled as `_init_kv_manager` fills it."""
-    args = kind("KVARGS")()
-    buffers = [np.zeros((pages, PAGE, HEADS, HEAD_DIM), np.uint16) for _ in range(2 * LAYERS)]
-    aux = np.zeros((slots, 64), np.uint8)
-    args.engine_rank, args.pp_rank, args.system_dp_rank, args.rust_http_port = 0, 0, 0, None
-    args.kv_cache_dtype_str, args.kv_layout = "bfloat16", None
-    args.prefill_start_layer, args.prefill_end_layer = 0, LAYERS
-    args.kv_data_ptrs = [b.ctypes.data for b in buffers]
-    args.kv_data_lens = [b.nbytes for b in buffers]
-    args.kv_item_lens = [b.nbytes // pages for b in buffers]
-    args.num_draft_entries, args.kv_layer_ids = 0, []
-    args.kv_head_num, args.total_kv_head_num, args.page_size = HEADS, HEADS, PAGE
-    args.aux_data_ptrs, args.aux_data_lens, args.aux_item_lens = (
-        [aux.ctypes.data],
-        [aux.nbytes],
-        [64],
-    )
-    args.ib_device, args.gpu_id = None, 0
-    # setup_state_kv_args for a pool with no state (Llama): every state list empty.
-    for name in (
-        "state_types",
-        "state_data_ptrs",
-        "state_data_lens",
-        "state_item_lens",
-        "state_dim_per_tensor",
-        "state_slice_outer_counts",
-        "state_layer_ids",
-        "state_conv_shard_groups",
-    ):
-        setattr(args, name, [])
-    args.is_hybrid_mla_backend, args.swa_kv_cache_layout, args.mla_compression_ratios = (
-        False,
-        None,
-        None,
-    )
-    return args, buffers, aux
-
-
-def content(room: int, buffer: int, pages: int) -> np.ndarray:
-    """A room's pages in one buffer: a function of (room, buffer, position)."""
-    words = pages * PAGE * HEADS * HEAD_DIM
-    base = np.uint64((room * 1_000_003 + buffer) * 0x100000001B3 % 2**64)
-    values = (np.arange(words // 4, dtype=np.uint64) + base) * np.uint64(0x9E3779B97F4A7C15)
-    return values.view(np.uint16).reshape(pages, PAGE, HEADS, HEAD_DIM)
+# KVPoll's values, sglang's and kvbridge's alike.
+FAILED, SUCCESS = 0, 4
+OpenRoom = Callable[[int, np.ndarray, int], Any]
 
 
 def _wait(polls: list[Any], timeout_s: float) -> dict[int, float]:
     """Poll until every object reports Success or Failed; when each ended."""
-    from sglang.srt.disaggregation.base.conn import KVPoll
-
     ended: dict[int, float] = {}
     deadline = time.monotonic() + timeout_s
     while len(ended) < len(polls) and time.monotonic() < deadline:
         for index, item in enumerate(polls):
-            if index not in ended and item.poll() in (KVPoll.Success, KVPoll.Failed):
+            if index not in ended and item.poll() in (SUCCESS, FAILED):
                 ended[index] = time.perf_counter()
         time.sleep(POLL_S)
     return ended
 
 
 def run_prefill(requests: int, pages_per_request: int, ready: Any, results: Any) -> None:
-    sglang = _sglang("prefill")  # first: it makes sglang importable here
+    sglang = sglang_role("prefill", BOOTSTRAP_PORT)  # first: it makes sglang importable here
     from sglang.srt.disaggregation.base.conn import KVPoll
 
     kind = sglang["class"]
-    args, buffers, aux = _kv_args(kind, requests * pages_per_request, requests)
+    buffers, aux = GEOMETRY.buffers(requests * pages_per_request, requests)
+    args = sglang_kv_args(kind, GEOMETRY, buffers, aux)
     for room in range(requests):
         pages = slice(room * pages_per_request, (room + 1) * pages_per_request)
         for index, buffer in enumerate(buffers):
-            buffer[pages] = content(room, index, pages_per_request)
-        aux[room] = room % 256
+            buffer[pages] = GEOMETRY.content(room, index, pages_per_request)
+        aux[room] = aux_content(room)
     bootstrap = kind("BOOTSTRAP_SERVER")(host="127.0.0.1", port=BOOTSTRAP_PORT)
     manager = kind("MANAGER")(args, sglang["mode"], sglang["server_args"], False)
     ready.set()
     address = f"127.0.0.1:{BOOTSTRAP_PORT}"
+    # Rooms 0..R-1 are the timed batch, R..2R-1 the warm-up; room r sends slot r % R.
     senders = [
         kind("SENDER")(mgr=manager, bootstrap_addr=address, bootstrap_room=room)
-        for room in range(requests)
+        for room in range(2 * requests)
     ]
     started: set[int] = set()
     deadline = time.monotonic() + 600
-    while len(started) < requests and time.monotonic() < deadline:
+    while len(started) < len(senders) and time.monotonic() < deadline:
         for room, sender in enumerate(senders):
             if room not in started and sender.poll() == KVPoll.WaitingForInput:
                 started.add(room)
-                sender.init(pages_per_request, aux_index=room)
+                slot = room % requests
+                sender.init(pages_per_request, aux_index=slot)
                 pages = np.arange(
-                    room * pages_per_request, (room + 1) * pages_per_request, dtype=np.int32
+                    slot * pages_per_request, (slot + 1) * pages_per_request, dtype=np.int32
                 )
                 for chunk in np.array_split(pages, 2):  # the demo's two chunks
                     sender.send(chunk)
@@ -182,67 +114,192 @@ def run_prefill(requests: int, pages_per_request: int, ready: Any, results: Any)
     del bootstrap
 
 
-def run_decode(requests: int, pages_per_request: int, ready: Any, results: Any) -> None:
-    sglang = _sglang("decode")
+def sglang_receivers(requests: int, pages: int, ready: Any) -> tuple[Any, Any, OpenRoom]:
+    """sglang's own decode: its manager and receivers, as its decode scheduler drives them."""
+    sglang = sglang_role("decode", BOOTSTRAP_PORT)
     kind = sglang["class"]
-    pool = requests * pages_per_request
-    args, buffers, aux = _kv_args(kind, pool, requests)
-    manager = kind("MANAGER")(args, sglang["mode"], sglang["server_args"], False)
+    buffers, aux = GEOMETRY.buffers(pages, requests)
+    manager = kind("MANAGER")(
+        sglang_kv_args(kind, GEOMETRY, buffers, aux), sglang["mode"], sglang["server_args"], False
+    )
     ready.wait(120)
     address = f"127.0.0.1:{BOOTSTRAP_PORT}"
     deadline = time.monotonic() + 60
     while not manager.try_ensure_parallel_info(address) and time.monotonic() < deadline:
         time.sleep(0.05)
-    scattered = np.random.default_rng(0).permutation(pool).astype(np.int32)
-    receivers = [
-        kind("RECEIVER")(mgr=manager, bootstrap_addr=address, bootstrap_room=room)
-        for room in range(requests)
-    ]
-    for receiver in receivers:
-        receiver.init(0)
-    started = time.perf_counter()
-    sent_at = []
-    for room, receiver in enumerate(receivers):
-        sent_at.append(time.perf_counter())
-        pages = scattered[room * pages_per_request : (room + 1) * pages_per_request]
-        receiver.send_metadata(pages, aux_index=room)
-    ended = _wait(receivers, 600)
-    seconds = max(ended.values(), default=started) - started
-    from sglang.srt.disaggregation.base.conn import KVPoll
 
-    verified = 0
-    for room, receiver in enumerate(receivers):
-        if receiver.poll() != KVPoll.Success:
-            continue
-        pages = scattered[room * pages_per_request : (room + 1) * pages_per_request]
-        same = all(
-            np.array_equal(buffer[pages], content(room, index, pages_per_request))
-            for index, buffer in enumerate(buffers)
-        )
-        verified += int(same and bool((aux[room] == room % 256).all()))
-    nbytes = requests * pages_per_request * sum(args.kv_item_lens)
+    def open_room(room: int, dst_pages: np.ndarray, slot: int) -> Any:
+        receiver = kind("RECEIVER")(mgr=manager, bootstrap_addr=address, bootstrap_room=room)
+        receiver.init(0)
+        receiver.send_metadata(dst_pages, aux_index=slot)
+        return receiver
+
+    return buffers, aux, open_room
+
+
+def kvbridge_receivers(requests: int, pages: int, ready: Any) -> tuple[Any, Any, OpenRoom]:
+    """kvbridge's decode with `peer_protocol="sglang"`, asking sglang's prefill."""
+    from kvbridge import DecodeManager, KVArgs, KVLayout, ManagerConfig
+
+    buffers, aux = GEOMETRY.buffers(pages, requests)
+    args = KVArgs.from_numpy(
+        buffers, kv_layout=KVLayout.MHA, total_kv_heads=GEOMETRY.heads, aux=[aux]
+    )
+    ready.wait(120)
+    config = ManagerConfig(
+        engine="mooncake",
+        peer_protocol="sglang",
+        bootstrap_url=f"127.0.0.1:{BOOTSTRAP_PORT}",
+        bootstrap_timeout_s=60.0,
+        secret=None,
+    )
+    manager = DecodeManager(args, config)
+    manager.sglang_group(config.bootstrap_url or "")  # looked up before the clock, as sglang's
+
+    def open_room(room: int, dst_pages: np.ndarray, slot: int) -> Any:
+        receiver = manager.receiver(room)
+        receiver.init(dst_pages, aux_index=slot)
+        return receiver
+
+    return buffers, aux, open_room
+
+
+DECODE_LAYERS = {"sglang": sglang_receivers, "kvbridge": kvbridge_receivers}
+
+
+def run_decode(
+    requests: int, pages_per_request: int, ready: Any, results: Any, layer: str = "sglang"
+) -> None:
+    pool = requests * pages_per_request
+    buffers, aux, open_room = DECODE_LAYERS[layer](requests, pool, ready)
+    scattered = np.random.default_rng(0).permutation(pool).astype(np.int32)
+
+    def pages_of(slot: int) -> np.ndarray:
+        return scattered[slot * pages_per_request : (slot + 1) * pages_per_request]
+
+    def batch(rooms: range) -> tuple[list[Any], float, list[float], dict[int, float]]:
+        """Receive `rooms` (room r into slot r % R): receivers, start, send times, ends."""
+        started = time.perf_counter()
+        receivers, sent_at = [], []
+        for slot, room in enumerate(rooms):
+            sent_at.append(time.perf_counter())
+            receivers.append(open_room(room, pages_of(slot), slot))
+        return receivers, started, sent_at, _wait(receivers, 600)
+
+    def verified(receivers: list[Any]) -> int:
+        count = 0
+        for slot, receiver in enumerate(receivers):
+            if receiver.poll() != SUCCESS:
+                continue
+            same = all(
+                np.array_equal(
+                    buffer[pages_of(slot)], GEOMETRY.content(slot, index, pages_per_request)
+                )
+                for index, buffer in enumerate(buffers)
+            )
+            count += int(same and bool((aux[slot] == aux_content(slot)).all()))
+        return count
+
+    warmup, _, _, _ = batch(range(requests, 2 * requests))
+    warmup_verified = verified(warmup)
+    for array in (*buffers, aux):
+        array.fill(0)  # the timed batch must write every byte again
+    receivers, started, sent_at, ended = batch(range(requests))
+    seconds = max(ended.values(), default=started) - started
+    nbytes = requests * pages_per_request * GEOMETRY.page_bytes * len(buffers)
     results.put(
         {
             "role": "decode",
             "seconds": seconds,
             "bytes": nbytes,
-            "verified": verified,
+            "verified": verified(receivers),
+            "warmup_verified": warmup_verified,
             "latencies_ms": sorted((ended[room] - sent_at[room]) * 1e3 for room in ended),
         }
     )
+
+
+SGLANG_PYTHON = ROOT / ".venv-sglang" / "bin" / "python"
+
+
+def compare(requests: int, tokens: int, rounds: int) -> None:
+    """sglang's prefill toward sglang's own decode and toward kvbridge's, on identical work,
+    alternating, each run in a network namespace of its own; writes
+    bench-results/sglang_mooncake.json."""
+    from kvbridge_tools.bench import json_in_private_netns
+    from kvbridge_tools.bench_results import save
+
+    runs: dict[str, list[dict[str, Any]]] = {layer: [] for layer in DECODE_LAYERS}
+    for index in range(rounds):
+        order = sorted(DECODE_LAYERS, reverse=bool(index % 2))
+        for layer in order:
+            arguments = [__file__, "--requests", str(requests), "--tokens", str(tokens)]
+            row = json_in_private_netns([*arguments, "--decode", layer], python=str(SGLANG_PYTHON))
+            runs[layer].append(row)
+            print(
+                f"round {index + 1}, sglang prefill → {layer} decode: {row['gbps']} GB/s, "
+                f"p50 {row['p50_ms']} ms, {row['verified']}/{requests} verified",
+                flush=True,
+            )
+    summary = {
+        layer: {
+            "gbps": statistics.median(row["gbps"] for row in rows),
+            "p50_ms": statistics.median(row["p50_ms"] for row in rows),
+            "p99_ms": statistics.median(row["p99_ms"] for row in rows),
+            "verified": min(row["verified"] for row in rows),
+        }
+        for layer, rows in runs.items()
+    }
+    ratios = [k["gbps"] / s["gbps"] for k, s in zip(runs["kvbridge"], runs["sglang"], strict=True)]
+    document = {
+        "requests": requests,
+        "tokens": tokens,
+        "rounds": rounds,
+        "summary": summary,
+        "kvbridge_vs_sglang": round(statistics.median(ratios), 3),
+        "ratio_range": [round(min(ratios), 3), round(max(ratios), 3)],
+        "runs": runs,
+    }
+    print(
+        f"kvbridge's decode against sglang's, toward sglang's prefill: "
+        f"{document['kvbridge_vs_sglang']}× ({document['ratio_range'][0]}-"
+        f"{document['ratio_range'][1]}, {rounds} rounds)"
+    )
+    print(f"wrote {save('sglang_mooncake', document)}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument(
+        "--decode",
+        choices=sorted(DECODE_LAYERS),
+        default="sglang",
+        help="the decode side: sglang's own, or kvbridge's with peer_protocol sglang",
+    )
+    parser.add_argument(
+        "--compare",
+        type=int,
+        metavar="ROUNDS",
+        help="run both decode sides ROUNDS times each, alternating (each in a network "
+        "namespace of its own; run from kvbridge's environment, as root)",
+    )
     options = parser.parse_args()
-    pages_per_request = options.tokens // PAGE
+    if options.compare:
+        compare(options.requests, options.tokens, options.compare)
+        return
+    pages_per_request = options.tokens // GEOMETRY.page
     context = multiprocessing.get_context("spawn")
     ready, results = context.Event(), context.Queue()
     processes = [
-        context.Process(target=target, args=(options.requests, pages_per_request, ready, results))
-        for target in (run_prefill, run_decode)
+        context.Process(
+            target=run_prefill, args=(options.requests, pages_per_request, ready, results)
+        ),
+        context.Process(
+            target=run_decode,
+            args=(options.requests, pages_per_request, ready, results, options.decode),
+        ),
     ]
     for process in processes:
         process.start()
@@ -260,10 +317,12 @@ def main() -> None:
         json.dumps(
             {
                 "layer": "sglang 0.5.23 MooncakeKVManager",
+                "decode": options.decode,
                 "requests": options.requests,
                 "tokens": options.tokens,
                 "bytes": decode["bytes"],
                 "verified": decode["verified"],
+                "warmup_verified": decode["warmup_verified"],
                 "gbps": round(decode["bytes"] / decode["seconds"] / 1e9, 3)
                 if decode["seconds"]
                 else 0,

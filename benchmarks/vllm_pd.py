@@ -24,7 +24,7 @@ step), KV in place p50/p99 (from the arrival to the step in which vLLM's schedul
 is loaded: the transfer plane's part, seen the same way for every connector), KV GB/s (the
 batch's KV bytes over the median decode-batch wall), the wall itself; greedy tokens checked
 equal between the connectors. Writes bench-results/vllm.json and vllm.png (another family:
-vllm-FAMILY.json and .png).
+vllm-FAMILY.json and .png; without `--quick`, vllm-full.json or vllm-FAMILY-full.json).
 """
 
 from __future__ import annotations
@@ -53,6 +53,8 @@ from vllm_harness import (
     nixl_config,
     prompt,
 )
+
+from kvbridge_tools.bench_results import save
 
 RESULTS = Path("bench-results")
 CONNECTORS = ("kvbridge-nixl", "kvbridge-mooncake", "vllm-nixl", "vllm-nixl-push")
@@ -385,6 +387,13 @@ def workloads_for(family: str, quick: bool) -> list[tuple[int, int]]:
     return [(1024, 8), (2048, 8)] if quick else [(1024, 8), (1024, 32), (4096, 8), (8192, 8)]
 
 
+def results_name(family: str, quick: bool) -> str:
+    """`vllm`, `vllm-mla`, ...: the quick form's (what `make bench` runs); `-full` after it for
+    the whole one, so that neither overwrites the other's figures."""
+    name = "vllm" if family == "llama" else f"vllm-{family}"
+    return name if quick else f"{name}-full"
+
+
 def compare(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each connector's row over NixlConnector's for the same workload."""
     baseline = {(r["tokens"], r["concurrent"]): r for r in rows if r["connector"] == BASELINE}
@@ -475,10 +484,10 @@ def main() -> None:
         "vs_nixl_connector": summary,
         "failures": failures,
     }
-    name = "vllm" if family == "llama" else f"vllm-{family}"
-    (RESULTS / f"{name}.json").write_text(json.dumps(document, indent=2) + "\n")
+    name = results_name(family, options.quick)
+    written = save(name, document)
     plotted = plot(rows, RESULTS / f"{name}.png")
-    print(f"wrote {RESULTS / name}.json" + (f" and {RESULTS / name}.png" if plotted else ""))
+    print(f"wrote {written}" + (f" and {RESULTS / name}.png" if plotted else ""))
     if failures:
         raise SystemExit("runs that did not finish:\n" + "\n".join(failures))
     if family not in TOKENS_REPORTED_ONLY and not all(line["tokens_equal"] for line in summary):

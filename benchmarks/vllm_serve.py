@@ -18,7 +18,8 @@ first connector's sets the rates for all: fractions of it, unless `--rates`), th
 rate. Reported per run: TTFT, TPOT, ITL and E2E latency p50/p99, request and output-token
 throughput, goodput at the stated SLO, the proxy's own time per request (p50/p99, without the
 time spent waiting on instances), and each connector's TTFT and throughput over the best vLLM
-connector's at the same rate. Writes bench-results/vllm-serve.json and vllm-serve.png.
+connector's at the same rate. Writes bench-results/vllm-serve.json and
+vllm-serve.png (without `--quick`: vllm-serve-full.json and .png).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from vllm_harness import InstanceError, Server, make_model
 from vllm_pd import CONNECTORS, transfer_config
 
 from kvbridge.integrations.vllm_proxy import PDProxy
+from kvbridge_tools.bench_results import save
 
 RESULTS = Path("bench-results")
 VLLM_CONNECTORS = ("vllm-nixl", "vllm-nixl-push")
@@ -396,12 +398,11 @@ def main() -> None:
         "vs_best_vllm": summary,
         "failures": failures,
     }
-    (RESULTS / "vllm-serve.json").write_text(json.dumps(document, indent=2) + "\n")
-    plotted = plot(rows, RESULTS / "vllm-serve.png")
+    name = "vllm-serve" if options.quick else "vllm-serve-full"
+    written = save(name, document)
+    plotted = plot(rows, RESULTS / f"{name}.png")
     print(
-        f"wrote {RESULTS}/vllm-serve.json"
-        + (" and vllm-serve.png" if plotted else "")
-        + f" in {document['wall_s']} s"
+        f"wrote {written}" + (f" and {name}.png" if plotted else "") + f" in {document['wall_s']} s"
     )
     if failures:
         raise SystemExit("runs that did not finish:\n" + "\n".join(failures))

@@ -18,6 +18,7 @@ import numpy as np
 
 from kvbridge.wire import NATIVE, KVLayout, Layout, Message, Registration, TransferRequest
 from kvbridge.wire.sglang import mooncake, nixl
+from kvbridge_tools.bench_results import save
 
 PAGES = 128 * 1024
 LAYERS = 61
@@ -73,6 +74,7 @@ def main() -> None:
         ("kvbridge/1 Registration", registration, None),
     ]
     print(f"{'message':32} {'encode µs':>10} {'decode µs':>10} {'bytes':>9}")
+    rows: list[dict[str, object]] = []
     for name, message, layout in cases:
         encode = NATIVE.encode if layout is None else layout.encode
         decode = NATIVE.decode if layout is None else layout.decode
@@ -82,6 +84,15 @@ def main() -> None:
         encode_us = per_call_us(partial(encode, message))
         decode_us = per_call_us(partial(decode, frames))
         print(f"{name:32} {encode_us:10.1f} {decode_us:10.1f} {size:9d}")
+        rows.append(
+            {
+                "message": name,
+                "encode_us": round(encode_us, 1),
+                "decode_us": round(decode_us, 1),
+                "bytes": size,
+            }
+        )
+    print(f"wrote {save('wire_codec', {'pages': PAGES, 'rows': rows})}")
 
 
 if __name__ == "__main__":

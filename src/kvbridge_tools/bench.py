@@ -27,6 +27,7 @@ from typing import Any
 from kvbridge.config import ManagerConfig
 from kvbridge.engines import PROCESS_ENGINES, engine_spec, unavailable_reason
 from kvbridge.wire import KVLayout
+from kvbridge_tools.bench_results import provenance
 from kvbridge_tools.demo import DemoConfig, DemoResult, available_memory, run_demo
 
 ENGINES = PROCESS_ENGINES
@@ -130,6 +131,12 @@ class CellResult:
         row = asdict(self)
         row["ratio"] = None if self.ratio is None else round(self.ratio, 3)
         return row
+
+    @classmethod
+    def from_json(cls, row: Mapping[str, Any]) -> CellResult:
+        """The result `as_json` wrote (its derived `ratio` dropped)."""
+        fields = {key: value for key, value in row.items() if key not in ("cell", "ratio")}
+        return cls(cell=Cell(**row["cell"]), **fields)
 
 
 def cells(preset: Preset, engines: tuple[str, ...]) -> list[Cell]:
@@ -439,6 +446,7 @@ def default_engines(preset_name: str) -> tuple[str, ...]:
 def bench_document(rows: list[CellResult], preset_name: str) -> dict[str, Any]:
     """The results as one JSON-ready document (bench.json, `kvbridge bench --json`)."""
     return {
+        "measured": provenance(),
         "preset": preset_name,
         "machine": {"cpus": os.cpu_count(), "memory_budget_bytes": memory_budget()},
         "cells": [row.as_json() for row in rows],

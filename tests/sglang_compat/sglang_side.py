@@ -1,0 +1,153 @@
+"""sglang 0.5.23's real PD transfer layer (Mooncake), driven as its schedulers drive it but
+without a model: the live peer of kvbridge's tests and of benchmarks/sglang_mooncake.py.
+
+Runs inside .venv-sglang, in a network namespace of its own (Mooncake binds wildcard
+listeners). `sglang_role` publishes a scheduler's server args and starts Mooncake's engine as
+`prefill.py::_init_kv_manager` / `decode.py` do; `sglang_kv_args` fills sglang's `KVArgs` for
+numpy buffers as `_init_kv_manager` fills it (../shared/reference/sglang-cpu.md).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+# Environment as sglang is run on these machines: its host IP, Mooncake over TCP, and
+# Mooncake's per-peer queue limits raised as sglang deployments raise them.
+ENVIRONMENT = {
+    "SGLANG_HOST_IP": "127.0.0.1",
+    "MOONCAKE_PROTOCOL": "tcp",
+    "MC_FORCE_TCP": "1",
+    "MC_LOG_LEVEL": "WARNING",
+    "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": "65535",
+    "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER": "65535",
+}
+AUX_BYTES = 64
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """A rank's KV cache: `layers` K buffers then V buffers of `[pages, page, heads, dim]` bf16
+    (as uint16), and `slots` aux slots of AUX_BYTES."""
+
+    layers: int = 32
+    heads: int = 8
+    head_dim: int = 128
+    page: int = 16
+
+    def buffers(
+        self, pages: int, slots: int
+    ) -> tuple[list[npt.NDArray[np.uint16]], npt.NDArray[np.uint8]]:
+        """Zeroed and resident (written once, as sglang's torch.zeros pools are: a page first
+        touched inside a transfer costs the kernel's fault and zeroing)."""
+        shape = (pages, self.page, self.heads, self.head_dim)
+        kv = [np.empty(shape, np.uint16) for _ in range(2 * self.layers)]
+        aux = np.empty((slots, AUX_BYTES), np.uint8)
+        for array in (*kv, aux):
+            array.fill(0)
+        return kv, aux
+
+    @property
+    def page_bytes(self) -> int:
+        """One page of one KV buffer."""
+        return self.page * self.heads * self.head_dim * 2
+
+    def content(self, room: int, buffer: int, pages: int) -> npt.NDArray[np.uint16]:
+        """A room's pages in one buffer: a function of (room, buffer, position)."""
+        words = pages * self.page * self.heads * self.head_dim
+        base = np.uint64((room * 1_000_003 + buffer) * 0x100000001B3 % 2**64)
+        values = (np.arange(words // 4, dtype=np.uint64) + base) * np.uint64(0x9E3779B97F4A7C15)
+        return values.view(np.uint16).reshape(pages, self.page, self.heads, self.head_dim)
+
+
+def aux_content(room: int) -> int:
+    return room % 251 + 1
+
+
+def sglang_role(role: str, bootstrap_port: int) -> dict[str, Any]:
+    """Import sglang's PD modules and publish a scheduler's server args for `role`; the
+    classes by kind (`KVARGS`, `MANAGER`, `SENDER`, `RECEIVER`, `BOOTSTRAP_SERVER`)."""
+    for name, value in ENVIRONMENT.items():
+        os.environ.setdefault(name, value)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from sglang_import import import_sglang
+
+    import_sglang()
+    from sglang.srt.disaggregation.utils import (
+        DisaggregationMode,
+        KVClassType,
+        TransferBackend,
+        get_kv_class,
+    )
+    from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import (
+        init_mooncake_transfer_engine,
+    )
+    from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish
+    from sglang.srt.server_args import ServerArgs
+
+    server_args = ServerArgs(
+        model_path="dummy",
+        device="cpu",
+        disaggregation_mode=role,
+        disaggregation_transfer_backend="mooncake",
+        disaggregation_bootstrap_port=bootstrap_port,
+    )
+    publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=0, gpu_id=0))
+    get_parallel().override_permanently(pp_group=None)
+    init_mooncake_transfer_engine("127.0.0.1", gpu_id=0, ib_device=None)
+
+    def kind(name: str) -> Any:
+        return get_kv_class(TransferBackend.MOONCAKE, getattr(KVClassType, name))
+
+    mode = DisaggregationMode.PREFILL if role == "prefill" else DisaggregationMode.DECODE
+    return {"server_args": server_args, "mode": mode, "class": kind}
+
+
+def sglang_kv_args(
+    kind: Any, geometry: Geometry, kv: list[npt.NDArray[np.uint16]], aux: npt.NDArray[np.uint8]
+) -> Any:
+    """sglang's KVArgs for these buffers, filled as `_init_kv_manager` fills it (one rank)."""
+    args = kind("KVARGS")()
+    pages = kv[0].shape[0]
+    args.engine_rank, args.pp_rank, args.system_dp_rank, args.rust_http_port = 0, 0, 0, None
+    args.kv_cache_dtype_str, args.kv_layout = "auto", None  # sglang's default: the model's
+    args.prefill_start_layer, args.prefill_end_layer = 0, geometry.layers
+    args.kv_data_ptrs = [b.ctypes.data for b in kv]
+    args.kv_data_lens = [b.nbytes for b in kv]
+    args.kv_item_lens = [b.nbytes // pages for b in kv]
+    args.num_draft_entries, args.kv_layer_ids = 0, []
+    args.kv_head_num, args.total_kv_head_num, args.page_size = (
+        geometry.heads,
+        geometry.heads,
+        geometry.page,
+    )
+    args.aux_data_ptrs, args.aux_data_lens, args.aux_item_lens = (
+        [aux.ctypes.data],
+        [aux.nbytes],
+        [AUX_BYTES],
+    )
+    args.ib_device, args.gpu_id = None, 0
+    # setup_state_kv_args for a pool with no state (Llama): every state list empty.
+    for name in (
+        "state_types",
+        "state_data_ptrs",
+        "state_data_lens",
+        "state_item_lens",
+        "state_dim_per_tensor",
+        "state_slice_outer_counts",
+        "state_layer_ids",
+        "state_conv_shard_groups",
+    ):
+        setattr(args, name, [])
+    args.is_hybrid_mla_backend, args.swa_kv_cache_layout, args.mla_compression_ratios = (
+        False,
+        None,
+        None,
+    )
+    return args
