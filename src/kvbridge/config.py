@@ -15,6 +15,9 @@ from kvbridge.wire.auth import secret_from_env
 # waiting for ring space and rooms finishing together: median request 0.35-0.54 s against
 # 0.25-0.30 s at 128 or 256 MiB, GB/s the same within the noise (2026-12-04, README).
 DEFAULT_STAGING_BYTES = 128 << 20
+PEER_PROTOCOLS = ("kvbridge", "sglang")
+# The engines kvbridge speaks to SGLang peers over (NIXL's SGLang dialect: not yet).
+SGLANG_ENGINES = ("mooncake",)
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,10 @@ class ManagerConfig:
         `manager.metrics.port`); None (the default): no server.
     secret: shared secret (default: $KVBRIDGE_SECRET): control messages carry and require
         an auth tag (HMAC, timestamp, nonce); bootstrap registrations need the derived token.
+    peer_protocol: what the peers speak: "kvbridge" (kvbridge ranks) or "sglang" (sglang
+        0.5.23's own PD transfer layer, over Mooncake: `bootstrap_url` is then an SGLang
+        bootstrap address `host:port`, messages are sglang's frames; SGLang peers carry no
+        secret, heartbeats or write leases: docs/trust-model.md says what holds).
     """
 
     engine: str = DEFAULT_ENGINE
@@ -73,10 +80,31 @@ class ManagerConfig:
     peer_timeout_s: float = 3.0
     metrics_port: int | None = None
     secret: bytes | None = field(default_factory=secret_from_env, repr=False)
+    peer_protocol: str = "kvbridge"
 
     def __post_init__(self) -> None:
         if self.writes_in_flight < 1:
             raise ValueError(f"writes_in_flight must be at least 1, got {self.writes_in_flight}")
+        if self.peer_protocol not in PEER_PROTOCOLS:
+            raise ValueError(
+                f"peer_protocol must be one of {', '.join(PEER_PROTOCOLS)}, "
+                f"got {self.peer_protocol!r}"
+            )
+        if self.sglang_peers:
+            if self.engine not in SGLANG_ENGINES:
+                raise ValueError(
+                    f"SGLang peers move KV over {', '.join(SGLANG_ENGINES)} here, not "
+                    f"{self.engine!r}"
+                )
+            if self.secret:
+                raise ValueError(
+                    "SGLang peers carry no secret (sglang's frames have no auth tag): unset "
+                    "KVBRIDGE_SECRET / ManagerConfig.secret for peer_protocol 'sglang'"
+                )
+
+    @property
+    def sglang_peers(self) -> bool:
+        return self.peer_protocol == "sglang"
 
     @property
     def exposed_without_secret(self) -> bool:

@@ -19,27 +19,32 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import queue
-import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 
 from kvbridge.cache import BufferSpec, KVArgs
 from kvbridge.cache.peer import memory_regions, registration_for
-from kvbridge.cache.plan import dst_token_rows
+from kvbridge.cache.sglang_peer import sglang_registration_for, sglang_request_problem
+from kvbridge.cache.sglang_route import SGLANG_LAYOUTS, group_problem, sglang_route
 from kvbridge.cache.topology import DecodeRoute, TopologyError, topology
 from kvbridge.config import ManagerConfig
 from kvbridge.control.bootstrap import BootstrapError, PrefillRank, lookup_prefill_group
+from kvbridge.control.sglang_bootstrap import (
+    HealthPoller,
+    SGLangPrefillGroup,
+    lookup_sglang_group,
+)
 from kvbridge.core.decode_events import (
-    ChunkScattered,
     Closing,
     DecodeSettings,
     DecodeStats,
     ForgetPrefill,
     LeasesRenewing,
+    PrefillsAnswered,
     Registering,
     RoomAborted,
     RoomCleared,
@@ -47,8 +52,10 @@ from kvbridge.core.decode_events import (
     ScatterChunk,
 )
 from kvbridge.core.decode_protocol import FENCE_MARGIN_S, DecodeProtocol
+from kvbridge.core.decode_sglang import SGLangPeer
 from kvbridge.core.protocol import Tick
 from kvbridge.core.room import RoomStatus
+from kvbridge.decode_scatter import ScatterThread
 from kvbridge.runtime import RankManager, RankRuntime
 from kvbridge.wire import FailureKind, KVPoll, Message
 from kvbridge.wire.address import tcp_endpoint
@@ -64,8 +71,27 @@ log = logging.getLogger("kvbridge.decode")
 FIRST_SEND_WAIT_S = 0.002
 
 
+@dataclass(frozen=True)
+class PrefillWay:
+    """How this rank's rooms toward one prefill group go: the route (sources and dummies),
+    per prefill rank the requests it counts on and its control endpoint (registered with),
+    and the ranks whose status ends a room (None: every rank asked)."""
+
+    route: DecodeRoute
+    required: dict[int, int]
+    endpoints: dict[int, str]
+    reporting: frozenset[int] | None = None
+
+
 class DecodeManager(RankManager):
     def __init__(self, kv_args: KVArgs, config: ManagerConfig) -> None:
+        if config.sglang_peers and (
+            kv_args.state_buffers or kv_args.kv_layout not in SGLANG_LAYOUTS
+        ):
+            raise ValueError(
+                "toward SGLang prefill ranks a decode rank moves MHA or MLA KV and aux slots "
+                "(state buffers and other layouts: not yet)"
+            )
         self.config = config
         self.rank = kv_args.attn_tp_rank
         self.runtime = RankRuntime("decode", kv_args, config, self._on_message, self._on_tick)
@@ -101,6 +127,7 @@ class DecodeManager(RankManager):
         self.stats: DecodeStats = self.protocol.stats
         self._lock = self.runtime.lock
         self._groups: dict[str, list[PrefillRank]] = {}  # bootstrap URL → its prefill ranks
+        self._sglang_groups: dict[str, SGLangPrefillGroup] = {}  # by SGLang bootstrap address
         # A room's last write notifies this rank; its complete form (`COMPLETING_NOTIFICATIONS`)
         # spares prefill a success status per room, and the room half a round trip. Not with
         # a secret: an engine's notifications are not authenticated, statuses are.
@@ -110,12 +137,16 @@ class DecodeManager(RankManager):
             else frozenset()
         )
         self._poll_often = False
-        self._scatters: queue.SimpleQueue[ScatterChunk | None] = queue.SimpleQueue()
-        self._scatter_thread = threading.Thread(
-            target=self._run_scatters, name="kvbridge-decode-scatter", daemon=True
-        )
-        self._scatter_thread.start()
-        self.runtime.watch(self._scatter_thread)
+        self._scatters = ScatterThread(self.kv_args, self.runtime, self.protocol, self.stats)
+        self.runtime.watch(self._scatters.thread)
+        self._health: HealthPoller | None = None
+        if config.sglang_peers:
+            self._health = HealthPoller(
+                self._known_sglang_groups,
+                lambda endpoints: self._handle(PrefillsAnswered(endpoints)),
+                config.heartbeat_interval_s,
+            )
+            self.runtime.watch(self._health.thread)
         self._handle = self.runtime.handle
         try:
             self.runtime.start(self.protocol, self._execute_own, self._counters)
@@ -141,11 +172,13 @@ class DecodeManager(RankManager):
     def receiver(self, room: int, bootstrap_url: str | None = None) -> KVReceiver:
         return KVReceiver(self, room, bootstrap_url or self.config.bootstrap_url)
 
-    def route_to(self, url: str) -> tuple[DecodeRoute, dict[int, int], dict[int, str]]:
+    def route_to(self, url: str) -> PrefillWay:
         """How this rank's rooms toward the prefill group behind `url` go: its route (sources
         and dummies), per prefill rank the requests it needs and its control endpoint, this
         rank registered with each. Looks the group up once (blocking, up to
         bootstrap_timeout_s); BootstrapError or TopologyError say why there is no route."""
+        if self.config.sglang_peers:
+            return self._sglang_way(url)
         group = self.prefill_group(url)
         args = self.kv_args
         mapping = topology(
@@ -162,20 +195,68 @@ class DecodeManager(RankManager):
         endpoints = {
             rank: self.ensure_registered(group[rank]) for rank in decode_route.prefill_ranks
         }
-        return decode_route, required, endpoints
+        return PrefillWay(decode_route, required, endpoints)
+
+    def _sglang_way(self, address: str) -> PrefillWay:
+        """`route_to` for an SGLang prefill group: sglang's rank mapping, its registration."""
+        group = self.sglang_group(address)
+        args = self.kv_args
+        problem = group_problem(group.page_size, group.kv_cache_dtype, args)
+        if problem is not None:
+            raise TopologyError(f"{address}: {problem}")
+        way = sglang_route(
+            group.attn_tp_size,
+            args.attn_tp_size,
+            args.attn_tp_rank,
+            args.total_kv_heads,
+            args.kv_layout,
+        )
+        endpoints = {
+            rank: self._register_sglang(group.endpoints[rank]) for rank in way.route.prefill_ranks
+        }
+        return PrefillWay(way.route, way.required, endpoints, way.reporting)
+
+    def sglang_group(self, address: str) -> SGLangPrefillGroup:
+        """The SGLang prefill group behind a bootstrap address (looked up once, then cached)."""
+        with self._lock:
+            group = self._sglang_groups.get(address)
+        if group is None:
+            group = lookup_sglang_group(address, self.config.bootstrap_timeout_s)
+            with self._lock:
+                self._sglang_groups[address] = group
+        return group
+
+    def _known_sglang_groups(self) -> list[SGLangPrefillGroup]:
+        with self._lock:
+            return list(self._sglang_groups.values())
+
+    def _register_sglang(self, endpoint: str) -> str:
+        """Register this rank with an SGLang prefill rank (once), in sglang's frames."""
+        with self._lock:
+            if self.protocol.registered(endpoint):
+                return endpoint
+        session_id = self.engine.endpoint().decode()
+        registration = sglang_registration_for(
+            self.kv_args,
+            host=self.channel.host,
+            control_port=self.channel.port,
+            session_id=session_id,
+        )
+        self._handle(Registering(endpoint, registration, SGLangPeer(session_id)))
+        return endpoint
 
     def renew_leases(self, url: str, rooms: Sequence[int]) -> None:
         """The scheduler will still ask the prefill group behind `url` for these rooms (its
         requests wait in the queue): their request deadlines there start again. Blocks for
         the group's lookup the first time; BootstrapError or TopologyError if it fails."""
-        _, _, endpoints = self.route_to(url)
-        self._handle(LeasesRenewing(tuple(endpoints.values()), tuple(rooms)))
+        way = self.route_to(url)
+        self._handle(LeasesRenewing(tuple(way.endpoints.values()), tuple(rooms)))
 
     def knows_prefill(self, url: str) -> bool:
         """Whether the prefill group behind `url` is cached: opening a room toward it then
         makes no blocking lookup."""
         with self._lock:
-            return url in self._groups
+            return url in self._groups or url in self._sglang_groups
 
     def prefill_group(self, url: str) -> list[PrefillRank]:
         """The prefill ranks behind a bootstrap URL (looked up once, then cached)."""
@@ -196,6 +277,8 @@ class DecodeManager(RankManager):
         ]
         for url in stale:
             del self._groups[url]
+        for address in [a for a, g in self._sglang_groups.items() if endpoint in g.endpoints]:
+            del self._sglang_groups[address]
 
     def ensure_registered(self, target: PrefillRank) -> str:
         """Register this rank with a prefill rank (once); its control endpoint."""
@@ -270,47 +353,6 @@ class DecodeManager(RankManager):
         with self._lock:
             return self.protocol.busy
 
-    # --- scatter thread ----------------------------------------------------------------------
-
-    def _run_scatters(self) -> None:
-        while True:
-            scatter = self._scatters.get()
-            if scatter is None:
-                return
-            failed = False
-            try:
-                self._scatter(scatter)
-            except Exception:  # a broken chunk fails its room, never this thread
-                log.exception(
-                    "scatter of room %d chunk %d failed",
-                    scatter.ready.room,
-                    scatter.ready.chunk_idx,
-                )
-                failed = True
-            self._handle(ChunkScattered(scatter.ready, scatter.allocation, failed))
-
-    def _scatter(self, scatter: ScatterChunk) -> None:
-        ready, ring = scatter.ready, self.runtime.staging
-        assert ring is not None
-        with self._lock:
-            if not self.protocol.scatter_wanted(ready.room):
-                return
-        args = self.kv_args
-        rows = dst_token_rows(
-            ready.token_start,
-            ready.token_count,
-            scatter.dst_pages,
-            args.page_size,
-            args.dcp_size,
-            args.dcp_rank,
-        )
-        column, width = scatter.source.columns(args.head_bytes, "dst")
-        started = time.perf_counter()
-        ring.scatter(scatter.allocation.offset, scatter.allocation.end, rows, column, width)
-        with self._lock:
-            self.stats.scattered_chunks += 1
-            self.stats.scatter_s += time.perf_counter() - started
-
     # --- lifecycle -------------------------------------------------------------------------
 
     def close(self) -> None:
@@ -327,8 +369,9 @@ class DecodeManager(RankManager):
             time.sleep(0.01)
         if unsafe:
             log.warning("closing with %d room(s) whose writers were not heard from", unsafe)
-        self._scatters.put(None)
-        self._scatter_thread.join(timeout=10.0)
+        self._scatters.close()
+        if self._health is not None:
+            self._health.close()
         self.runtime.close()
 
 
@@ -343,14 +386,12 @@ class KVReceiver:
         self.room = room
         self._status = RoomStatus()
         self._open = False  # from init() to clear(): the status lives in the protocol
-        self._route: DecodeRoute | None = None
-        self._required: dict[int, int] = {}
-        self._endpoints: dict[int, str] = {}
+        self._way: PrefillWay | None = None
         if bootstrap_url is None:
             self._status.fail(FailureKind.BOOTSTRAP, "no bootstrap URL for this room")
             return
         try:
-            self._route, self._required, self._endpoints = manager.route_to(bootstrap_url)
+            self._way = manager.route_to(bootstrap_url)
         except BootstrapError as exc:
             self._status.fail(FailureKind.BOOTSTRAP, str(exc))
             return
@@ -371,17 +412,27 @@ class KVReceiver:
 
         `kv_pages` pairs with the room's pages after the first `decode_prefix_len` tokens;
         SKIPPED_PAGE (-1) where decode needs nothing (pages of one size on both sides)."""
-        if self._status.finished or self._route is None or self._open:
+        way = self._way
+        if self._status.finished or way is None or self._open:
             return
+        pages = np.asarray(kv_pages, dtype=np.int32).ravel()
+        if self.manager.config.sglang_peers:  # an SGLang prefill checks no index of ours
+            args = self.manager.kv_args
+            problem = sglang_request_problem(args, pages, aux_index, state_indices)
+            if problem is not None:
+                self._status.fail(FailureKind.INCOMPATIBLE, f"room {self.room}: {problem}")
+                self.manager.abort_room(self.room, problem, list(way.endpoints.values()))
+                return
         opened = RoomOpened(
             room=self.room,
-            route=self._route,
-            required=dict(self._required),
-            endpoints=dict(self._endpoints),
-            pages=np.asarray(kv_pages, dtype=np.int32).ravel(),
+            route=way.route,
+            required=dict(way.required),
+            endpoints=dict(way.endpoints),
+            pages=pages,
             aux_index=aux_index,
             state_indices=tuple(state_indices),
             decode_prefix_len=decode_prefix_len,
+            reporting=way.reporting,
         )
         self._open = True
         self.manager.open_room(opened)
@@ -414,7 +465,8 @@ class KVReceiver:
             self.manager.abort_room(self.room, reason)
         elif self._status.fail(FailureKind.ABORTED, f"aborted by decode: {reason}"):
             # Before init(): the prefill ranks hear it now, not at their deadline.
-            self.manager.abort_room(self.room, reason, list(self._endpoints.values()))
+            endpoints = self._way.endpoints.values() if self._way is not None else ()
+            self.manager.abort_room(self.room, reason, list(endpoints))
 
     @property
     def pages_safe(self) -> bool:

@@ -81,6 +81,11 @@ class PrefillManager(RankManager):
     def __init__(self, kv_args: KVArgs, config: ManagerConfig) -> None:
         if config.bootstrap_url is None and not config.run_bootstrap:
             raise ValueError("a prefill manager needs bootstrap_url or run_bootstrap")
+        if config.sglang_peers:
+            raise ValueError(
+                "a kvbridge prefill rank serving SGLang decode ranks is not supported yet "
+                "(peer_protocol 'sglang' is for decode ranks)"
+            )
         self.kv_args = kv_args
         self.config = config
         self.rank = kv_args.attn_tp_rank

@@ -25,7 +25,8 @@ from kvbridge.core.protocol import ProtocolCore, RoomsChanged, Send
 from kvbridge.engines import TransferEngine, create_engine
 from kvbridge.metrics import ManagerMetrics, Snapshot
 from kvbridge.staging.buffer import StagingBuffer, StagingUnavailable, open_staging
-from kvbridge.wire import Message
+from kvbridge.wire import Message, Receiver
+from kvbridge.wire.sglang.mooncake import MOONCAKE
 
 log = logging.getLogger("kvbridge.runtime")
 
@@ -51,7 +52,7 @@ class RankRuntime:
         )
         # Prefill gathers staged chunks into this buffer; decode's is the ring prefill writes.
         self.staging: StagingBuffer | None = None
-        if config.staging:
+        if config.staging and not config.sglang_peers:  # sglang stages only on GPUs
             try:
                 self.staging = open_staging(kv_args, config.staging_bytes, config.staging_kernels)
             except StagingUnavailable as exc:
@@ -66,7 +67,12 @@ class RankRuntime:
         # that waits on (a vLLM engine step with nothing to compute); may be set spuriously.
         self.activity = threading.Event()
         self.channel = ControlChannel(
-            config.host, on_message, on_tick, name=f"kvbridge-{role}", secret=config.secret
+            config.host,
+            on_message,
+            on_tick,
+            name=f"kvbridge-{role}",
+            secret=config.secret,
+            foreign=(MOONCAKE, Receiver(role)) if config.sglang_peers else None,
         )
         self._protocol: ProtocolCore | None = None
         self._threads: list[threading.Thread] = []

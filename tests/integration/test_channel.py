@@ -13,7 +13,9 @@ from waiting import wait_for
 
 from kvbridge.control import channel as channel_module
 from kvbridge.control.channel import ControlChannel
-from kvbridge.wire import Heartbeat, Message
+from kvbridge.wire import Heartbeat, Message, Receiver
+from kvbridge.wire.sglang import common
+from kvbridge.wire.sglang.mooncake import MOONCAKE
 
 
 @contextmanager
@@ -57,3 +59,32 @@ def test_sending_now_returns_once_its_messages_left_and_never_waits_for_nothing(
         assert sender.stats.sent == 1  # it left before the block's end returned
         assert time.monotonic() - started < 20
         wait_for(lambda: len(got) == 1, timeout_s=20)
+
+
+def test_a_channel_with_sglang_peers_speaks_sglang_and_never_native() -> None:
+    # A decode rank's channel (sglang's decode-side listener rules) and a prefill rank's
+    # stand-in that reads sglang's prefill-side frames.
+    got: list[Message] = []
+    decode = ControlChannel(
+        "127.0.0.1",
+        lambda message: None,
+        name="kvbridge-test-decode",
+        foreign=(MOONCAKE, Receiver.DECODE),
+    )
+    prefill = ControlChannel(
+        "127.0.0.1", got.append, name="kvbridge-test-prefill", foreign=(MOONCAKE, Receiver.PREFILL)
+    )
+    decode.start()
+    prefill.start()
+    try:
+        decode.send(prefill.endpoint, Heartbeat("decode-0", 1, 1000))  # must not reach sglang
+        wait_for(lambda: decode.stats.refused_native == 1, timeout_s=20)
+        abort = common.AbortNotification(7, "127.0.0.1", decode.port, 3)
+        decode.send(prefill.endpoint, abort)
+        wait_for(lambda: len(got) == 1, timeout_s=20)
+        assert [type(message) for message in got] == [common.AbortNotification]
+        assert got[0].generation == 3  # type: ignore[attr-defined]
+        assert (decode.stats.sent, prefill.stats.malformed) == (1, 0)
+    finally:
+        decode.close()
+        prefill.close()

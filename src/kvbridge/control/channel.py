@@ -8,6 +8,11 @@ would each wait for it). Incoming messages are decoded (native
 profile) and given to the manager's handler on that thread; a malformed message or a failing
 handler is logged and counted, and the listener keeps serving.
 
+A rank whose peers are SGLang's (`foreign`: an SGLang profile) reads and sends that profile's
+frames only, reading them as its own side's listener in sglang does; a kvbridge message is
+never sent from it (one foreign frame list stops an sglang prefill rank's listener thread for
+good): it is refused and counted.
+
 Nothing a peer sends can stop the loop: a destination that is not a control endpoint is
 refused before ZMQ sees it, sockets to peers are a bounded cache (least recently used closed
 first, idle ones closed after `PEER_IDLE_S`), and a ZMQ error on one message (a full context,
@@ -30,9 +35,11 @@ from dataclasses import dataclass
 
 import zmq
 
-from kvbridge.wire import NATIVE, Message, WireError
+from kvbridge.wire import NATIVE, Message, Receiver, WireError
 from kvbridge.wire.address import endpoint_problem, tcp_endpoint
 from kvbridge.wire.auth import ReplayGuard
+from kvbridge.wire.sglang import ZmqMessage
+from kvbridge.wire.sglang.common import SGLangProfile
 
 log = logging.getLogger("kvbridge.control")
 
@@ -70,6 +77,8 @@ class ChannelStats:
     sockets_evicted: int = 0
     # ZMQ errors survived (no file descriptor, context full, ...), in the loop or per message.
     zmq_errors: int = 0
+    # kvbridge messages not sent by a rank whose peers speak SGLang.
+    refused_native: int = 0
     # CPU seconds the channel's thread used (receiving, decoding, handling, encoding, sending,
     # ticks): the control plane's cost, kept up to date by the thread itself.
     cpu_seconds: float = 0.0
@@ -85,11 +94,13 @@ class ControlChannel:
         name: str = "kvbridge-control",
         secret: bytes | None = None,
         max_frame_bytes: int = MAX_FRAME_BYTES,
+        foreign: tuple[SGLangProfile, Receiver] | None = None,
     ) -> None:
         """`on_tick` runs every loop iteration on the channel thread and says whether work is
         in flight (the loop then polls at `BUSY_POLL_MS`). Frames over `max_frame_bytes` are
         refused both ways: a peer that sends one is disconnected, and one of ours is dropped
-        with an error before it leaves."""
+        with an error before it leaves. `foreign`: the SGLang profile this rank's peers speak
+        and which side's listener this rank is in it."""
         self._context = zmq.Context()
         self._pull = self._context.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
@@ -102,6 +113,7 @@ class ControlChannel:
         self._on_tick = on_tick
         self._secret = secret
         self._guard = ReplayGuard() if secret else None
+        self._foreign = foreign
         self._outgoing: queue.SimpleQueue[tuple[str, Message]] = queue.SimpleQueue()
         # send() writes a byte here when the loop may be asleep in its poll; the loop clears
         # `_wake_pending` before it drains the queue, so no queued message waits for a timeout.
@@ -213,7 +225,7 @@ class ControlChannel:
                 return
             self.stats.received += 1
             try:
-                message = NATIVE.decode(frames, secret=self._secret, guard=self._guard)
+                message = self._decode(frames)
             except WireError as exc:
                 if exc.field in ("auth_tag", "header.flags") and self._secret:
                     self.stats.unauthenticated += 1
@@ -227,6 +239,25 @@ class ControlChannel:
             except Exception:
                 self.stats.handler_errors += 1
                 log.exception("handler failed on %s", type(message).__name__)
+
+    def _decode(self, frames: list[bytes]) -> Message:
+        if self._foreign is None:
+            return NATIVE.decode(frames, secret=self._secret, guard=self._guard)
+        profile, receiver = self._foreign
+        return profile.decode(frames, receiver=receiver)
+
+    def _encode(self, endpoint: str, message: Message) -> list[bytes] | None:
+        """The message's frames; None: it must not leave (a kvbridge message from a rank whose
+        peers speak SGLang)."""
+        if self._foreign is None:
+            return NATIVE.encode(message, secret=self._secret)
+        if isinstance(message, ZmqMessage):
+            return self._foreign[0].encode(message)
+        self.stats.refused_native += 1
+        log.error(
+            "not sending %s to %s: this rank's peers speak SGLang", type(message).__name__, endpoint
+        )
+        return None
 
     def _flush(self) -> None:
         sent = self.stats.sent
@@ -244,7 +275,10 @@ class ControlChannel:
                 log.warning("dropped %s to a bad endpoint: %s", kind, problem)
                 continue
             try:
-                frames = NATIVE.encode(message, secret=self._secret)
+                encoded = self._encode(endpoint, message)
+                if encoded is None:
+                    continue
+                frames = encoded
                 largest = max(len(frame) for frame in frames)
                 if largest > self._max_frame_bytes:
                     self.stats.send_failures += 1

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
@@ -16,6 +17,10 @@ from kvbridge.core.protocol import RankStats, RoomsChanged, Send
 from kvbridge.staging.ring import Allocation
 from kvbridge.wire import ChunkReady, Registration
 from kvbridge.wire.address import tcp_endpoint
+from kvbridge.wire.sglang.mooncake import KVArgsRegisterInfo
+
+if TYPE_CHECKING:  # (decode_sglang builds on these events)
+    from kvbridge.core.decode_sglang import SGLangPeer
 
 # --- actions: what the manager executes ----------------------------------------------------
 
@@ -46,17 +51,29 @@ Action = Send | ScatterChunk | ForgetPrefill | RoomsChanged
 
 @dataclass(frozen=True)
 class Registering:
-    """A receiver needs this prefill rank: register with it, once."""
+    """A receiver needs this prefill rank: register with it, once. `sglang`: the rank is an
+    SGLang prefill rank (`registration` is then sglang's), spoken to by its rules."""
 
     endpoint: str
-    registration: Registration
+    registration: Registration | KVArgsRegisterInfo
+    sglang: SGLangPeer | None = None
+
+
+@dataclass(frozen=True)
+class PrefillsAnswered:
+    """SGLang prefill ranks showed a sign of life: their group's bootstrap answered its health
+    check (sglang's own decode watches its prefill the same way; they send no heartbeats)."""
+
+    endpoints: tuple[str, ...]
 
 
 @dataclass(frozen=True)
 class RoomOpened:
     """`KVReceiver.init`: decode's pages (SKIPPED_PAGE where it needs nothing), aux slot and
     state slots for a room, and its way to the prefill group: its route (sources and dummies),
-    per prefill rank the requests that rank counts on and its control endpoint."""
+    per prefill rank the requests that rank counts on and its control endpoint, and the ranks
+    whose status ends the room (None: every rank asked, kvbridge's rule; an SGLang dummy
+    reports nothing)."""
 
     room: int
     route: DecodeRoute
@@ -66,6 +83,7 @@ class RoomOpened:
     aux_index: int | None = None
     state_indices: tuple[int, ...] = ()
     decode_prefix_len: int | None = None
+    reporting: frozenset[int] | None = None
 
 
 @dataclass(frozen=True)

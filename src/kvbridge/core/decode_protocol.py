@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import logging
 
-import numpy as np
-
 from kvbridge.core.decode_events import (
     Action,
     ChunkScattered,
@@ -23,16 +21,20 @@ from kvbridge.core.decode_events import (
     DecodeStats,
     ForgetPrefill,
     LeasesRenewing,
+    PrefillsAnswered,
     Registering,
     RoomAborted,
     RoomCleared,
     RoomOpened,
 )
+from kvbridge.core.decode_heartbeats import DecodeHeartbeats
+from kvbridge.core.decode_requests import opened_room, room_requests
 from kvbridge.core.decode_ring import DecodeRing
 from kvbridge.core.decode_room import DecodeRoom
+from kvbridge.core.decode_sglang import ABORT_RELEASE_S, SGLangPeers
 from kvbridge.core.liveness import Liveness
 from kvbridge.core.protocol import DueQueue, ProtocolCore, RoomsChanged, Send, Tick
-from kvbridge.core.room import SKIPPED_PAGE, RoomStatus
+from kvbridge.core.room import RoomStatus
 from kvbridge.wire import (
     Abort,
     AbortAck,
@@ -42,10 +44,11 @@ from kvbridge.wire import (
     KVPoll,
     RoomLease,
     StagingRequest,
-    TransferRequest,
     TransferStatus,
 )
 from kvbridge.wire.notifications import parse_notification
+from kvbridge.wire.sglang import common as sglang_common
+from kvbridge.wire.sglang.common import AbortNotification
 
 log = logging.getLogger("kvbridge.decode")
 # Slack on top of a dead prefill rank's write lease before its rooms' pages count as safe:
@@ -69,8 +72,9 @@ class DecodeProtocol(ProtocolCore):
         self.rooms: dict[int, DecodeRoom] = {}
         self.liveness = Liveness(settings.heartbeat_interval_s, settings.peer_timeout_s)
         self._registered: set[str] = set()  # prefill control endpoints
-        self._heard_sequence: dict[str, int] = {}  # prefill endpoint → last heartbeat heard
-        self._heartbeats = 0
+        # The SGLang prefill ranks among them: no heartbeats, tokens or leases; their rules.
+        self._sglang = SGLangPeers(settings, self.rooms, self._ignore)
+        self._heartbeats = DecodeHeartbeats(settings, self.liveness)
         self.staging = DecodeRing(settings, self.stats, self._registered, self.rooms, self._ignore)
         # Ticks come every millisecond while rooms transfer (the engine's notifications);
         # deadlines and liveness, which look at every room and peer, only every sweep.
@@ -81,10 +85,13 @@ class DecodeProtocol(ProtocolCore):
             {
                 Heartbeat: self._on_heartbeat,
                 AbortAck: self._on_abort_ack,
+                sglang_common.AbortAck: self._sglang.on_abort_ack,
+                sglang_common.AuxData: self._sglang.on_aux_data,
                 TransferStatus: self._on_status,
                 StagingRequest: self.staging.on_staging_request,
                 ChunkReady: self.staging.on_chunk_ready,
                 Registering: self._on_registering,
+                PrefillsAnswered: self._on_prefills_answered,
                 RoomOpened: self._on_room_opened,
                 RoomAborted: self._on_room_aborted,
                 LeasesRenewing: self._on_leases_renewing,
@@ -135,16 +142,15 @@ class DecodeProtocol(ProtocolCore):
             return self._ignore("heartbeat from %s without this rank's token", endpoint)
         if self.liveness.seen(endpoint, now):
             log.info("prefill %s is heard from again", endpoint)
-        # Answered at once: the echo is what extends the prefill rank's write lease.
-        self._heard_sequence[endpoint] = message.sequence
-        pong = Heartbeat(
-            self.settings.endpoint, self._heartbeats, self.settings.lease_ms, message.sequence
-        )
-        return [Send(endpoint, pong)]
+        return [self._heartbeats.answer(message)]
 
     def _tokened(self, message: AbortAck | TransferStatus) -> bool:
-        """Only the prefill rank asked to write a room can end it or confirm its drain."""
+        """Only the prefill rank asked to write a room can end it or confirm its drain. An
+        SGLang prefill rank carries no token: its status counts if the room asked it."""
         if message.session_token == self.settings.session_token:
+            return True
+        state = self.rooms.get(message.room)
+        if not message.session_token and self._sglang.asked(state, message.prefill_rank):
             return True
         self._ignore(
             "%s for room %d without this rank's token", type(message).__name__, message.room
@@ -171,6 +177,9 @@ class DecodeProtocol(ProtocolCore):
         if state is None:
             return self._ignore("status for unknown or cleared room %d", message.room)
         state.on_status(message.prefill_rank, message.status, message.reason, message.failure_kind)
+        if message.status == KVPoll.Failed and self._sglang.of_room(state) is not None:
+            # An SGLang rank's failure stops no other rank writing the room: decode does.
+            return [*self._abort_unsettled(state, message.reason, now), RoomsChanged()]
         return [RoomsChanged()]
 
     # --- the scheduler's rooms -------------------------------------------------------------
@@ -179,47 +188,25 @@ class DecodeProtocol(ProtocolCore):
         if event.endpoint in self._registered:
             return []
         self._registered.add(event.endpoint)
+        if event.sglang is not None:
+            self._sglang.by_endpoint[event.endpoint] = event.sglang
         self.liveness.watch(event.endpoint, now)
         return [Send(event.endpoint, event.registration)]
 
+    def _on_prefills_answered(self, event: PrefillsAnswered, now: float) -> list[Action]:
+        for endpoint in event.endpoints:
+            if endpoint not in self._registered or endpoint not in self._sglang:
+                continue  # declared dead since (registered again by the next room)
+            if self.liveness.seen(endpoint, now):
+                log.info("SGLang prefill %s is heard from again", endpoint)
+        return []
+
     def _on_room_opened(self, event: RoomOpened, now: float) -> list[Action]:
-        """Ask the prefill ranks to fill the room's pages (and aux slot, state slots): one
-        request to each prefill rank this decode rank reads heads from, a dummy to the ranks
-        it only tells about the room. The first source alone writes the aux slot; every source
-        sends its shard of the state slots (at equal TP that is one source and the whole
-        slot). The room waits for every one of them, and for the last write's notification
-        of each source where the engine notifies, until `transfer_timeout_s` from now."""
-        route, pages = event.route, event.pages
-        first_source = route.sources[0].prefill_rank if route.sources else None
-
-        def request(prefill_rank: int, dummy: bool) -> TransferRequest:
-            state_slots = [list(event.state_indices)] if event.state_indices and not dummy else []
-            return TransferRequest(
-                room=event.room,
-                peer_id=self.settings.peer_id,
-                is_dummy=dummy,
-                dst_kv_indices=np.empty(0, dtype=np.int32) if dummy else pages,
-                dst_aux_index=event.aux_index if prefill_rank == first_source else None,
-                dst_state_indices=state_slots,
-                required_dst_info_num=event.required[prefill_rank],
-                decode_prefix_len=event.decode_prefix_len,
-            )
-
-        requests = [(s.prefill_rank, request(s.prefill_rank, False)) for s in route.sources]
-        requests += [(rank, request(rank, True)) for rank in route.dummies]
-        sources = {source.prefill_rank: source for source in route.sources}
-        state = DecodeRoom(
-            room=event.room,
-            expected_ranks=frozenset(route.prefill_ranks),
-            notifying_ranks=frozenset(sources) if self.settings.engine_notifies else frozenset(),
-            deadline=now + self.settings.transfer_timeout_s,
-            # Staged chunks name decode's pages by their place among those prefill fills.
-            dst_pages=pages[pages != SKIPPED_PAGE].astype(np.int64),
-            sources=sources,
-            endpoints=dict(event.endpoints),
-            status=RoomStatus(KVPoll.WaitingForInput),
-        )
-        state.status.advance(KVPoll.Transferring)
+        """Ask the prefill ranks to fill the room's pages (and aux slot, state slots)
+        (`room_requests`); the room waits on them (`opened_room`)."""
+        sglang = self._sglang.by_endpoint.get(next(iter(event.endpoints.values()), ""))
+        requests = room_requests(event, self.settings, sglang)
+        state = opened_room(event, self.settings, sglang, now)
         self._transferring = True
         self.rooms[state.room] = state
         self._deadlines.push(state.deadline, state.room)
@@ -231,14 +218,16 @@ class DecodeProtocol(ProtocolCore):
             "room %d: asked prefill rank(s) %s for %d page(s)",
             event.room,
             sorted(rank for rank, _ in requests),
-            pages.size,
+            event.pages.size,
         )
         return [Send(event.endpoints[rank], message) for rank, message in requests]
 
     def _on_leases_renewing(self, event: LeasesRenewing, now: float) -> list[Action]:
         lease = RoomLease(self.settings.endpoint, list(event.rooms))
         return [
-            Send(endpoint, lease) for endpoint in event.endpoints if endpoint in self._registered
+            Send(endpoint, lease)
+            for endpoint in event.endpoints
+            if endpoint in self._registered and endpoint not in self._sglang
         ]
 
     def _on_room_aborted(self, event: RoomAborted, now: float) -> list[Action]:
@@ -247,18 +236,28 @@ class DecodeProtocol(ProtocolCore):
             reason = f"aborted by decode: {event.reason}"
             if not state.status.fail(FailureKind.ABORTED, reason):
                 return []  # it had ended already
-            return self._abort_unsettled(state, event.reason)
-        # Before init(): the prefill ranks hear it now, not at their deadline.
-        message = self._abort(event.room, event.reason)
-        return [Send(endpoint, message) for endpoint in sorted(set(event.endpoints))]
+            return self._abort_unsettled(state, event.reason, now)
+        # Before init(): the prefill ranks hear it now, not at their deadline (an SGLang rank
+        # an ABORT without generation: it fails the room and acknowledges nothing).
+        host, port = self.settings.host, self.settings.control_port
+        return [
+            Send(
+                endpoint,
+                AbortNotification(event.room, host, port)
+                if endpoint in self._sglang
+                else Abort(event.room, host, port, event.reason),
+            )
+            for endpoint in sorted(set(event.endpoints))
+        ]
 
-    def _abort(self, room: int, reason: str) -> Abort:
-        return Abort(room, self.settings.host, self.settings.control_port, reason)
-
-    def _abort_unsettled(self, state: DecodeRoom, reason: str) -> list[Action]:
+    def _abort_unsettled(self, state: DecodeRoom, reason: str, now: float) -> list[Action]:
         """Ask every prefill rank that may still write into the room's pages to stop and
-        confirm (its AbortAck settles it); the pages are safe once all have."""
-        message = self._abort(state.room, reason)
+        confirm (its AbortAck settles it); the pages are safe once all have. Toward SGLang
+        ranks in their words, with a generation (`SGLangPeers.aborts`)."""
+        settings = self.settings
+        if self._sglang.of_room(state) is not None:
+            return [*self._sglang.aborts(state, now)]
+        message = Abort(state.room, settings.host, settings.control_port, reason)
         endpoints = {state.endpoints[rank] for rank in state.unsettled()}
         return [Send(endpoint, message) for endpoint in sorted(endpoints)]
 
@@ -294,7 +293,8 @@ class DecodeProtocol(ProtocolCore):
             state = self.rooms.get(room)
             if state is not None and state.check_deadline(now):
                 # Stop the ranks that may still write, and hear them.
-                actions += self._abort_unsettled(state, state.status.failure_reason or "deadline")
+                reason = state.status.failure_reason or "deadline"
+                actions += self._abort_unsettled(state, reason, now)
                 changed = True
         # Newest first: rooms end roughly in the order they opened, so a room still
         # transferring is usually found among the last opened, not after every ended one.
@@ -306,26 +306,19 @@ class DecodeProtocol(ProtocolCore):
     def _check_liveness(self, now: float) -> list[Action]:
         """Heartbeats to every prefill rank registered with; rooms waiting on a prefill rank
         that fell silent fail with the reason."""
-        actions: list[Action] = []
+        actions: list[Action] = [*self._heartbeats.due(now, without=self._sglang.by_endpoint)]
         settings = self.settings
-        if self.liveness.heartbeat_due(now):
-            self._heartbeats += 1
-            for endpoint in self.liveness.peers:
-                beat = Heartbeat(
-                    settings.endpoint,
-                    self._heartbeats,
-                    settings.lease_ms,
-                    self._heard_sequence.get(endpoint),
-                )
-                actions.append(Send(endpoint, beat))
         for endpoint, silent_s in self.liveness.expired(now):
             self.stats.peers_declared_dead += 1
-            reason = self.liveness.silence(f"prefill {endpoint}", silent_s)
+            sglang = endpoint in self._sglang
+            who = "SGLang prefill (its bootstrap's health check)" if sglang else "prefill"
+            reason = self.liveness.silence(f"{who} {endpoint}", silent_s)
             # The last write lease this rank granted it started before it was last heard; a
             # rank that is only hung fences itself when that lease runs out (or, with an
             # engine that moves writes on its own threads, when its last write times out).
-            fenced_at = now - silent_s + settings.lease_ms / 1000 + FENCE_MARGIN_S
-            fenced_at += settings.write_grace_s
+            # An SGLang rank has no lease: as long as sglang's own decode waits for its acks.
+            lease_s = settings.lease_ms / 1000 - silent_s + FENCE_MARGIN_S + settings.write_grace_s
+            fenced_at = now + (ABORT_RELEASE_S if sglang else lease_s)
             affected = [state for state in self.rooms.values() if state.waits_on(endpoint)]
             dead: set[tuple[int, int]] = set()  # (prefill rank, room)
             for state in self.rooms.values():
@@ -334,8 +327,11 @@ class DecodeProtocol(ProtocolCore):
                         state.on_rank_dead(rank, f"room {state.room}: {reason}", fenced_at)
                         dead.add((rank, state.room))
             self.staging.reclaim(dead)
+            # An SGLang rank had no lease: it still hears the abort (it may be alive).
+            for state in affected if sglang else ():
+                actions += self._abort_unsettled(state, reason, now)
             self.liveness.forget(endpoint)
-            self._heard_sequence.pop(endpoint, None)
+            self._heartbeats.forget(endpoint)
             self._registered.discard(endpoint)
             actions.append(ForgetPrefill(endpoint))
             if affected:
@@ -349,5 +345,5 @@ class DecodeProtocol(ProtocolCore):
             state = self.rooms[room]
             reason = f"room {room}: decode rank {self.settings.rank} is closing"
             state.status.fail(FailureKind.ABORTED, reason)
-            actions += self._abort_unsettled(state, "decode rank closing")
+            actions += self._abort_unsettled(state, "decode rank closing", now)
         return actions

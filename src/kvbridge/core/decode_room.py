@@ -39,6 +39,9 @@ class DecodeRoom:
     dead_until: dict[int, float] = field(default_factory=dict)
     # Staged chunks that arrived in the ring and are not scattered into pages yet.
     unscattered: int = 0
+    # The generation of the room's last abort toward SGLang prefill ranks: their ABORT_ACKs
+    # echo it, and only such acks settle a rank.
+    abort_generation: int | None = None
 
     def pages_safe(self, now: float) -> bool:
         """Whether the room's pages may be handed back: no prefill rank can still write."""

@@ -1,0 +1,139 @@
+"""What a decode rank says to an SGLang prefill rank (sglang 0.5.23, Mooncake), pure.
+
+An SGLang prefill rank gets sglang's own registration, one `TransferInfo` per room (the aux
+slot in every request that writes, as sglang's decode sends it; `decode_prefix_len` 0 for
+none), and `ABORT` with a generation it echoes in its `ABORT_ACK`. It carries no session
+token, heartbeat or write lease: its statuses are accepted by (room, prefill rank) from the
+ranks the room asked, and it is never sent a kvbridge message (one foreign frame list stops an
+sglang prefill rank's listener thread for good).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from kvbridge.core.decode_events import DecodeSettings
+from kvbridge.core.decode_room import DecodeRoom
+from kvbridge.core.protocol import RoomsChanged, Send
+from kvbridge.wire.messages import FailureKind
+from kvbridge.wire.sglang.common import AbortAck, AbortNotification, AuxData
+from kvbridge.wire.sglang.mooncake import TransferInfo
+
+# How long after an abort an SGLang writer that never acknowledged counts as stopped: sglang's
+# own decode frees a room's pages this long after an unanswered abort
+# (SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT's default).
+ABORT_RELEASE_S = 30.0
+
+
+@dataclass(frozen=True)
+class SGLangPeer:
+    """An SGLang prefill rank this decode rank registered with."""
+
+    session_id: str  # this decode rank's Mooncake session, named in every request
+
+    def request(
+        self,
+        *,
+        room: int,
+        host: str,
+        control_port: int,
+        pages: npt.NDArray[np.int32],
+        aux_index: int | None,
+        state_indices: tuple[int, ...],
+        required_dst_info_num: int,
+        decode_prefix_len: int | None,
+        dummy: bool,
+    ) -> TransferInfo:
+        return TransferInfo(
+            room=room,
+            endpoint=host,
+            dst_port=control_port,
+            mooncake_session_id=self.session_id,
+            dst_kv_indices=np.empty(0, dtype=np.int32) if dummy else pages,
+            dst_aux_index=None if dummy else (aux_index or 0),
+            dst_state_indices=[list(state_indices)] if state_indices and not dummy else [],
+            required_dst_info_num=required_dst_info_num,
+            decode_prefix_len=decode_prefix_len or 0,
+        )
+
+
+class SGLangPeers:
+    """The SGLang prefill ranks a decode rank registered with (by control endpoint), the
+    generations of its aborts toward them, and the messages only they send. `rooms`: the
+    protocol's own table, shared (as `DecodeRing` shares it)."""
+
+    def __init__(
+        self,
+        settings: DecodeSettings,
+        rooms: dict[int, DecodeRoom],
+        ignore: Callable[..., list[Any]],
+    ) -> None:
+        self.by_endpoint: dict[str, SGLangPeer] = {}
+        self._settings, self._rooms, self._ignore = settings, rooms, ignore
+        self._generation = 0
+
+    def __contains__(self, endpoint: str) -> bool:
+        return endpoint in self.by_endpoint
+
+    def of_room(self, state: DecodeRoom) -> SGLangPeer | None:
+        """The SGLang peer the room's prefill group speaks to (None: kvbridge ranks)."""
+        return next(
+            (self.by_endpoint[e] for e in state.endpoints.values() if e in self.by_endpoint), None
+        )
+
+    def asked(self, state: DecodeRoom | None, prefill_rank: int | None) -> bool:
+        """Whether the room asked this SGLang prefill rank (its tokenless messages count)."""
+        if state is None or prefill_rank is None:
+            return False
+        return state.endpoints.get(prefill_rank) in self.by_endpoint
+
+    def aborts(self, state: DecodeRoom, now: float) -> list[Send]:
+        """The room's abort toward its SGLang prefill ranks, with a new generation: to every
+        rank it asked that has not settled, dummies and ranks declared dead included (sglang's
+        decode tells every rank it asked; a rank only thought dead still stops). An unsettled
+        writer counts as stopped once it acknowledged, or ABORT_RELEASE_S from now whatever it
+        said (sglang's own decode gives up waiting for acks as late)."""
+        self._generation += 1
+        state.abort_generation = self._generation
+        for rank in state.expected_ranks - state.settled:
+            released = now + ABORT_RELEASE_S
+            state.dead_until[rank] = min(state.dead_until.get(rank, released), released)
+        settings = self._settings
+        message = AbortNotification(
+            state.room, settings.host, settings.control_port, self._generation
+        )
+        endpoints = {e for rank, e in state.endpoints.items() if rank not in state.settled}
+        return [Send(endpoint, message) for endpoint in sorted(endpoints)]
+
+    def on_abort_ack(self, ack: AbortAck, now: float) -> list[Send | RoomsChanged]:
+        """An SGLang prefill rank confirms the room's abort drained: it counts only with the
+        generation of the room's last abort, as sglang's own decode counts it (a
+        generation-less ack is what an sglang prefill without deferred release sends before
+        its writes drained)."""
+        state = self._rooms.get(ack.room)
+        if state is None or ack.prefill_rank is None or not self.asked(state, ack.prefill_rank):
+            return self._ignore("ABORT_ACK for room %d from no rank it asked", ack.room)
+        if ack.generation is None or ack.generation != state.abort_generation:
+            return self._ignore(
+                "ABORT_ACK for room %d of generation %s, not %s",
+                ack.room,
+                ack.generation,
+                state.abort_generation,
+            )
+        state.on_abort_ack(ack.prefill_rank)
+        return [RoomsChanged()]
+
+    def on_aux_data(self, message: AuxData, now: float) -> list[Send | RoomsChanged]:
+        """sglang sends the aux slot over ZMQ with SGLANG_MOONCAKE_SEND_AUX_TCP: not taken
+        here, so the room fails rather than succeed with its aux slot unwritten."""
+        state = self._rooms.get(message.room)
+        if state is None or self.of_room(state) is None:
+            return self._ignore("AUX_DATA for room %d, not an SGLang room", message.room)
+        reason = "the SGLang prefill sent the aux slot over ZMQ (SGLANG_MOONCAKE_SEND_AUX_TCP)"
+        state.status.fail(FailureKind.INCOMPATIBLE, f"room {message.room}: {reason}")
+        return [*self.aborts(state, now), RoomsChanged()]

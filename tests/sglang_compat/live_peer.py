@@ -1,0 +1,210 @@
+"""kvbridge's decode and sglang 0.5.23's real prefill, live, over Mooncake TCP.
+
+    PYTHONPATH=src .venv-sglang/bin/python tests/sglang_compat/live_peer.py '{"rooms": 4}'
+
+(run inside a network namespace of its own: Mooncake binds wildcard listeners;
+tests/sglang_compat/test_live_peers.py does that). A child process runs sglang's own
+bootstrap server, `MooncakeKVManager` and `MooncakeKVSender`s as its prefill scheduler drives
+them, each room's pages holding known contents; this process runs a kvbridge `DecodeManager`
+with `peer_protocol="sglang"`, opens the rooms into scattered pages of a cache whose other
+pages hold a sentinel, and checks every byte. Prints one JSON line: each room's outcome on both
+sides, what was verified, the decode channel's counters.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import queue
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sglang_side import ENVIRONMENT, Geometry, aux_content, sglang_kv_args, sglang_role
+
+SENTINEL = 0xA5A5
+POLL_S = 0.002
+
+
+@dataclass(frozen=True)
+class Scenario:
+    rooms: int = 4
+    pages_per_room: int = 8
+    layers: int = 4
+    chunks: int = 2  # prefill sends each room in this many chunks
+    abort_rooms: list[int] = field(default_factory=list)  # decode aborts these after init
+    # sglang's prefill is killed (SIGKILL) once decode opened every room, before it sends any
+    kill_prefill: bool = False
+    bootstrap_port: int = 18999
+    timeout_s: float = 60.0
+
+    @property
+    def geometry(self) -> Geometry:
+        return Geometry(layers=self.layers)
+
+
+def wait_healthy(address: str, timeout_s: float = 30.0) -> None:
+    from kvbridge.control.sglang_bootstrap import healthy
+
+    deadline = time.monotonic() + timeout_s
+    while not healthy(address, 1.0) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def run_prefill(scenario: Scenario, ready: Any, results: Any) -> None:
+    """sglang's prefill: its bootstrap server, manager and one sender per room."""
+    sglang = sglang_role("prefill", scenario.bootstrap_port)
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    kind, geometry, per_room = sglang["class"], scenario.geometry, scenario.pages_per_room
+    kv, aux = geometry.buffers(scenario.rooms * per_room, scenario.rooms)
+    for room in range(scenario.rooms):
+        for index, buffer in enumerate(kv):
+            buffer[room * per_room : (room + 1) * per_room] = geometry.content(
+                room, index, per_room
+            )
+        aux[room] = aux_content(room)
+    bootstrap = kind("BOOTSTRAP_SERVER")(host="127.0.0.1", port=scenario.bootstrap_port)
+    wait_healthy(f"127.0.0.1:{scenario.bootstrap_port}")  # before the manager registers there
+    manager = kind("MANAGER")(
+        sglang_kv_args(kind, geometry, kv, aux), sglang["mode"], sglang["server_args"], False
+    )
+    address = f"127.0.0.1:{scenario.bootstrap_port}"
+    senders = [
+        kind("SENDER")(mgr=manager, bootstrap_addr=address, bootstrap_room=room)
+        for room in range(scenario.rooms)
+    ]
+    ready.set()
+    started: set[int] = set()
+    ended: dict[int, str] = {}
+    deadline = time.monotonic() + scenario.timeout_s
+    while len(ended) < len(senders) and time.monotonic() < deadline:
+        for room, sender in enumerate(senders):
+            poll = sender.poll()
+            if scenario.kill_prefill:
+                continue  # it waits to be killed, holding every room
+            if room not in started and poll == KVPoll.WaitingForInput:
+                started.add(room)
+                sender.init(per_room, aux_index=room)
+                pages = np.arange(room * per_room, (room + 1) * per_room, dtype=np.int32)
+                for chunk in np.array_split(pages, scenario.chunks):
+                    sender.send(chunk)
+            elif poll in (KVPoll.Success, KVPoll.Failed) and room not in ended:
+                ended[room] = "Success" if poll == KVPoll.Success else "Failed"
+        time.sleep(POLL_S)
+    results.put({room: ended.get(room, "unfinished") for room in range(scenario.rooms)})
+    time.sleep(2)  # decode reads the last statuses and acks before the sockets go
+    del bootstrap
+
+
+def run_decode(scenario: Scenario, kill_prefill: Callable[[], None]) -> dict[str, Any]:
+    from kvbridge import DecodeManager, KVArgs, KVLayout, KVPoll, ManagerConfig
+
+    geometry, per_room = scenario.geometry, scenario.pages_per_room
+    pool = 2 * scenario.rooms * per_room  # half of the pages are never asked for
+    kv, aux = geometry.buffers(pool, scenario.rooms)
+    for array in kv:
+        array.fill(SENTINEL)
+    args = KVArgs.from_numpy(kv, kv_layout=KVLayout.MHA, total_kv_heads=geometry.heads, aux=[aux])
+    config = ManagerConfig(
+        engine="mooncake",
+        peer_protocol="sglang",
+        bootstrap_url=f"127.0.0.1:{scenario.bootstrap_port}",
+        bootstrap_timeout_s=scenario.timeout_s,
+        transfer_timeout_s=scenario.timeout_s,
+        write_timeout_s=2.0,  # how long a writer declared dead may still land a write
+        secret=None,
+    )
+    manager = DecodeManager(args, config)
+    scattered = np.random.default_rng(0).permutation(pool).astype(np.int32)
+    receivers, pages_of = {}, {}
+    try:
+        for room in range(scenario.rooms):
+            receiver = manager.receiver(room)
+            pages_of[room] = scattered[room * per_room : (room + 1) * per_room]
+            receiver.init(pages_of[room], aux_index=room)
+            receivers[room] = receiver
+            if room in scenario.abort_rooms:
+                receiver.abort("the scheduler gave up on it")
+        killed_at = time.monotonic()
+        if scenario.kill_prefill:
+            kill_prefill()
+        ended_after: dict[int, float] = {}
+        deadline = time.monotonic() + scenario.timeout_s
+        while time.monotonic() < deadline:
+            for room, receiver in receivers.items():
+                if room not in ended_after and receiver.poll() == KVPoll.Failed:
+                    ended_after[room] = time.monotonic() - killed_at
+            if all(
+                r.poll() in (KVPoll.Success, KVPoll.Failed)
+                and (r.pages_safe or scenario.kill_prefill)  # a killed writer never acknowledges
+                for r in receivers.values()
+            ):
+                break
+            time.sleep(POLL_S)
+        outcome: dict[str, Any] = {}
+        verified = 0
+        for room, receiver in receivers.items():
+            outcome[str(room)] = {
+                "poll": receiver.poll().name,
+                "reason": receiver.failure_reason,
+                "pages_safe": receiver.pages_safe,
+                "kind": receiver.failure_kind.name if receiver.failure_kind else None,
+                "failed_after_s": ended_after.get(room),
+            }
+            if receiver.poll() == KVPoll.Success:
+                same = all(
+                    np.array_equal(buffer[pages_of[room]], geometry.content(room, index, per_room))
+                    for index, buffer in enumerate(kv)
+                )
+                verified += int(same and bool((aux[room] == aux_content(room)).all()))
+        asked = np.concatenate(list(pages_of.values()))
+        untouched = np.setdiff1d(np.arange(pool), asked)
+        sentinel_kept = all(bool((buffer[untouched] == SENTINEL).all()) for buffer in kv)
+        for receiver in receivers.values():
+            receiver.clear()
+        return {
+            "decode": outcome,
+            "verified": verified,
+            "sentinel_kept": sentinel_kept,
+            "channel": asdict(manager.channel.stats),
+            "ignored": manager.stats.ignored,
+        }
+    finally:
+        manager.close()
+
+
+def main() -> None:
+    scenario = Scenario(**json.loads(sys.argv[1] if len(sys.argv) > 1 else "{}"))
+    for name, value in ENVIRONMENT.items():
+        os.environ.setdefault(name, value)
+    context = multiprocessing.get_context("spawn")
+    ready, results = context.Event(), context.Queue()
+    prefill = context.Process(target=run_prefill, args=(scenario, ready, results))
+    prefill.start()
+    try:
+        if not ready.wait(120):
+            raise SystemExit("sglang's prefill did not start")
+        report = run_decode(scenario, prefill.kill)
+        try:
+            wait_s = 1 if scenario.kill_prefill else scenario.timeout_s + 30
+            report["prefill"] = results.get(timeout=wait_s)
+        except queue.Empty:
+            report["prefill"] = "no report"
+
+    finally:
+        prefill.join(timeout=30)
+        if prefill.is_alive():
+            prefill.kill()
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()
