@@ -42,6 +42,7 @@ class Scenario:
     abort_rooms: list[int] = field(default_factory=list)  # decode aborts these after init
     # sglang's prefill is killed (SIGKILL) once decode opened every room, before it sends any
     kill_prefill: bool = False
+    decode_tp: int = 1  # kvbridge decode ranks (sglang's prefill has one)
     bootstrap_port: int = 18999
     timeout_s: float = 60.0
 
@@ -105,80 +106,118 @@ def run_prefill(scenario: Scenario, ready: Any, results: Any) -> None:
 
 
 def run_decode(scenario: Scenario, kill_prefill: Callable[[], None]) -> dict[str, Any]:
+    """`decode_tp` kvbridge decode ranks in this process, each asked for every room (as every
+    decode TP rank runs every request), each holding its share of the heads."""
     from kvbridge import DecodeManager, KVArgs, KVLayout, KVPoll, ManagerConfig
 
-    geometry, per_room = scenario.geometry, scenario.pages_per_room
+    geometry, per_room, tp = scenario.geometry, scenario.pages_per_room, scenario.decode_tp
     pool = 2 * scenario.rooms * per_room  # half of the pages are never asked for
-    kv, aux = geometry.buffers(pool, scenario.rooms)
-    for array in kv:
-        array.fill(SENTINEL)
-    args = KVArgs.from_numpy(kv, kv_layout=KVLayout.MHA, total_kv_heads=geometry.heads, aux=[aux])
+    heads = geometry.heads // tp
+    ranks = [
+        Geometry(geometry.layers, heads, geometry.head_dim, geometry.page).buffers(
+            pool, scenario.rooms
+        )
+        for _ in range(tp)
+    ]
     config = ManagerConfig(
         engine="mooncake",
         peer_protocol="sglang",
         bootstrap_url=f"127.0.0.1:{scenario.bootstrap_port}",
         bootstrap_timeout_s=scenario.timeout_s,
         transfer_timeout_s=scenario.timeout_s,
-        write_timeout_s=2.0,  # how long a writer declared dead may still land a write
+        write_timeout_s=2.0,
         secret=None,
     )
-    manager = DecodeManager(args, config)
+    managers = []
+    for rank, (kv, aux) in enumerate(ranks):
+        for array in kv:
+            array.fill(SENTINEL)
+        args = KVArgs.from_numpy(
+            kv,
+            kv_layout=KVLayout.MHA,
+            total_kv_heads=geometry.heads,
+            attn_tp_rank=rank,
+            attn_tp_size=tp,
+            aux=[aux],
+        )
+        managers.append(DecodeManager(args, config))
     scattered = np.random.default_rng(0).permutation(pool).astype(np.int32)
-    receivers, pages_of = {}, {}
+    pages_of = {
+        room: scattered[room * per_room : (room + 1) * per_room] for room in range(scenario.rooms)
+    }
+    receivers: dict[int, list[Any]] = {}
     try:
         for room in range(scenario.rooms):
-            receiver = manager.receiver(room)
-            pages_of[room] = scattered[room * per_room : (room + 1) * per_room]
-            receiver.init(pages_of[room], aux_index=room)
-            receivers[room] = receiver
-            if room in scenario.abort_rooms:
-                receiver.abort("the scheduler gave up on it")
+            receivers[room] = [manager.receiver(room) for manager in managers]
+            for receiver in receivers[room]:
+                receiver.init(pages_of[room], aux_index=room)
+                if room in scenario.abort_rooms:
+                    receiver.abort("the scheduler gave up on it")
         killed_at = time.monotonic()
         if scenario.kill_prefill:
             kill_prefill()
+        every = [receiver for rank_receivers in receivers.values() for receiver in rank_receivers]
         ended_after: dict[int, float] = {}
         deadline = time.monotonic() + scenario.timeout_s
         while time.monotonic() < deadline:
-            for room, receiver in receivers.items():
-                if room not in ended_after and receiver.poll() == KVPoll.Failed:
+            for room, rank_receivers in receivers.items():
+                failed = any(r.poll() == KVPoll.Failed for r in rank_receivers)
+                if room not in ended_after and failed:
                     ended_after[room] = time.monotonic() - killed_at
             if all(
                 r.poll() in (KVPoll.Success, KVPoll.Failed)
                 and (r.pages_safe or scenario.kill_prefill)  # a killed writer never acknowledges
-                for r in receivers.values()
+                for r in every
             ):
                 break
             time.sleep(POLL_S)
         outcome: dict[str, Any] = {}
         verified = 0
-        for room, receiver in receivers.items():
+        for room, rank_receivers in receivers.items():
+            first = rank_receivers[0]
+            polls = {r.poll().name for r in rank_receivers}
             outcome[str(room)] = {
-                "poll": receiver.poll().name,
-                "reason": receiver.failure_reason,
-                "pages_safe": receiver.pages_safe,
-                "kind": receiver.failure_kind.name if receiver.failure_kind else None,
+                "poll": polls.pop() if len(polls) == 1 else "mixed",
+                "reason": first.failure_reason,
+                "pages_safe": all(r.pages_safe for r in rank_receivers),
+                "kind": first.failure_kind.name if first.failure_kind else None,
                 "failed_after_s": ended_after.get(room),
             }
-            if receiver.poll() == KVPoll.Success:
-                same = all(
-                    np.array_equal(buffer[pages_of[room]], geometry.content(room, index, per_room))
-                    for index, buffer in enumerate(kv)
+            if outcome[str(room)]["poll"] != "Success":
+                continue
+            same = all(
+                np.array_equal(
+                    buffer[pages_of[room]],
+                    geometry.content(room, index, per_room)[
+                        :, :, rank * heads : (rank + 1) * heads
+                    ],
                 )
-                verified += int(same and bool((aux[room] == aux_content(room)).all()))
+                and bool((aux[room] == aux_content(room)).all())
+                for rank, (kv, aux) in enumerate(ranks)
+                for index, buffer in enumerate(kv)
+            )
+            verified += int(same)
         asked = np.concatenate(list(pages_of.values()))
         untouched = np.setdiff1d(np.arange(pool), asked)
-        sentinel_kept = all(bool((buffer[untouched] == SENTINEL).all()) for buffer in kv)
-        for receiver in receivers.values():
+        sentinel_kept = all(
+            bool((buffer[untouched] == SENTINEL).all()) for kv, _ in ranks for buffer in kv
+        )
+        for receiver in every:
             receiver.clear()
+        channel: dict[str, float] = {}
+        for manager in managers:
+            for name, value in asdict(manager.channel.stats).items():
+                channel[name] = channel.get(name, 0) + value
         return {
             "decode": outcome,
             "verified": verified,
             "sentinel_kept": sentinel_kept,
-            "channel": asdict(manager.channel.stats),
-            "ignored": manager.stats.ignored,
+            "channel": channel,
+            "ignored": sum(manager.stats.ignored for manager in managers),
         }
     finally:
-        manager.close()
+        for manager in managers:
+            manager.close()
 
 
 def main() -> None:

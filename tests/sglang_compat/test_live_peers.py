@@ -46,6 +46,15 @@ def test_a_kvbridge_decode_receives_every_byte_from_sglangs_prefill() -> None:
     assert set(report["prefill"].values()) == {"Success"}
 
 
+def test_two_decode_ranks_each_get_their_heads_from_one_sglang_prefill_rank() -> None:
+    # sglang's prefill (TP 1) awaits two requests per room and writes each decode rank its
+    # half of the heads, token by token (its send_kvcache_slice): every byte checked per rank.
+    report = scenario(rooms=3, decode_tp=2)
+    assert {room["poll"] for room in report["decode"].values()} == {"Success"}
+    assert report["verified"] == 3
+    assert set(report["prefill"].values()) == {"Success"}
+
+
 def test_rooms_decode_aborts_end_on_both_sides_and_their_pages_come_free() -> None:
     report = scenario(rooms=4, abort_rooms=[1, 2])
     for room in ("1", "2"):
