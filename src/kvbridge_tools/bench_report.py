@@ -67,7 +67,8 @@ def render(name: str, documents: dict[str, Document]) -> list[str]:
         stamps = [bench_tables.stamp(documents[need]) for need in bench_tables.TARGETS_NEED]
         return [*bench_tables.targets(documents), "", *stamps]
     document = documents[name]
-    return [bench_tables.stamp(document), "", *renderer_for(name)(document)]
+    notes = [f"*{note}*" for note in document.get("notes", [])]
+    return [bench_tables.stamp(document), *notes, "", *renderer_for(name)(document)]
 
 
 @dataclass

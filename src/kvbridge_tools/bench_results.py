@@ -71,7 +71,9 @@ def provenance(argv: list[str] | None = None) -> dict[str, str]:
 
 
 def save(name: str, document: Mapping[str, Any], folder: Path = RESULTS) -> Path:
-    """Write `document` as `folder/NAME.json` with its provenance; the path written."""
+    """Write `document` as `folder/NAME.json` with its provenance; the path written. A
+    document's `notes` (a list of sentences: what a reader of its figures must know about the
+    run) are shown under its stamp in docs/benchmarks.md."""
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{name}.json"
     stamped = {"measured": provenance(), **document}
