@@ -49,14 +49,16 @@ sys.path.insert(0, str(ROOT / "tests" / "sglang_compat"))
 sys.path.insert(0, str(ROOT / "src"))  # kvbridge's decode, in sglang's environment
 from sglang_side import Geometry, aux_content, sglang_kv_args, sglang_role  # noqa: E402
 
+from kvbridge.wire import KVPoll  # noqa: E402
+
 GEOMETRY = Geometry()  # Llama-3-8B: 32 layers of K and V, 8 heads × 128, pages of 16 tokens
 BOOTSTRAP_PORT = 18998
 # How often the driver polls sglang's senders and receivers (a scheduler's step, about).
 POLL_S = float(os.environ.get("POLL_S", "0.005"))
 
 
-# KVPoll's values, sglang's and kvbridge's alike.
-FAILED, SUCCESS = 0, 4
+# kvbridge's KVPoll has sglang's values: it reads sglang's receivers' polls too.
+FINISHED = (KVPoll.Success, KVPoll.Failed)
 OpenRoom = Callable[[int, np.ndarray, int], Any]
 
 
@@ -66,7 +68,7 @@ def _wait(polls: list[Any], timeout_s: float) -> dict[int, float]:
     deadline = time.monotonic() + timeout_s
     while len(ended) < len(polls) and time.monotonic() < deadline:
         for index, item in enumerate(polls):
-            if index not in ended and item.poll() in (SUCCESS, FAILED):
+            if index not in ended and item.poll() in FINISHED:
                 ended[index] = time.perf_counter()
         time.sleep(POLL_S)
     return ended
@@ -189,7 +191,7 @@ def run_decode(
     def verified(receivers: list[Any]) -> int:
         count = 0
         for slot, receiver in enumerate(receivers):
-            if receiver.poll() != SUCCESS:
+            if receiver.poll() != KVPoll.Success:
                 continue
             same = all(
                 np.array_equal(
