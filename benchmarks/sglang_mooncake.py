@@ -1,14 +1,15 @@
 """sglang 0.5.23's own transfer layer on the Mooncake engine, on the demo's workload.
 
     .venv-sglang/bin/python benchmarks/sglang_mooncake.py [--requests N --tokens L]
-        [--decode sglang|kvbridge]
+        [--prefill sglang|kvbridge] [--decode sglang|kvbridge]
     (run inside a network namespace of its own: Mooncake binds wildcard listeners;
     benchmarks/e2e.py does that)
     .venv/bin/python benchmarks/sglang_mooncake.py --compare 3     (as root: make bench)
 
 `--decode kvbridge` puts a kvbridge `DecodeManager` (`peer_protocol="sglang"`) where sglang's
-decode was, on identical work; `--compare ROUNDS` runs both, alternating, and writes
-bench-results/sglang_mooncake.json.
+decode was, `--prefill kvbridge` a kvbridge `PrefillManager` where sglang's prefill was, on
+identical work; `--compare ROUNDS` runs sglang → sglang, sglang → kvbridge and kvbridge →
+sglang, the order turning from round to round, and writes bench-results/sglang_mooncake.json.
 
 A prefill and a decode process drive sglang's real `MooncakeKVManager`, `MooncakeKVSender`,
 `MooncakeKVReceiver` and `MooncakeKVBootstrapServer`, built as sglang's schedulers build them
@@ -74,27 +75,60 @@ def _wait(polls: list[Any], timeout_s: float) -> dict[int, float]:
     return ended
 
 
-def run_prefill(requests: int, pages_per_request: int, ready: Any, results: Any) -> None:
+def sglang_senders(requests: int, pages: int) -> tuple[Any, Any, Callable[[int], Any], Any]:
+    """sglang's own prefill: its bootstrap server, manager and senders, as its prefill
+    scheduler drives them."""
     sglang = sglang_role("prefill", BOOTSTRAP_PORT)  # first: it makes sglang importable here
-    from sglang.srt.disaggregation.base.conn import KVPoll
-
     kind = sglang["class"]
-    buffers, aux = GEOMETRY.buffers(requests * pages_per_request, requests)
-    args = sglang_kv_args(kind, GEOMETRY, buffers, aux)
+    buffers, aux = GEOMETRY.buffers(pages, requests)
+    bootstrap = kind("BOOTSTRAP_SERVER")(host="127.0.0.1", port=BOOTSTRAP_PORT)
+    manager = kind("MANAGER")(
+        sglang_kv_args(kind, GEOMETRY, buffers, aux), sglang["mode"], sglang["server_args"], False
+    )
+    address = f"127.0.0.1:{BOOTSTRAP_PORT}"
+
+    def sender(room: int) -> Any:
+        return kind("SENDER")(mgr=manager, bootstrap_addr=address, bootstrap_room=room)
+
+    return buffers, aux, sender, bootstrap
+
+
+def kvbridge_senders(requests: int, pages: int) -> tuple[Any, Any, Callable[[int], Any], Any]:
+    """kvbridge's prefill with `peer_protocol="sglang"`, its bootstrap serving sglang's
+    decode."""
+    from kvbridge import KVArgs, KVLayout, ManagerConfig, PrefillManager
+
+    buffers, aux = GEOMETRY.buffers(pages, requests)
+    args = KVArgs.from_numpy(
+        buffers, kv_layout=KVLayout.MHA, total_kv_heads=GEOMETRY.heads, aux=[aux]
+    )
+    config = ManagerConfig(
+        engine="mooncake",
+        peer_protocol="sglang",
+        run_bootstrap=True,
+        bootstrap_port=BOOTSTRAP_PORT,
+        request_timeout_s=600.0,
+        secret=None,
+    )
+    manager = PrefillManager(args, config)
+    return buffers, aux, manager.sender, manager
+
+
+PREFILL_LAYERS = {"sglang": sglang_senders, "kvbridge": kvbridge_senders}
+
+
+def run_prefill(
+    requests: int, pages_per_request: int, ready: Any, results: Any, layer: str = "sglang"
+) -> None:
+    buffers, aux, new_sender, keep = PREFILL_LAYERS[layer](requests, requests * pages_per_request)
     for room in range(requests):
         pages = slice(room * pages_per_request, (room + 1) * pages_per_request)
         for index, buffer in enumerate(buffers):
             buffer[pages] = GEOMETRY.content(room, index, pages_per_request)
         aux[room] = aux_content(room)
-    bootstrap = kind("BOOTSTRAP_SERVER")(host="127.0.0.1", port=BOOTSTRAP_PORT)
-    manager = kind("MANAGER")(args, sglang["mode"], sglang["server_args"], False)
     ready.set()
-    address = f"127.0.0.1:{BOOTSTRAP_PORT}"
     # Rooms 0..R-1 are the timed batch, R..2R-1 the warm-up; room r sends slot r % R.
-    senders = [
-        kind("SENDER")(mgr=manager, bootstrap_addr=address, bootstrap_room=room)
-        for room in range(2 * requests)
-    ]
+    senders = [new_sender(room) for room in range(2 * requests)]
     started: set[int] = set()
     deadline = time.monotonic() + 600
     while len(started) < len(senders) and time.monotonic() < deadline:
@@ -102,18 +136,30 @@ def run_prefill(requests: int, pages_per_request: int, ready: Any, results: Any)
             if room not in started and sender.poll() == KVPoll.WaitingForInput:
                 started.add(room)
                 slot = room % requests
-                sender.init(pages_per_request, aux_index=slot)
                 pages = np.arange(
                     slot * pages_per_request, (slot + 1) * pages_per_request, dtype=np.int32
                 )
-                for chunk in np.array_split(pages, 2):  # the demo's two chunks
-                    sender.send(chunk)
+                send_chunks(sender, layer, pages, pages_per_request, slot)
         time.sleep(POLL_S)
     ended = _wait(senders, 600)
     outcome = {room: str(sender.poll()) for room, sender in enumerate(senders)}
     results.put({"role": "prefill", "ended": len(ended), "outcome": outcome})
     time.sleep(3)  # decode reads the last statuses before the sockets go
-    del bootstrap
+    if layer == "kvbridge":
+        keep.close()
+
+
+def send_chunks(sender: Any, layer: str, pages: np.ndarray, count: int, slot: int) -> None:
+    """The demo's two chunks, in each layer's own calls (sglang: `init` with the page count
+    and aux slot, then `send` per chunk; kvbridge: the last chunk carries the aux slot)."""
+    chunks = np.array_split(pages, 2)
+    if layer == "sglang":
+        sender.init(count, aux_index=slot)
+        for chunk in chunks:
+            sender.send(chunk)
+        return
+    sender.send(chunks[0])
+    sender.send(chunks[1], last=True, aux_index=slot)
 
 
 def sglang_receivers(requests: int, pages: int, ready: Any) -> tuple[Any, Any, OpenRoom]:
@@ -224,49 +270,67 @@ def run_decode(
 SGLANG_PYTHON = ROOT / ".venv-sglang" / "bin" / "python"
 
 
+# prefill → decode pairs; the first is sglang's own, each other is held against it.
+PAIRS = (("sglang", "sglang"), ("sglang", "kvbridge"), ("kvbridge", "sglang"))
+
+
+def label(prefill: str, decode: str) -> str:
+    return f"{prefill} → {decode}"
+
+
 def compare(requests: int, tokens: int, rounds: int) -> None:
-    """sglang's prefill toward sglang's own decode and toward kvbridge's, on identical work,
-    alternating, each run in a network namespace of its own; writes
+    """sglang → sglang, sglang → kvbridge and kvbridge → sglang on identical work, the order
+    turning from round to round, each run in a network namespace of its own; writes
     bench-results/sglang_mooncake.json."""
     from kvbridge_tools.bench import json_in_private_netns
     from kvbridge_tools.bench_results import save
 
-    runs: dict[str, list[dict[str, Any]]] = {layer: [] for layer in DECODE_LAYERS}
+    runs: dict[str, list[dict[str, Any]]] = {label(*pair): [] for pair in PAIRS}
     for index in range(rounds):
-        order = sorted(DECODE_LAYERS, reverse=bool(index % 2))
-        for layer in order:
+        order = PAIRS[index % len(PAIRS) :] + PAIRS[: index % len(PAIRS)]
+        for prefill, decode in order:
             arguments = [__file__, "--requests", str(requests), "--tokens", str(tokens)]
-            row = json_in_private_netns([*arguments, "--decode", layer], python=str(SGLANG_PYTHON))
-            runs[layer].append(row)
+            row = json_in_private_netns(
+                [*arguments, "--prefill", prefill, "--decode", decode], python=str(SGLANG_PYTHON)
+            )
+            runs[label(prefill, decode)].append(row)
             print(
-                f"round {index + 1}, sglang prefill → {layer} decode: {row['gbps']} GB/s, "
+                f"round {index + 1}, {label(prefill, decode)}: {row['gbps']} GB/s, "
                 f"p50 {row['p50_ms']} ms, {row['verified']}/{requests} verified",
                 flush=True,
             )
     summary = {
-        layer: {
+        name: {
             "gbps": statistics.median(row["gbps"] for row in rows),
             "p50_ms": statistics.median(row["p50_ms"] for row in rows),
             "p99_ms": statistics.median(row["p99_ms"] for row in rows),
             "verified": min(row["verified"] for row in rows),
         }
-        for layer, rows in runs.items()
+        for name, rows in runs.items()
     }
-    ratios = [k["gbps"] / s["gbps"] for k, s in zip(runs["kvbridge"], runs["sglang"], strict=True)]
+    own = runs[label(*PAIRS[0])]
+    against: dict[str, dict[str, Any]] = {}
+    for pair in PAIRS[1:]:
+        ratios = [
+            ours["gbps"] / theirs["gbps"]
+            for ours, theirs in zip(runs[label(*pair)], own, strict=True)
+        ]
+        against[label(*pair)] = {
+            "ratio": round(statistics.median(ratios), 3),
+            "range": [round(min(ratios), 3), round(max(ratios), 3)],
+        }
+        print(
+            f"{label(*pair)} against {label(*PAIRS[0])}: {against[label(*pair)]['ratio']}× "
+            f"({min(ratios):.3f}-{max(ratios):.3f}, {rounds} rounds)"
+        )
     document = {
         "requests": requests,
         "tokens": tokens,
         "rounds": rounds,
         "summary": summary,
-        "kvbridge_vs_sglang": round(statistics.median(ratios), 3),
-        "ratio_range": [round(min(ratios), 3), round(max(ratios), 3)],
+        "against_sglang": against,
         "runs": runs,
     }
-    print(
-        f"kvbridge's decode against sglang's, toward sglang's prefill: "
-        f"{document['kvbridge_vs_sglang']}× ({document['ratio_range'][0]}-"
-        f"{document['ratio_range'][1]}, {rounds} rounds)"
-    )
     print(f"wrote {save('sglang_mooncake', document)}")
 
 
@@ -274,6 +338,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument(
+        "--prefill",
+        choices=sorted(PREFILL_LAYERS),
+        default="sglang",
+        help="the prefill side: sglang's own, or kvbridge's with peer_protocol sglang",
+    )
     parser.add_argument(
         "--decode",
         choices=sorted(DECODE_LAYERS),
@@ -284,8 +354,9 @@ def main() -> None:
         "--compare",
         type=int,
         metavar="ROUNDS",
-        help="run both decode sides ROUNDS times each, alternating (each in a network "
-        "namespace of its own; run from kvbridge's environment, as root)",
+        help="run sglang → sglang, sglang → kvbridge and kvbridge → sglang ROUNDS times each, "
+        "the order turning (each in a network namespace of its own; run from kvbridge's "
+        "environment, as root)",
     )
     options = parser.parse_args()
     if options.compare:
@@ -296,7 +367,8 @@ def main() -> None:
     ready, results = context.Event(), context.Queue()
     processes = [
         context.Process(
-            target=run_prefill, args=(options.requests, pages_per_request, ready, results)
+            target=run_prefill,
+            args=(options.requests, pages_per_request, ready, results, options.prefill),
         ),
         context.Process(
             target=run_decode,
@@ -319,6 +391,7 @@ def main() -> None:
         json.dumps(
             {
                 "layer": "sglang 0.5.23 MooncakeKVManager",
+                "prefill": options.prefill,
                 "decode": options.decode,
                 "requests": options.requests,
                 "tokens": options.tokens,
@@ -330,7 +403,7 @@ def main() -> None:
                 else 0,
                 "p50_ms": round(float(np.quantile(latencies, 0.5)), 1) if latencies else None,
                 "p99_ms": round(float(np.quantile(latencies, 0.99)), 1) if latencies else None,
-                "prefill": reports["prefill"]["ended"],
+                "prefill_ended": reports["prefill"]["ended"],
             }
         )
     )

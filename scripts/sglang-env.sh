@@ -13,6 +13,9 @@ python=${PYTHON:-python3}
 test -x "$venv/bin/python" || "$python" -m venv "$venv"
 pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check)
 "${pip[@]}" --no-deps sglang==0.5.23 mooncake-transfer-engine-non-cuda==0.3.13.post1
+# sglang's NIXL backend imports `nixl._api`: the meta package over the build kvbridge uses
+# (requirements/engines.txt), the same binaries on both sides of the live tests.
+"${pip[@]}" --no-deps nixl==1.5.1 nixl-cu12==1.5.1
 "${pip[@]}" torch==2.13.0  # the machine's local CPU wheel (sglang declares 2.14.1; 2.13 works)
 "${pip[@]}" numpy msgspec pyzmq requests aiohttp orjson psutil pybase64 packaging pillow \
     starlette pydantic tqdm ipython prometheus_client dill gguf sentencepiece==0.2.1 \

@@ -16,8 +16,8 @@ from kvbridge.wire.auth import secret_from_env
 # 0.25-0.30 s at 128 or 256 MiB, GB/s the same within the noise (2026-12-04, README).
 DEFAULT_STAGING_BYTES = 128 << 20
 PEER_PROTOCOLS = ("kvbridge", "sglang")
-# The engines kvbridge speaks to SGLang peers over (NIXL's SGLang dialect: not yet).
-SGLANG_ENGINES = ("mooncake",)
+# The engines kvbridge speaks to SGLang peers over, each in its own SGLang dialect.
+SGLANG_ENGINES = ("mooncake", "nixl")
 
 
 @dataclass(frozen=True)

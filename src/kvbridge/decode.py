@@ -28,8 +28,12 @@ import numpy.typing as npt
 
 from kvbridge.cache import BufferSpec, KVArgs
 from kvbridge.cache.peer import memory_regions, registration_for
-from kvbridge.cache.sglang_peer import sglang_registration_for, sglang_request_problem
-from kvbridge.cache.sglang_route import SGLANG_LAYOUTS, group_problem, sglang_route
+from kvbridge.cache.sglang_peer import (
+    sglang_nixl_registration_for,
+    sglang_registration_for,
+    sglang_request_problem,
+)
+from kvbridge.cache.sglang_route import group_problem, sglang_rank_problem, sglang_route
 from kvbridge.cache.topology import DecodeRoute, TopologyError, topology
 from kvbridge.config import ManagerConfig
 from kvbridge.control.bootstrap import BootstrapError, PrefillRank, lookup_prefill_group
@@ -52,7 +56,7 @@ from kvbridge.core.decode_events import (
     ScatterChunk,
 )
 from kvbridge.core.decode_protocol import FENCE_MARGIN_S, DecodeProtocol
-from kvbridge.core.decode_sglang import SGLangPeer
+from kvbridge.core.decode_sglang import SGLangMooncakePeer, SGLangNixlPeer
 from kvbridge.core.protocol import Tick
 from kvbridge.core.room import RoomStatus
 from kvbridge.decode_scatter import ScatterThread
@@ -85,13 +89,9 @@ class PrefillWay:
 
 class DecodeManager(RankManager):
     def __init__(self, kv_args: KVArgs, config: ManagerConfig) -> None:
-        if config.sglang_peers and (
-            kv_args.state_buffers or kv_args.kv_layout not in SGLANG_LAYOUTS
-        ):
-            raise ValueError(
-                "toward SGLang prefill ranks a decode rank moves MHA or MLA KV and aux slots "
-                "(state buffers and other layouts: not yet)"
-            )
+        problem = sglang_rank_problem(kv_args) if config.sglang_peers else None
+        if problem is not None:
+            raise ValueError(problem)
         self.config = config
         self.rank = kv_args.attn_tp_rank
         self.runtime = RankRuntime("decode", kv_args, config, self._on_message, self._on_tick)
@@ -201,7 +201,7 @@ class DecodeManager(RankManager):
         """`route_to` for an SGLang prefill group: sglang's rank mapping, its registration."""
         group = self.sglang_group(address)
         args = self.kv_args
-        problem = group_problem(group.page_size, group.kv_cache_dtype, args)
+        problem = group_problem(group, args, self.config.engine)
         if problem is not None:
             raise TopologyError(f"{address}: {problem}")
         way = sglang_route(
@@ -235,14 +235,23 @@ class DecodeManager(RankManager):
         with self._lock:
             if self.protocol.registered(endpoint):
                 return endpoint
+        host, port = self.channel.host, self.channel.port
+        if self.config.engine == "nixl":
+            agent = self.runtime.endpoint_name  # the name inside the agent's metadata
+            nixl_registration = sglang_nixl_registration_for(
+                self.kv_args,
+                host=host,
+                control_port=port,
+                agent_name=agent,
+                agent_metadata=self.engine.endpoint(),
+            )
+            self._handle(Registering(endpoint, nixl_registration, SGLangNixlPeer(agent)))
+            return endpoint
         session_id = self.engine.endpoint().decode()
         registration = sglang_registration_for(
-            self.kv_args,
-            host=self.channel.host,
-            control_port=self.channel.port,
-            session_id=session_id,
+            self.kv_args, host=host, control_port=port, session_id=session_id
         )
-        self._handle(Registering(endpoint, registration, SGLangPeer(session_id)))
+        self._handle(Registering(endpoint, registration, SGLangMooncakePeer(session_id)))
         return endpoint
 
     def renew_leases(self, url: str, rooms: Sequence[int]) -> None:

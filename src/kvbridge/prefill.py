@@ -4,7 +4,10 @@ Decode ranks register their memory once (a native `Registration`), then send one
 `TransferRequest` per room. The scheduler calls `KVSender.send()` with each chunk of pages it
 has computed (chunked prefill; the last chunk carries the aux slot and state slots). Each
 chunk is written through the engine, job by job; when the last chunk has landed, the room's
-outcome goes to every destination as a `TransferStatus`, with the reason on failure.
+outcome goes to every destination as a `TransferStatus`, with the reason on failure. With
+`peer_protocol="sglang"` the decode ranks are sglang's: they register and ask in sglang's
+frames, find this group through sglang's bootstrap routes (served by rank 0), and hear
+sglang's statuses and abort acks (`kvbridge.core.prefill_sglang`).
 
 Every rule lives in `kvbridge.core.prefill_protocol.PrefillProtocol`; this module turns what
 happens (messages, ticks, the scheduler's calls, engine writes) into its events and executes
@@ -25,12 +28,18 @@ import numpy.typing as npt
 
 from kvbridge.cache import KVArgs, PlanError
 from kvbridge.cache.peer import memory_regions
+from kvbridge.cache.sglang_route import sglang_dtype_name, sglang_rank_problem
 from kvbridge.config import ManagerConfig
 from kvbridge.control.bootstrap import (
     BootstrapServer,
     LeaseRenewer,
     PrefillRank,
     register_prefill,
+)
+from kvbridge.control.sglang_routes import (
+    SGLangBootstrapService,
+    SGLangPrefillRank,
+    register_sglang_prefill,
 )
 from kvbridge.core.prefill_events import (
     ChunkSubmitted,
@@ -81,11 +90,9 @@ class PrefillManager(RankManager):
     def __init__(self, kv_args: KVArgs, config: ManagerConfig) -> None:
         if config.bootstrap_url is None and not config.run_bootstrap:
             raise ValueError("a prefill manager needs bootstrap_url or run_bootstrap")
-        if config.sglang_peers:
-            raise ValueError(
-                "a kvbridge prefill rank serving SGLang decode ranks is not supported yet "
-                "(peer_protocol 'sglang' is for decode ranks)"
-            )
+        problem = sglang_rank_problem(kv_args) if config.sglang_peers else None
+        if problem is not None:
+            raise ValueError(problem)
         self.kv_args = kv_args
         self.config = config
         self.rank = kv_args.attn_tp_rank
@@ -108,6 +115,7 @@ class PrefillManager(RankManager):
                 staging_bytes=self._staging.length if self._staging is not None else None,
                 writes_in_flight=config.writes_in_flight,
                 engine_notifies=self.engine.delivers_notifications,
+                sglang_peers=config.sglang_peers,
             )
         )
         self.stats: PrefillStats = self.protocol.stats
@@ -134,23 +142,42 @@ class PrefillManager(RankManager):
             self.runtime.start(self.protocol, self._execute_own, self._counters)
             if config.run_bootstrap:
                 self.bootstrap = BootstrapServer(
-                    config.host, config.bootstrap_port, secret=config.secret
+                    config.host,
+                    config.bootstrap_port,
+                    secret=config.secret,
+                    service=SGLangBootstrapService() if config.sglang_peers else None,
                 ).start()
             self.bootstrap_url = self.bootstrap.url if self.bootstrap else str(config.bootstrap_url)
-            rank = PrefillRank(
-                self.rank, kv_args.attn_tp_size, config.host, self.channel.port, config.engine
-            )
-            lease_s = register_prefill(
-                self.bootstrap_url,
-                rank,
-                timeout_s=config.bootstrap_timeout_s,
-                secret=config.secret,
-                wait_out_conflicts=True,
-            )
-            self._lease = LeaseRenewer(self.bootstrap_url, rank, lease_s, config.secret)
+            self._register(kv_args, config)
         except BaseException:
             self.close()  # no thread, socket or registration left behind
             raise
+
+    def _register(self, kv_args: KVArgs, config: ManagerConfig) -> None:
+        """Join the group at its bootstrap service: kvbridge's registration under a lease
+        kept renewed, or sglang's (`PUT /route`, no lease, as sglang's ranks register)."""
+        if config.sglang_peers:
+            sglang_rank = SGLangPrefillRank(
+                self.rank,
+                kv_args.attn_tp_size,
+                config.host,
+                self.channel.port,
+                kv_args.page_size,
+                sglang_dtype_name(kv_args.dtype),
+            )
+            register_sglang_prefill(self.bootstrap_url, sglang_rank, config.bootstrap_timeout_s)
+            return
+        rank = PrefillRank(
+            self.rank, kv_args.attn_tp_size, config.host, self.channel.port, config.engine
+        )
+        lease_s = register_prefill(
+            self.bootstrap_url,
+            rank,
+            timeout_s=config.bootstrap_timeout_s,
+            secret=config.secret,
+            wait_out_conflicts=True,
+        )
+        self._lease = LeaseRenewer(self.bootstrap_url, rank, lease_s, config.secret)
 
     def _counters(self) -> dict[str, float]:
         return {

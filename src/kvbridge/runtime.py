@@ -27,6 +27,10 @@ from kvbridge.metrics import ManagerMetrics, Snapshot
 from kvbridge.staging.buffer import StagingBuffer, StagingUnavailable, open_staging
 from kvbridge.wire import Message, Receiver
 from kvbridge.wire.sglang.mooncake import MOONCAKE
+from kvbridge.wire.sglang.nixl import NIXL
+
+# The SGLang dialect of each engine kvbridge speaks to SGLang peers over.
+SGLANG_PROFILES = {"mooncake": MOONCAKE, "nixl": NIXL}
 
 log = logging.getLogger("kvbridge.runtime")
 
@@ -44,11 +48,10 @@ class RankRuntime:
         self.rank = kv_args.attn_tp_rank
         self.config = config
         config.warn_if_exposed(logging.getLogger(f"kvbridge.{role}"), role)
+        # What the engine names this endpoint (NIXL: the agent's name, which peers use).
+        self.endpoint_name = f"{role}-{self.rank}-{uuid.uuid4().hex[:8]}"
         self.engine: TransferEngine = create_engine(
-            config.engine,
-            f"{role}-{self.rank}-{uuid.uuid4().hex[:8]}",
-            config.host,
-            config.engine_options,
+            config.engine, self.endpoint_name, config.host, config.engine_options
         )
         # Prefill gathers staged chunks into this buffer; decode's is the ring prefill writes.
         self.staging: StagingBuffer | None = None
@@ -66,13 +69,14 @@ class RankRuntime:
         # Set whenever a room may have ended or its pages come free: what an owner waiting for
         # that waits on (a vLLM engine step with nothing to compute); may be set spuriously.
         self.activity = threading.Event()
+        foreign = (SGLANG_PROFILES[config.engine], Receiver(role)) if config.sglang_peers else None
         self.channel = ControlChannel(
             config.host,
             on_message,
             on_tick,
             name=f"kvbridge-{role}",
             secret=config.secret,
-            foreign=(MOONCAKE, Receiver(role)) if config.sglang_peers else None,
+            foreign=foreign,
         )
         self._protocol: ProtocolCore | None = None
         self._threads: list[threading.Thread] = []

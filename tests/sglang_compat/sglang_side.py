@@ -27,8 +27,14 @@ ENVIRONMENT = {
     "MC_LOG_LEVEL": "WARNING",
     "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": "65535",
     "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER": "65535",
+    # UCX's RDMA modules on a host without a card (kvbridge leaves them out in its own
+    # processes; sglang's NIXL agent does not).
+    "UCX_MODULES": "^ib,ib_efa,ib_mlx5,ib_mlx5_ext,ib_mlx5_gda,ib_mlx5_gdp",
 }
+BACKENDS = ("mooncake", "nixl")  # sglang's transfer backends, kvbridge's engines of the same names
 AUX_BYTES = 64
+SENTINEL = 0xA5A5  # what a live test's destination pages hold before any write
+POLL_S = 0.002  # how often a live test polls its rooms
 
 
 @dataclass(frozen=True)
@@ -70,9 +76,36 @@ def aux_content(room: int) -> int:
     return room % 251 + 1
 
 
-def sglang_role(role: str, bootstrap_port: int) -> dict[str, Any]:
-    """Import sglang's PD modules and publish a scheduler's server args for `role`; the
-    classes by kind (`KVARGS`, `MANAGER`, `SENDER`, `RECEIVER`, `BOOTSTRAP_SERVER`)."""
+@dataclass(frozen=True)
+class LiveRooms:
+    """What every live scenario has: its rooms, each of `pages_per_room` pages sent in
+    `chunks` chunks, a model of `layers` layers, and how long it may take."""
+
+    rooms: int = 4
+    pages_per_room: int = 8
+    layers: int = 4
+    chunks: int = 2  # prefill sends each room in this many chunks
+    timeout_s: float = 60.0
+    backend: str = "mooncake"  # sglang's transfer backend, and kvbridge's engine
+
+    @property
+    def geometry(self) -> Geometry:
+        return Geometry(layers=self.layers)
+
+
+def channel_counters(managers: list[Any]) -> dict[str, float]:
+    """The kvbridge managers' channel counters, summed."""
+    counters: dict[str, float] = {}
+    for manager in managers:
+        for name, value in vars(manager.channel.stats).items():
+            counters[name] = counters.get(name, 0) + value
+    return counters
+
+
+def sglang_role(role: str, bootstrap_port: int, backend: str = "mooncake") -> dict[str, Any]:
+    """Import sglang's PD modules and publish a scheduler's server args for `role` over
+    `backend`; the classes by kind (`KVARGS`, `MANAGER`, `SENDER`, `RECEIVER`,
+    `BOOTSTRAP_SERVER`)."""
     for name, value in ENVIRONMENT.items():
         os.environ.setdefault(name, value)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -95,15 +128,17 @@ def sglang_role(role: str, bootstrap_port: int) -> dict[str, Any]:
         model_path="dummy",
         device="cpu",
         disaggregation_mode=role,
-        disaggregation_transfer_backend="mooncake",
+        disaggregation_transfer_backend=backend,
         disaggregation_bootstrap_port=bootstrap_port,
     )
     publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=0, gpu_id=0))
     get_parallel().override_permanently(pp_group=None)
-    init_mooncake_transfer_engine("127.0.0.1", gpu_id=0, ib_device=None)
+    if backend == "mooncake":  # sglang's NIXL manager makes its agent itself
+        init_mooncake_transfer_engine("127.0.0.1", gpu_id=0, ib_device=None)
+    transfer = TransferBackend.NIXL if backend == "nixl" else TransferBackend.MOONCAKE
 
     def kind(name: str) -> Any:
-        return get_kv_class(TransferBackend.MOONCAKE, getattr(KVClassType, name))
+        return get_kv_class(transfer, getattr(KVClassType, name))
 
     mode = DisaggregationMode.PREFILL if role == "prefill" else DisaggregationMode.DECODE
     return {"server_args": server_args, "mode": mode, "class": kind}
@@ -119,6 +154,9 @@ def sglang_kv_args(
     args.kv_cache_dtype_str, args.kv_layout = "auto", None  # sglang's default: the model's
     args.prefill_start_layer, args.prefill_end_layer = 0, geometry.layers
     args.kv_data_ptrs = [b.ctypes.data for b in kv]
+    # Host memory: sglang's decode sets this for NIXL (decode.py); its prefill never does,
+    # and NIXL would then take the buffers for GPU memory.
+    args.kv_data_mem_kinds = ["DRAM"] * len(kv)
     args.kv_data_lens = [b.nbytes for b in kv]
     args.kv_item_lens = [b.nbytes // pages for b in kv]
     args.num_draft_entries, args.kv_layer_ids = 0, []

@@ -1,7 +1,9 @@
-"""kvbridge live beside sglang 0.5.23's real PD transfer layer, over Mooncake TCP: a kvbridge
-decode rank receives rooms from sglang's own prefill (`MooncakeKVManager`, its senders and
-bootstrap server), every byte checked (live_peer.py runs each scenario in a network namespace
-of its own; root only)."""
+"""kvbridge live beside sglang 0.5.23's real PD transfer layer, over Mooncake TCP, both ways:
+a kvbridge decode rank receives rooms from sglang's own prefill (`MooncakeKVManager`, its
+senders and bootstrap server; live_sglang_prefill.py), and kvbridge prefill ranks serve
+sglang's own decode (its manager and receivers, asking kvbridge's bootstrap;
+live_sglang_decode.py); every byte checked, each scenario in a network namespace of its own
+(root only)."""
 
 from __future__ import annotations
 
@@ -21,42 +23,58 @@ if importlib.util.find_spec("sglang") is None:
 
 from kvbridge_tools.bench import json_in_private_netns, private_netns_unavailable
 
-SCRIPT = Path(__file__).resolve().parent / "live_peer.py"
+HERE = Path(__file__).resolve().parent
 pytestmark = pytest.mark.skipif(
     private_netns_unavailable() is not None, reason=str(private_netns_unavailable())
 )
 
 
-def scenario(**spec: Any) -> dict[str, Any]:
+BACKENDS = pytest.mark.parametrize("backend", ["mooncake", "nixl"])
+
+
+def scenario(script: str = "live_sglang_prefill.py", **spec: Any) -> dict[str, Any]:
     report: dict[str, Any] = json_in_private_netns(
-        [str(SCRIPT), json.dumps(spec)], python=sys.executable
+        [str(HERE / script), json.dumps(spec)], python=sys.executable
     )
     # Nothing kvbridge received was unreadable or ignored, nothing native went to sglang.
     channel = report["channel"]
     assert (channel["malformed"], channel["refused_native"], channel["handler_errors"]) == (0, 0, 0)
     assert report["ignored"] == 0
-    assert report["sentinel_kept"], "a page no room asked for was written"
+    if report["decode"] != "no report":  # a decode that was killed reports nothing
+        assert report["sentinel_kept"], "a page no room asked for was written"
     return report
 
 
-def test_a_kvbridge_decode_receives_every_byte_from_sglangs_prefill() -> None:
-    report = scenario(rooms=6, pages_per_room=8, chunks=2)
+@BACKENDS
+def test_a_kvbridge_decode_receives_every_byte_from_sglangs_prefill(backend: str) -> None:
+    report = scenario(rooms=6, pages_per_room=8, chunks=2, backend=backend)
     assert {room["poll"] for room in report["decode"].values()} == {"Success"}
     assert report["verified"] == 6
     assert set(report["prefill"].values()) == {"Success"}
 
 
-def test_two_decode_ranks_each_get_their_heads_from_one_sglang_prefill_rank() -> None:
+@BACKENDS
+def test_two_decode_ranks_each_get_their_heads_from_one_sglang_prefill_rank(backend: str) -> None:
     # sglang's prefill (TP 1) awaits two requests per room and writes each decode rank its
     # half of the heads, token by token (its send_kvcache_slice): every byte checked per rank.
-    report = scenario(rooms=3, decode_tp=2)
+    report = scenario(rooms=3, decode_tp=2, backend=backend, timeout_s=20)
+    if backend == "nixl":
+        # sglang's NIXL prefill moves head slices only into GPU memory: toward host memory
+        # its listener would die at the registration, so kvbridge refuses before it.
+        for outcome in report["decode"].values():
+            assert outcome["poll"] == "Failed"
+            assert outcome["kind"] == "INCOMPATIBLE"
+            assert "only into GPU memory" in outcome["reason"]
+        assert report["channel"]["sent"] == 0
+        return
     assert {room["poll"] for room in report["decode"].values()} == {"Success"}
     assert report["verified"] == 3
     assert set(report["prefill"].values()) == {"Success"}
 
 
-def test_rooms_decode_aborts_end_on_both_sides_and_their_pages_come_free() -> None:
-    report = scenario(rooms=4, abort_rooms=[1, 2])
+@BACKENDS
+def test_rooms_decode_aborts_end_on_both_sides_and_their_pages_come_free(backend: str) -> None:
+    report = scenario(rooms=4, abort_rooms=[1, 2], backend=backend)
     for room in ("1", "2"):
         outcome = report["decode"][room]
         assert outcome["poll"] == "Failed"
@@ -68,8 +86,9 @@ def test_rooms_decode_aborts_end_on_both_sides_and_their_pages_come_free() -> No
     assert report["verified"] == 2
 
 
-def test_a_killed_sglang_prefill_fails_its_rooms_within_the_peer_timeout() -> None:
-    report = scenario(rooms=3, kill_prefill=True)
+@BACKENDS
+def test_a_killed_sglang_prefill_fails_its_rooms_within_the_peer_timeout(backend: str) -> None:
+    report = scenario(rooms=3, kill_prefill=True, backend=backend)
     for outcome in report["decode"].values():
         assert outcome["poll"] == "Failed"
         assert outcome["kind"] == "PEER_DEAD"
@@ -80,3 +99,65 @@ def test_a_killed_sglang_prefill_fails_its_rooms_within_the_peer_timeout() -> No
         # It was told to abort (it may only be hung) and never acknowledged: its pages stay
         # out of use until sglang's own release time (ABORT_RELEASE_S) has passed.
         assert not outcome["pages_safe"]
+
+
+def sglang_decode(**spec: Any) -> dict[str, Any]:
+    return scenario("live_sglang_decode.py", **spec)
+
+
+@BACKENDS
+def test_sglangs_decode_receives_every_byte_from_a_kvbridge_prefill(backend: str) -> None:
+    report = sglang_decode(rooms=6, pages_per_room=8, chunks=2, backend=backend)
+    assert set(report["decode"].values()) == {"Success"}
+    assert report["verified"] == 6
+    assert {room["poll"] for room in report["prefill"].values()} == {"Success"}
+
+
+@BACKENDS
+def test_two_kvbridge_prefill_ranks_each_write_their_heads_into_one_sglang_decode_rank(
+    backend: str,
+) -> None:
+    # sglang's decode (TP 1) asks both prefill ranks, per room, and waits for both statuses;
+    # each writes its half of the heads token by token: every byte checked.
+    report = sglang_decode(rooms=3, prefill_tp=2, backend=backend)
+    assert set(report["decode"].values()) == {"Success"}
+    assert report["verified"] == 3
+    assert {room["poll"] for room in report["prefill"].values()} == {"Success"}
+
+
+@BACKENDS
+def test_mla_one_kvbridge_prefill_rank_writes_and_the_dummy_stays_silent(backend: str) -> None:
+    # MLA, prefill TP 2 → decode TP 1: sglang's decode asks rank 0 for the latent and sends
+    # rank 1 a dummy request, waiting for rank 0's status alone; rank 1 sends nothing.
+    report = sglang_decode(rooms=4, prefill_tp=2, mla=True, backend=backend)
+    assert set(report["decode"].values()) == {"Success"}
+    assert report["verified"] == 4
+    assert report["sent_by_rank"] == [4, 0]
+    assert {room["poll"] for room in report["prefill"].values()} == {"Success"}
+
+
+@BACKENDS
+def test_sglangs_decode_aborts_rooms_and_counts_kvbridges_acks(backend: str) -> None:
+    report = sglang_decode(rooms=4, abort_rooms=[1, 2], backend=backend)
+    for room in ("1", "2"):
+        assert report["decode"][room] == "Failed"
+        assert report["prefill"][room]["poll"] == "Failed"
+        assert (
+            report["prefill"][room]["reason"] == f"room {room}: aborted by decode: no reason given"
+        )
+        # sglang's deferred release counted the ABORT_ACK: it echoed the abort's generation.
+        assert report["abort_acked"][room] is True
+    assert report["decode"]["0"] == report["decode"]["3"] == "Success"
+    assert report["verified"] == 2
+
+
+@BACKENDS
+def test_a_killed_sglang_decode_fails_the_rooms_being_written_at_once(backend: str) -> None:
+    report = sglang_decode(rooms=3, kill_decode=True, timeout_s=20, backend=backend)
+    assert report["decode"] == "no report"
+    for outcome in report["prefill"].values():
+        assert outcome["poll"] == "Failed"
+        assert "write failed" in outcome["reason"]
+        gone = "the peer gone" if backend == "mooncake" else "NIXL_ERR_REMOTE_DISCONNECT"
+        assert gone in outcome["reason"]
+        assert outcome["failed_after_s"] < 5.0

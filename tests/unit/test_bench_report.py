@@ -151,11 +151,14 @@ DOCUMENTS: dict[str, dict[str, Any]] = {
         "tokens": 2048,
         "rounds": 3,
         "summary": {
-            "sglang": {"gbps": 0.75, "p50_ms": 5000.0, "p99_ms": 9000.0, "verified": 32},
-            "kvbridge": {"gbps": 0.78, "p50_ms": 4800.0, "p99_ms": 8800.0, "verified": 32},
+            "sglang → sglang": {"gbps": 0.75, "p50_ms": 5000.0, "p99_ms": 9000.0, "verified": 32},
+            "sglang → kvbridge": {"gbps": 0.78, "p50_ms": 4800.0, "p99_ms": 8800.0, "verified": 32},
+            "kvbridge → sglang": {"gbps": 0.8, "p50_ms": 4700.0, "p99_ms": 8700.0, "verified": 32},
         },
-        "kvbridge_vs_sglang": 1.04,
-        "ratio_range": [0.98, 1.1],
+        "against_sglang": {
+            "sglang → kvbridge": {"ratio": 1.04, "range": [0.98, 1.1]},
+            "kvbridge → sglang": {"ratio": 1.07, "range": [1.0, 1.12]},
+        },
         "runs": {},
     },
     "vllm-mla": {
@@ -283,8 +286,14 @@ def test_rows_carry_their_figures_and_targets() -> None:
     assert "| 1P1D | max | kvbridge, NIXL | 9000 |" in page
     assert "- kvbridge, NIXL: TTFT p50 0.10×, p99 0.10×, throughput 1.50×" in page
     sglang = bench_report.rewrite(page_of("sglang_mooncake"), stamped).page
-    assert "| sglang 0.5.23 → sglang | 0.750 | 5000 / 9000 | 32/32 |" in sglang
-    assert "toward sglang's prefill: 1.04× (0.98-1.1; target ≥ 1.0: met)" in sglang
+    assert "| sglang → sglang | 0.750 | 5000 / 9000 | 32/32 |" in sglang
+    assert "| kvbridge → sglang | 0.800 | 4700 / 8700 | 32/32 |" in sglang
+    assert (
+        "- sglang → kvbridge against sglang → sglang: 1.04× (0.98-1.1; target ≥ 1.0: met)" in sglang
+    )
+    assert (
+        "- kvbridge → sglang against sglang → sglang: 1.07× (1.0-1.12; target ≥ 1.0: met)" in sglang
+    )
 
 
 def test_a_matrix_cell_reads_back_as_it_was_written() -> None:

@@ -5,6 +5,8 @@ them (the rank mapping's refusals, the bootstrap answers, the configuration)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -13,7 +15,12 @@ from kvbridge.cache.sglang_peer import sglang_request_problem
 from kvbridge.cache.sglang_route import group_problem, sglang_route
 from kvbridge.cache.topology import TopologyError
 from kvbridge.config import ManagerConfig
-from kvbridge.control.sglang_bootstrap import base_url, parse_group, parse_rank
+from kvbridge.control.sglang_bootstrap import (
+    SGLangPrefillGroup,
+    base_url,
+    parse_group,
+    parse_rank,
+)
 from kvbridge.core.decode_events import (
     Action,
     Closing,
@@ -25,7 +32,7 @@ from kvbridge.core.decode_events import (
     RoomOpened,
 )
 from kvbridge.core.decode_protocol import DecodeProtocol
-from kvbridge.core.decode_sglang import ABORT_RELEASE_S, SGLangPeer
+from kvbridge.core.decode_sglang import ABORT_RELEASE_S, SGLangMooncakePeer
 from kvbridge.core.protocol import Send, Tick
 from kvbridge.wire import FailureKind, KVLayout, KVPoll, TransferStatus
 from kvbridge.wire.sglang import common
@@ -66,7 +73,7 @@ def opened(core: DecodeProtocol, prefill_tp: int, layout: KVLayout, room: int = 
     way = sglang_route(prefill_tp, 1, 0, 8, layout)
     endpoints = {rank: ENDPOINTS[rank] for rank in way.route.prefill_ranks}
     for endpoint in endpoints.values():
-        core.handle(Registering(endpoint, registration(), SGLangPeer(SESSION)), 0.0)
+        core.handle(Registering(endpoint, registration(), SGLangMooncakePeer(SESSION)), 0.0)
     event = RoomOpened(
         room,
         way.route,
@@ -85,7 +92,7 @@ def status(room: int, rank: int, poll: KVPoll) -> TransferStatus:
 
 def test_registration_and_requests_are_sglangs_and_no_heartbeat_ever_goes_out() -> None:
     core = protocol()
-    registering = Registering(ENDPOINTS[0], registration(), SGLangPeer(SESSION))
+    registering = Registering(ENDPOINTS[0], registration(), SGLangMooncakePeer(SESSION))
     assert [type(s.message) for s in sends(core.handle(registering, 0.0))] == [KVArgsRegisterInfo]
     [request] = opened(core, 1, KVLayout.MHA)
     message = request.message
@@ -136,7 +143,7 @@ def test_one_writers_failure_stops_the_others_writing_the_room() -> None:
 
 def test_an_abort_before_init_fails_the_room_there_without_a_generation() -> None:
     core = protocol()
-    core.handle(Registering(ENDPOINTS[0], registration(), SGLangPeer(SESSION)), 0.0)
+    core.handle(Registering(ENDPOINTS[0], registration(), SGLangMooncakePeer(SESSION)), 0.0)
     [abort] = sends(core.handle(RoomAborted(9, "gone", (ENDPOINTS[0],)), 1.0))
     assert isinstance(abort.message, common.AbortNotification)
     assert (abort.message.room, abort.message.generation) == (9, None)
@@ -243,11 +250,12 @@ def test_bootstrap_answers_are_checked() -> None:
 def test_configurations_that_cannot_talk_to_sglang_are_refused_at_start() -> None:
     with pytest.raises(ValueError, match="no secret"):
         ManagerConfig(engine="mooncake", peer_protocol="sglang", secret=b"s")
-    with pytest.raises(ValueError, match="not 'nixl'"):
-        ManagerConfig(engine="nixl", peer_protocol="sglang", secret=None)
+    with pytest.raises(ValueError, match="not 'loopback'"):
+        ManagerConfig(engine="loopback", peer_protocol="sglang", secret=None)
     with pytest.raises(ValueError, match="peer_protocol"):
         ManagerConfig(peer_protocol="vllm")
     assert ManagerConfig(engine="mooncake", peer_protocol="sglang", secret=None).sglang_peers
+    assert ManagerConfig(engine="nixl", peer_protocol="sglang", secret=None).sglang_peers
 
 
 def test_aux_sent_over_zmq_fails_the_room_rather_than_leave_its_aux_slot_stale() -> None:
@@ -296,13 +304,26 @@ def kv_args(pages: int = 8, slots: int = 4, dtype: type = np.uint16) -> KVArgs:
 def test_the_groups_page_size_and_dtype_must_be_this_ranks(
     page_size: int, dtype: str, problem: str | None
 ) -> None:
-    found = group_problem(page_size, dtype, kv_args())
+    found = group_problem(group(page_size, dtype), kv_args())
     assert found is None if problem is None else problem in (found or "")
 
 
 def test_only_an_unquantized_rank_takes_a_groups_model_dtype() -> None:
-    assert group_problem(16, "auto", kv_args(dtype=np.float32)) is None
-    assert "model's own dtype" in (group_problem(16, "auto", kv_args(dtype=np.uint8)) or "")
+    assert group_problem(group(16, "auto"), kv_args(dtype=np.float32)) is None
+    assert "model's own dtype" in (group_problem(group(16, "auto"), kv_args(dtype=np.uint8)) or "")
+
+
+def test_over_nixl_head_slices_between_tp_sizes_are_refused_before_registering() -> None:
+    """sglang's NIXL prefill moves head slices between TP sizes only into GPU memory; toward
+    host memory its listener would die at the registration."""
+    two = group(16, "auto", tp=2)
+    assert group_problem(two, kv_args()) is None  # Mooncake: token by token
+    assert "only into GPU memory" in (group_problem(two, kv_args(), "nixl") or "")
+    assert group_problem(group(16, "auto"), kv_args(), "nixl") is None
+
+
+def group(page_size: int, dtype: str, tp: int = 1) -> SGLangPrefillGroup:
+    return SGLangPrefillGroup("h:1", tp, page_size, dtype, ENDPOINTS[:tp])
 
 
 @pytest.mark.parametrize(
@@ -359,10 +380,5 @@ def test_managers_sglang_peers_cannot_serve_are_refused_at_start() -> None:
     )
     with pytest.raises(ValueError, match="state buffers"):
         DecodeManager(state, config)
-    with pytest.raises(ValueError, match="serving SGLang decode ranks is not supported yet"):
-        PrefillManager(
-            kv_args(),
-            ManagerConfig(
-                engine="mooncake", peer_protocol="sglang", secret=None, bootstrap_url="http://h:1"
-            ),
-        )
+    with pytest.raises(ValueError, match="state buffers"):
+        PrefillManager(state, dataclasses.replace(config, bootstrap_url="h:1"))

@@ -15,6 +15,7 @@ here (refused where the group is looked up).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 from kvbridge.cache.spec import KVArgs
 from kvbridge.cache.topology import DecodeRoute, HeadRange, Source, TopologyError, rank_heads
@@ -96,6 +97,17 @@ def _source(
     )
 
 
+class SGLangGroupSettings(Protocol):
+    """What an SGLang prefill group's bootstrap says that decode checks."""
+
+    @property
+    def attn_tp_size(self) -> int: ...
+    @property
+    def page_size(self) -> int: ...
+    @property
+    def kv_cache_dtype(self) -> str: ...
+
+
 # sglang's kv_cache_dtype strings (`--kv-cache-dtype`, `kv_cache_dtype.py`) as kvbridge dtypes.
 SGLANG_KV_DTYPES = {
     "bf16": "bfloat16",
@@ -109,10 +121,23 @@ SGLANG_KV_DTYPES = {
 MODEL_DTYPES = ("bfloat16", "float16", "float32")
 
 
-def group_problem(page_size: int, kv_cache_dtype: str, args: KVArgs) -> str | None:
+def group_problem(group: SGLangGroupSettings, args: KVArgs, engine: str = "mooncake") -> str | None:
     """Why this rank cannot take KV from an SGLang prefill group with these settings (None: it
     can). sglang's prefill writes with its own page stride and never sees decode's buffer
-    sizes, so a page size or dtype that differs would land bytes in the wrong places."""
+    sizes, so a page size or dtype that differs would land bytes in the wrong places. Over
+    NIXL its prefill moves head slices between TP sizes only into GPU memory: toward host
+    memory it would stop its listener for good, so that is refused here first."""
+    page_size, kv_cache_dtype = group.page_size, group.kv_cache_dtype
+    if (
+        engine == "nixl"
+        and group.attn_tp_size != args.attn_tp_size
+        and args.kv_layout != KVLayout.MLA
+    ):
+        return (
+            f"the SGLang NIXL prefill group has TP {group.attn_tp_size}, this rank "
+            f"{args.attn_tp_size}: sglang's NIXL prefill moves head slices between TP sizes "
+            "only into GPU memory"
+        )
     if page_size != args.page_size:
         return (
             f"the SGLang prefill group has pages of {page_size} tokens, this rank "
@@ -131,4 +156,28 @@ def group_problem(page_size: int, kv_cache_dtype: str, args: KVArgs) -> str | No
         return f"the SGLang prefill group's kv_cache_dtype {kv_cache_dtype!r} is none of {known}"
     if theirs != args.dtype:
         return f"the SGLang prefill group holds {kv_cache_dtype} KV, this rank {args.dtype}"
+    return None
+
+
+def sglang_dtype_name(dtype: str) -> str:
+    """The `kv_cache_dtype` an SGLang instance of the same model holds this rank's KV as:
+    `auto` for the model's own dtype (sglang's default, which its decode compares as a
+    string), else sglang's name of the quantized type."""
+    if dtype in MODEL_DTYPES:
+        return "auto"
+    names = {ours: theirs for theirs, ours in SGLANG_KV_DTYPES.items() if "_" in theirs}
+    if dtype not in names:
+        raise ValueError(f"an SGLang instance holds no KV of dtype {dtype}")
+    return names[dtype]
+
+
+def sglang_rank_problem(args: KVArgs) -> str | None:
+    """Why a rank with this geometry cannot have SGLang peers (None: it can)."""
+    if args.state_buffers or args.kv_layout not in SGLANG_LAYOUTS:
+        return (
+            "beside SGLang ranks a kvbridge rank moves MHA or MLA KV and aux slots "
+            "(state buffers and other layouts: not yet)"
+        )
+    if args.dcp_size != 1:
+        return "decode context parallelism beside SGLang ranks is not supported"
     return None

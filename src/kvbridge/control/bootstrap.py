@@ -336,8 +336,10 @@ class BootstrapServer:
         port: int = 0,
         secret: bytes | None = None,
         lease_s: float = LEASE_S,
+        service: BootstrapService | None = None,
     ) -> None:
-        self.service = BootstrapService(secret, lease_s)
+        # `service`: what it answers, if not kvbridge's own routes (`sglang_routes`).
+        self.service = service if service is not None else BootstrapService(secret, lease_s)
         self.refused_connections = 0
         self._connections = 0
         self._loop = asyncio.new_event_loop()

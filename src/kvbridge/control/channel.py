@@ -38,7 +38,6 @@ import zmq
 from kvbridge.wire import NATIVE, Message, Receiver, WireError
 from kvbridge.wire.address import endpoint_problem, tcp_endpoint
 from kvbridge.wire.auth import ReplayGuard
-from kvbridge.wire.sglang import ZmqMessage
 from kvbridge.wire.sglang.common import SGLangProfile
 
 log = logging.getLogger("kvbridge.control")
@@ -251,7 +250,7 @@ class ControlChannel:
         peers speak SGLang)."""
         if self._foreign is None:
             return NATIVE.encode(message, secret=self._secret)
-        if isinstance(message, ZmqMessage):
+        if self._foreign[0].speaks(type(message)):  # sglang's own, or a status it shares
             return self._foreign[0].encode(message)
         self.stats.refused_native += 1
         log.error(

@@ -17,7 +17,7 @@ from kvbridge.core.protocol import RankStats, RoomsChanged, Send
 from kvbridge.staging.ring import Allocation
 from kvbridge.wire import ChunkReady, Registration
 from kvbridge.wire.address import tcp_endpoint
-from kvbridge.wire.sglang.mooncake import KVArgsRegisterInfo
+from kvbridge.wire.sglang import mooncake, nixl
 
 if TYPE_CHECKING:  # (decode_sglang builds on these events)
     from kvbridge.core.decode_sglang import SGLangPeer
@@ -55,7 +55,7 @@ class Registering:
     SGLang prefill rank (`registration` is then sglang's), spoken to by its rules."""
 
     endpoint: str
-    registration: Registration | KVArgsRegisterInfo
+    registration: Registration | mooncake.KVArgsRegisterInfo | nixl.KVArgsRegisterInfo
     sglang: SGLangPeer | None = None
 
 

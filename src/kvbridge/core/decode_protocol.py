@@ -73,9 +73,9 @@ class DecodeProtocol(ProtocolCore):
         self.liveness = Liveness(settings.heartbeat_interval_s, settings.peer_timeout_s)
         self._registered: set[str] = set()  # prefill control endpoints
         # The SGLang prefill ranks among them: no heartbeats, tokens or leases; their rules.
-        self._sglang = SGLangPeers(settings, self.rooms, self._ignore)
+        self._sglang = SGLangPeers(settings, self.rooms, self.ignore)
         self._heartbeats = DecodeHeartbeats(settings, self.liveness)
-        self.staging = DecodeRing(settings, self.stats, self._registered, self.rooms, self._ignore)
+        self.staging = DecodeRing(settings, self.stats, self._registered, self.rooms, self.ignore)
         # Ticks come every millisecond while rooms transfer (the engine's notifications);
         # deadlines and liveness, which look at every room and peer, only every sweep.
         self._next_sweep = 0.0
@@ -137,9 +137,9 @@ class DecodeProtocol(ProtocolCore):
     def _on_heartbeat(self, message: Heartbeat, now: float) -> list[Action]:
         endpoint = message.sender_id
         if endpoint not in self._registered:  # only prefill ranks this rank registered with
-            return self._ignore("heartbeat from unknown prefill %s", endpoint[:100])
+            return self.ignore("heartbeat from unknown prefill %s", endpoint[:100])
         if message.session_token != self.settings.session_token:
-            return self._ignore("heartbeat from %s without this rank's token", endpoint)
+            return self.ignore("heartbeat from %s without this rank's token", endpoint)
         if self.liveness.seen(endpoint, now):
             log.info("prefill %s is heard from again", endpoint)
         return [self._heartbeats.answer(message)]
@@ -152,7 +152,7 @@ class DecodeProtocol(ProtocolCore):
         state = self.rooms.get(message.room)
         if not message.session_token and self._sglang.asked(state, message.prefill_rank):
             return True
-        self._ignore(
+        self.ignore(
             "%s for room %d without this rank's token", type(message).__name__, message.room
         )
         return False
@@ -162,7 +162,7 @@ class DecodeProtocol(ProtocolCore):
             return []
         state = self.rooms.get(message.room)
         if state is None:
-            return self._ignore("abort ack for unknown room %d", message.room)
+            return self.ignore("abort ack for unknown room %d", message.room)
         state.on_abort_ack(message.prefill_rank)
         return [RoomsChanged()]
 
@@ -175,7 +175,7 @@ class DecodeProtocol(ProtocolCore):
             self.staging.reclaim({(message.prefill_rank, message.room)})
         state = self.rooms.get(message.room)
         if state is None:
-            return self._ignore("status for unknown or cleared room %d", message.room)
+            return self.ignore("status for unknown or cleared room %d", message.room)
         state.on_status(message.prefill_rank, message.status, message.reason, message.failure_kind)
         if message.status == KVPoll.Failed and self._sglang.of_room(state) is not None:
             # An SGLang rank's failure stops no other rank writing the room: decode does.

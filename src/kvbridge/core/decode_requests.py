@@ -7,7 +7,7 @@ import numpy as np
 
 from kvbridge.core.decode_events import DecodeSettings, RoomOpened
 from kvbridge.core.decode_room import DecodeRoom
-from kvbridge.core.decode_sglang import SGLangPeer
+from kvbridge.core.decode_sglang import SGLangAsk, SGLangPeer
 from kvbridge.core.room import SKIPPED_PAGE, RoomStatus
 from kvbridge.wire import KVPoll, Message, TransferRequest
 
@@ -24,7 +24,7 @@ def room_requests(
 
     def request(prefill_rank: int, dummy: bool) -> Message:
         if sglang is not None:
-            return sglang.request(
+            ask = SGLangAsk(
                 room=event.room,
                 host=settings.host,
                 control_port=settings.control_port,
@@ -35,6 +35,7 @@ def room_requests(
                 decode_prefix_len=event.decode_prefix_len,
                 dummy=dummy,
             )
+            return sglang.request(ask)
         state_slots = [list(event.state_indices)] if event.state_indices and not dummy else []
         return TransferRequest(
             room=event.room,

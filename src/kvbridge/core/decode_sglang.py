@@ -1,4 +1,4 @@
-"""What a decode rank says to an SGLang prefill rank (sglang 0.5.23, Mooncake), pure.
+"""What a decode rank says to an SGLang prefill rank (sglang 0.5.23, Mooncake or NIXL), pure.
 
 An SGLang prefill rank gets sglang's own registration, one `TransferInfo` per room (the aux
 slot in every request that writes, as sglang's decode sends it; `decode_prefix_len` 0 for
@@ -21,6 +21,7 @@ from kvbridge.core.decode_events import DecodeSettings
 from kvbridge.core.decode_room import DecodeRoom
 from kvbridge.core.protocol import RoomsChanged, Send
 from kvbridge.wire.messages import FailureKind
+from kvbridge.wire.sglang import nixl
 from kvbridge.wire.sglang.common import AbortAck, AbortNotification, AuxData
 from kvbridge.wire.sglang.mooncake import TransferInfo
 
@@ -31,35 +32,73 @@ ABORT_RELEASE_S = 30.0
 
 
 @dataclass(frozen=True)
-class SGLangPeer:
-    """An SGLang prefill rank this decode rank registered with."""
+class SGLangAsk:
+    """What a room asks of one SGLang prefill rank, whichever backend's request carries it."""
+
+    room: int
+    host: str
+    control_port: int
+    pages: npt.NDArray[np.int32]
+    aux_index: int | None
+    state_indices: tuple[int, ...]
+    required_dst_info_num: int
+    decode_prefix_len: int | None
+    dummy: bool
+
+    @property
+    def page_indices(self) -> npt.NDArray[np.int32]:
+        return np.empty(0, dtype=np.int32) if self.dummy else self.pages
+
+    @property
+    def state_slots(self) -> list[list[int]]:
+        return [list(self.state_indices)] if self.state_indices and not self.dummy else []
+
+
+@dataclass(frozen=True)
+class SGLangMooncakePeer:
+    """An SGLang prefill rank of the Mooncake backend this decode rank registered with."""
 
     session_id: str  # this decode rank's Mooncake session, named in every request
 
-    def request(
-        self,
-        *,
-        room: int,
-        host: str,
-        control_port: int,
-        pages: npt.NDArray[np.int32],
-        aux_index: int | None,
-        state_indices: tuple[int, ...],
-        required_dst_info_num: int,
-        decode_prefix_len: int | None,
-        dummy: bool,
-    ) -> TransferInfo:
+    def request(self, ask: SGLangAsk) -> TransferInfo:
+        """sglang's Mooncake request: a dummy has neither pages nor an aux slot."""
         return TransferInfo(
-            room=room,
-            endpoint=host,
-            dst_port=control_port,
+            room=ask.room,
+            endpoint=ask.host,
+            dst_port=ask.control_port,
             mooncake_session_id=self.session_id,
-            dst_kv_indices=np.empty(0, dtype=np.int32) if dummy else pages,
-            dst_aux_index=None if dummy else (aux_index or 0),
-            dst_state_indices=[list(state_indices)] if state_indices and not dummy else [],
-            required_dst_info_num=required_dst_info_num,
-            decode_prefix_len=decode_prefix_len or 0,
+            dst_kv_indices=ask.page_indices,
+            dst_aux_index=None if ask.dummy else (ask.aux_index or 0),
+            dst_state_indices=ask.state_slots,
+            required_dst_info_num=ask.required_dst_info_num,
+            decode_prefix_len=ask.decode_prefix_len or 0,
         )
+
+
+@dataclass(frozen=True)
+class SGLangNixlPeer:
+    """An SGLang prefill rank of the NIXL backend this decode rank registered with."""
+
+    agent_name: str  # this decode rank's NIXL agent, named in every request
+
+    def request(self, ask: SGLangAsk) -> nixl.TransferInfo:
+        """sglang's NIXL request: the aux slot in every one, dummies' too (its prefill reads
+        it as an integer whatever it is), and the explicit dummy flag."""
+        return nixl.TransferInfo(
+            room=ask.room,
+            endpoint=ask.host,
+            dst_port=ask.control_port,
+            agent_name=self.agent_name,
+            dst_kv_indices=ask.page_indices,
+            dst_aux_index=ask.aux_index or 0,
+            required_dst_info_num=ask.required_dst_info_num,
+            dst_state_indices=ask.state_slots,
+            decode_prefix_len=ask.decode_prefix_len or 0,
+            dummy_rank=ask.dummy,
+        )
+
+
+SGLangPeer = SGLangMooncakePeer | SGLangNixlPeer  # how a room's requests to the rank read
 
 
 class SGLangPeers:

@@ -165,6 +165,9 @@ class PrefillSettings:
     # The engine delivers a write's notification to the peer (NIXL): a room's last write
     # to a decode peer that registered `COMPLETING_NOTIFICATIONS` may then report its success.
     engine_notifies: bool = False
+    # The decode peers are SGLang's: no heartbeats, leases or tokens (sglang has none); no
+    # status to a rank's dummy request.
+    sglang_peers: bool = False
 
     @property
     def rank(self) -> int:

@@ -20,10 +20,12 @@ from kvbridge.core.room import Failure
 from kvbridge.wire import (
     FailureKind,
     Heartbeat,
+    KVPoll,
     Registration,
     RoomLease,
     StagingResponse,
     TransferRequest,
+    TransferStatus,
 )
 from kvbridge.wire.address import tcp_endpoint
 
@@ -80,7 +82,10 @@ class PrefillPeers:
     def lease_problem(self, peer_id: str, now: float) -> str | None:
         """Why this rank may not write to the peer now (its lease ran out), or None. A plain
         read, safe without the manager's lock: a peer's record is only replaced whole (a new
-        registration) and its `lease_until` only grows."""
+        registration) and its `lease_until` only grows. An SGLang decode grants no lease:
+        writes to it go out once it registered, as sglang's own prefill writes."""
+        if self.settings.sglang_peers:
+            return None
         peer = self.by_id.get(peer_id)
         if peer is not None and now < peer.lease_until:
             return None
@@ -149,7 +154,8 @@ class PrefillPeers:
             )
         self.by_id[registration.peer_id] = peer
         self._id_by_endpoint[endpoint] = registration.peer_id
-        self.liveness.seen(registration.peer_id, now)
+        if not self.settings.sglang_peers:  # an SGLang decode sends nothing to be heard by
+            self.liveness.seen(registration.peer_id, now)
         actions = self.heartbeats_to([peer], now)  # its echo grants the first lease
         if peer.error is None and peer.kv_args is not None:
             actions.append(
@@ -181,6 +187,22 @@ class PrefillPeers:
         peer.renewal_sent_at = now
         return self.heartbeats_to([peer], now)
 
+    def status_to(
+        self,
+        peer: DecodePeer,
+        room: int,
+        poll: KVPoll,
+        reason: str = "",
+        kind: FailureKind | None = None,
+    ) -> Send:
+        """A room's status for the peer: with its token and the failure's kind for a kvbridge
+        decode; sglang's frames carry neither, only the reason (which its decode reads when
+        present, though its own prefill sends none)."""
+        if self.settings.sglang_peers:
+            return Send(peer.endpoint, TransferStatus(room, poll, self.settings.rank, reason))
+        status = TransferStatus(room, poll, self.settings.rank, reason, peer.token, kind)
+        return Send(peer.endpoint, status)
+
     def _beat_sender(self, message: Heartbeat) -> str | None:
         """The decode peer a heartbeat is from: its sender_id is the sender's control
         endpoint."""
@@ -197,6 +219,8 @@ class PrefillPeers:
         return []
 
     def heartbeats_to(self, peers: Sequence[DecodePeer], now: float) -> list[Action]:
+        if self.settings.sglang_peers:
+            return []  # sglang's decode has no heartbeat: one would stop its listener
         self._heartbeats += 1
         self._beats_sent[self._heartbeats] = now
         while len(self._beats_sent) > MAX_BEATS_REMEMBERED:

@@ -26,6 +26,7 @@ The events and actions themselves are `prefill_events`.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from kvbridge.core.prefill_events import (
@@ -39,9 +40,10 @@ from kvbridge.core.prefill_events import (
     SenderOpened,
     WriteEnded,
 )
-from kvbridge.core.prefill_peers import PrefillPeers
+from kvbridge.core.prefill_peers import DecodePeer, PrefillPeers
 from kvbridge.core.prefill_room import PrefillRoom
 from kvbridge.core.prefill_rooms import PrefillRooms
+from kvbridge.core.prefill_sglang import SGLangDecodeMessages
 from kvbridge.core.protocol import ProtocolCore, RoomsChanged, Send, Tick
 from kvbridge.core.room import Failure
 from kvbridge.core.write_jobs import JobTable
@@ -52,11 +54,11 @@ from kvbridge.wire import (
     FailureKind,
     Heartbeat,
     KVPoll,
+    Message,
     Registration,
     RoomLease,
     StagingResponse,
     TransferRequest,
-    TransferStatus,
 )
 from kvbridge.wire.address import tcp_endpoint
 
@@ -75,21 +77,21 @@ class PrefillProtocol(ProtocolCore):
         self.settings = settings
         self.rank = settings.rank
         self.stats = PrefillStats()
-        self.decode_peers = PrefillPeers(settings, self._ignore)
+        self.decode_peers = PrefillPeers(settings, self.ignore)
         self.liveness = self.decode_peers.liveness
         self.jobs = JobTable()
         self.room_table = PrefillRooms(
-            settings, self.stats, self.decode_peers, self._ignore, self.jobs
+            settings, self.stats, self.decode_peers, self.ignore, self.jobs
         )
         self.rooms: dict[int, PrefillRoom] = self.room_table.by_id
         self.writes = WriteScheduler(
-            settings, self.stats, self.decode_peers, self.room_table, self.jobs, self._ignore
+            settings, self.stats, self.decode_peers, self.room_table, self.jobs, self.ignore
         )
         peers = self.decode_peers
         super().__init__(
             {
                 Registration: peers.on_registration,
-                TransferRequest: self._on_request,
+                TransferRequest: self.on_request,
                 Abort: self._on_abort,
                 Heartbeat: peers.on_heartbeat,
                 RoomLease: self._on_room_lease,
@@ -103,6 +105,8 @@ class PrefillProtocol(ProtocolCore):
                 Tick: self._on_tick,
             }
         )
+        if settings.sglang_peers:
+            self._handlers.update(SGLangDecodeMessages(self).handlers())
 
     def handle(self, event: object, now: float) -> list[Any]:
         """The actions an event calls for, in the order they must be executed; a message
@@ -140,10 +144,10 @@ class PrefillProtocol(ProtocolCore):
 
     # --- messages from decode peers --------------------------------------------------------
 
-    def _on_request(self, message: TransferRequest, now: float) -> list[Action]:
+    def on_request(self, message: TransferRequest, now: float) -> list[Action]:
         peer = self.decode_peers.get(message.peer_id)
         if peer is None:  # creates nothing: anyone can send a request
-            return self._ignore(
+            return self.ignore(
                 "request for room %d from unregistered decode %s",
                 message.room,
                 message.peer_id[:100],
@@ -159,10 +163,8 @@ class PrefillProtocol(ProtocolCore):
             # once rather than silence until decode's deadline.
             ended = state.status.failure_reason or f"it ended ({state.status.poll})"
             reason = f"room {message.room} already ended on prefill rank {self.rank}: {ended}"
-            failed = TransferStatus(
-                message.room, KVPoll.Failed, self.rank, reason, peer.token, FailureKind.REFUSED
-            )
-            return [Send(peer.endpoint, failed)]
+            peers = self.decode_peers
+            return [peers.status_to(peer, message.room, KVPoll.Failed, reason, FailureKind.REFUSED)]
         if peer.error:
             failure = Failure(peer.error.kind, f"room {message.room}: {peer.error.reason}")
             return self.room_table.fail(state, failure, message.peer_id)
@@ -184,25 +186,42 @@ class PrefillProtocol(ProtocolCore):
 
     def _on_abort(self, message: Abort, now: float) -> list[Action]:
         endpoint = tcp_endpoint(message.decode_ip, message.decode_port)
-        state = self.rooms.get(message.room)
+        return self.abort_by_decode(
+            message.room,
+            endpoint,
+            message.reason,
+            lambda peer: AbortAck(message.room, self.rank, peer.token),
+            now,
+        )
+
+    def abort_by_decode(
+        self,
+        room: int,
+        endpoint: str,
+        why: str,
+        ack_for: Callable[[DecodePeer], Message | None],
+        now: float,
+    ) -> list[Action]:
+        """A decode peer at `endpoint` aborts the room: it fails, and the ack `ack_for` the
+        peer gives (None: it is owed none) goes out once nothing of the room is in flight."""
+        state = self.rooms.get(room)
         # Only a decode peer of this room (or, before its request, any registered peer) may
         # end it.
         peers = self.decode_peers.by_id
         askers = {peers[p].endpoint for p in state.requests} if state else set()
         peer = self.decode_peers.at(endpoint)
         if peer is None or (askers and endpoint not in askers):
-            return self._ignore(
-                "abort of room %d from %s, not a decode peer of it", message.room, endpoint
-            )
+            return self.ignore("abort of room %d from %s, not a decode peer of it", room, endpoint)
         actions: list[Action] = []
         if state is None:  # aborted before its request (or its sender): it starts failed
-            state, actions = self.room_table.for_peer(message.room, peer, now)
+            state, actions = self.room_table.for_peer(room, peer, now)
+        ack = ack_for(peer)
         if state is None or state.status.poll == KVPoll.Success:
             # Nothing of this room can be in flight: confirm at once.
-            return [*actions, Send(endpoint, AbortAck(message.room, self.rank, peer.token))]
-        state.pending_acks.add(endpoint)
-        why = message.reason or "no reason given"
-        reason = f"room {message.room}: aborted by decode: {why}"
+            return [*actions, Send(endpoint, ack)] if ack is not None else actions
+        if ack is not None:
+            state.pending_acks[endpoint] = ack
+        reason = f"room {room}: aborted by decode: {why or 'no reason given'}"
         return self.room_table.fail(state, Failure(FailureKind.ABORTED, reason))
 
     def _on_room_lease(self, message: RoomLease, now: float) -> list[Action]:
@@ -210,7 +229,7 @@ class PrefillProtocol(ProtocolCore):
         from a registered decode peer, and only for rooms no request reached yet (a lease
         keeps nothing alive once decode asked: liveness does)."""
         if self.decode_peers.at(message.sender_id) is None:
-            return self._ignore(
+            return self.ignore(
                 "room lease from %s, not a registered decode peer", message.sender_id
             )
         for room in message.rooms:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvbridge.core.room import SKIPPED_PAGE, Chunk, ChunkJob, Destination, Failure, RoomStatus
+from kvbridge.wire.layout import Message
 from kvbridge.wire.messages import KVPoll
 from kvbridge.wire.native import TransferRequest
 
@@ -90,8 +91,9 @@ class PrefillRoom:
     chunks_sent: int = 0
     last_queued: bool = False
     phase: Phase = Phase.OPEN
-    # Decode endpoints whose abort is acknowledged once the room settles.
-    pending_acks: set[str] = field(default_factory=set)
+    # The acks owed, by decode endpoint: each abort is acknowledged once the room settles,
+    # in its sender's own form (kvbridge's `AbortAck`, or sglang's echoing a generation).
+    pending_acks: dict[str, Message] = field(default_factory=dict)
     # Decode peers that asked about the room after it failed, while a write of it was still
     # in flight: they hear how it ended with its destinations, once nothing is in flight.
     late_askers: set[str] = field(default_factory=set)

@@ -16,7 +16,7 @@ from kvbridge.core.prefill_room import Phase, PrefillRoom, Step
 from kvbridge.core.protocol import DueQueue, RoomsChanged, Send
 from kvbridge.core.room import Failure
 from kvbridge.core.write_jobs import JobTable
-from kvbridge.wire import AbortAck, FailureKind, KVPoll, TransferStatus
+from kvbridge.wire import FailureKind, KVPoll
 
 log = logging.getLogger("kvbridge.prefill")
 # Rooms that ended are remembered this long (by count) so late messages never re-create them.
@@ -108,11 +108,8 @@ class PrefillRooms:
             )
         else:
             return self.open(room, now), []
-        failed = TransferStatus(
-            room, KVPoll.Failed, self.rank, reason, peer.token, FailureKind.REFUSED
-        )
         self._ignore("%s", reason)
-        return None, [Send(peer.endpoint, failed)]
+        return None, [self.peers.status_to(peer, room, KVPoll.Failed, reason, FailureKind.REFUSED)]
 
     def report(self, state: PrefillRoom, also_peer: str | None = None) -> list[Action]:
         """Tell every destination of the room (and `also_peer`) how it ended."""
@@ -121,18 +118,20 @@ class PrefillRooms:
         told = state.completed_by_notification if state.status.poll == KVPoll.Success else set()
         for peer_id in sorted(peers - told):
             peer = self.peers.get(peer_id)
-            if peer is None:
+            if peer is None or self._silent_dummy(state, peer_id):
                 continue
-            status = TransferStatus(
-                room=state.room,
-                status=state.status.poll,
-                prefill_rank=self.rank,
-                reason=state.status.failure_reason or "",
-                session_token=peer.token,
-                failure_kind=state.status.failure_kind,
+            status = state.status
+            reason = status.failure_reason or ""
+            actions.append(
+                self.peers.status_to(peer, state.room, status.poll, reason, status.failure_kind)
             )
-            actions.append(Send(peer.endpoint, status))
         return actions
+
+    def _silent_dummy(self, state: PrefillRoom, peer_id: str) -> bool:
+        """An SGLang decode hears nothing from a rank it sent a dummy request (its MLA
+        dummies): a status from one could end the room there before the writer's."""
+        request = state.requests.get(peer_id)
+        return self.settings.sglang_peers and request is not None and request.is_dummy
 
     def fail(
         self, state: PrefillRoom, failure: Failure, peer_id: str | None = None
@@ -160,10 +159,7 @@ class PrefillRooms:
         if state.phase.draining:  # not told yet
             actions += self.report(state)
         state.step(Step.DRAINED)
-        for endpoint in sorted(state.pending_acks):
-            peer = self.peers.at(endpoint)
-            token = peer.token if peer is not None else b""
-            actions.append(Send(endpoint, AbortAck(state.room, self.rank, token)))
+        actions += [Send(endpoint, ack) for endpoint, ack in sorted(state.pending_acks.items())]
         state.pending_acks.clear()
         return [*actions, RoomsChanged()]
 

@@ -105,7 +105,7 @@ class ProtocolCore:
             return []
         return handler(event, now)
 
-    def _ignore(self, why: str, *args: object) -> list[Any]:
+    def ignore(self, why: str, *args: object) -> list[Any]:
         """A well-formed message this rank does not act on: counted, logged at DEBUG."""
         self.stats.ignored += 1
         self._log.debug("ignored: " + why, *args)

@@ -166,7 +166,9 @@ class WriteScheduler:
         assert peer.pairing is not None
         job = entry.job
         rank = self.settings.rank
-        notify = notification_for(job.room, rank) if job.last else b""
+        # sglang's decode reads no engine notification (a room ends on its status frames).
+        sglang = self.settings.sglang_peers
+        notify = notification_for(job.room, rank) if job.last and not sglang else b""
         notify_complete, complete_with = b"", frozenset[int]()
         if (
             job.last

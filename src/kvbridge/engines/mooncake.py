@@ -140,10 +140,11 @@ class MooncakeEngine(TransferEngine):
                 f"exceed Mooncake's TCP queue of {limit} blocks per peer "
                 f"({' and '.join(QUEUE_LIMIT_VARIABLES)}): raise them or lower batch_blocks",
             )
+        # Mooncake says only rc -1, for a peer gone and a queue overrun alike: both are named.
         self._limit_note = (
-            f"; Mooncake's TCP transport takes {limit} blocks per peer "
-            f"({QUEUE_LIMIT_VARIABLES[0]}), {submit_threads} batch(es) of at most "
-            f"{self.batch_blocks} are in flight"
+            f": the peer gone, or more than Mooncake's TCP transport takes ({limit} blocks per "
+            f"peer, {QUEUE_LIMIT_VARIABLES[0]}; {submit_threads} batch(es) of at most "
+            f"{self.batch_blocks} are in flight)"
             if protocol == "tcp"
             else ""
         )

@@ -42,6 +42,10 @@ class Profile(ABC):
     doc: str
     layouts: tuple[Layout[Any], ...]
 
+    def speaks(self, message_type: type[Message]) -> bool:
+        """Whether this profile has a layout for the message type."""
+        return any(layout.message_type is message_type for layout in self.layouts)
+
     def layout_for(self, message_type: type[Message]) -> Layout[Any]:
         for layout in self.layouts:
             if layout.message_type is message_type:

@@ -1,6 +1,6 @@
 """kvbridge's decode and sglang 0.5.23's real prefill, live, over Mooncake TCP.
 
-    PYTHONPATH=src .venv-sglang/bin/python tests/sglang_compat/live_peer.py '{"rooms": 4}'
+    PYTHONPATH=src .venv-sglang/bin/python tests/sglang_compat/live_sglang_prefill.py '{"rooms": 4}'
 
 (run inside a network namespace of its own: Mooncake binds wildcard listeners;
 tests/sglang_compat/test_live_peers.py does that). A child process runs sglang's own
@@ -20,35 +20,33 @@ import queue
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sglang_side import ENVIRONMENT, Geometry, aux_content, sglang_kv_args, sglang_role
-
-SENTINEL = 0xA5A5
-POLL_S = 0.002
+from sglang_side import (
+    ENVIRONMENT,
+    POLL_S,
+    SENTINEL,
+    Geometry,
+    LiveRooms,
+    aux_content,
+    channel_counters,
+    sglang_kv_args,
+    sglang_role,
+)
 
 
 @dataclass(frozen=True)
-class Scenario:
-    rooms: int = 4
-    pages_per_room: int = 8
-    layers: int = 4
-    chunks: int = 2  # prefill sends each room in this many chunks
+class Scenario(LiveRooms):
     abort_rooms: list[int] = field(default_factory=list)  # decode aborts these after init
     # sglang's prefill is killed (SIGKILL) once decode opened every room, before it sends any
     kill_prefill: bool = False
     decode_tp: int = 1  # kvbridge decode ranks (sglang's prefill has one)
     bootstrap_port: int = 18999
-    timeout_s: float = 60.0
-
-    @property
-    def geometry(self) -> Geometry:
-        return Geometry(layers=self.layers)
 
 
 def wait_healthy(address: str, timeout_s: float = 30.0) -> None:
@@ -61,7 +59,7 @@ def wait_healthy(address: str, timeout_s: float = 30.0) -> None:
 
 def run_prefill(scenario: Scenario, ready: Any, results: Any) -> None:
     """sglang's prefill: its bootstrap server, manager and one sender per room."""
-    sglang = sglang_role("prefill", scenario.bootstrap_port)
+    sglang = sglang_role("prefill", scenario.bootstrap_port, scenario.backend)
     from sglang.srt.disaggregation.base.conn import KVPoll
 
     kind, geometry, per_room = sglang["class"], scenario.geometry, scenario.pages_per_room
@@ -103,6 +101,10 @@ def run_prefill(scenario: Scenario, ready: Any, results: Any) -> None:
     results.put({room: ended.get(room, "unfinished") for room in range(scenario.rooms)})
     time.sleep(2)  # decode reads the last statuses and acks before the sockets go
     del bootstrap
+    # sglang's NIXL listener thread is not a daemon: nothing else ends this process.
+    results.close()
+    results.join_thread()
+    os._exit(0)
 
 
 def run_decode(scenario: Scenario, kill_prefill: Callable[[], None]) -> dict[str, Any]:
@@ -120,7 +122,7 @@ def run_decode(scenario: Scenario, kill_prefill: Callable[[], None]) -> dict[str
         for _ in range(tp)
     ]
     config = ManagerConfig(
-        engine="mooncake",
+        engine=scenario.backend,
         peer_protocol="sglang",
         bootstrap_url=f"127.0.0.1:{scenario.bootstrap_port}",
         bootstrap_timeout_s=scenario.timeout_s,
@@ -204,15 +206,11 @@ def run_decode(scenario: Scenario, kill_prefill: Callable[[], None]) -> dict[str
         )
         for receiver in every:
             receiver.clear()
-        channel: dict[str, float] = {}
-        for manager in managers:
-            for name, value in asdict(manager.channel.stats).items():
-                channel[name] = channel.get(name, 0) + value
         return {
             "decode": outcome,
             "verified": verified,
             "sentinel_kept": sentinel_kept,
-            "channel": channel,
+            "channel": channel_counters(managers),
             "ignored": sum(manager.stats.ignored for manager in managers),
         }
     finally:
