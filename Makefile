@@ -99,6 +99,7 @@ bench: $(STAMP)
 	$(MAKE) --no-print-directory $(SGLANG_STAMP)
 	$(BIN)/python benchmarks/e2e.py
 	$(BIN)/python benchmarks/sglang_mooncake.py --compare 3
+	$(BIN)/python benchmarks/sglang_mooncake.py --compare 3 --engine nixl
 	$(BIN)/python benchmarks/hetero.py
 	$(BIN)/kvbridge bench --preset quick
 	$(MAKE) --no-print-directory $(VLLM_STAMP)

@@ -1,15 +1,15 @@
-"""sglang 0.5.23's own transfer layer on the Mooncake engine, on the demo's workload.
+"""sglang 0.5.23's own transfer layer on the Mooncake engine (or NIXL), on the demo's workload.
 
     .venv-sglang/bin/python benchmarks/sglang_mooncake.py [--requests N --tokens L]
-        [--prefill sglang|kvbridge] [--decode sglang|kvbridge]
+        [--prefill sglang|kvbridge] [--decode sglang|kvbridge] [--engine mooncake|nixl]
     (run inside a network namespace of its own: Mooncake binds wildcard listeners;
     benchmarks/e2e.py does that)
-    .venv/bin/python benchmarks/sglang_mooncake.py --compare 3     (as root: make bench)
+    .venv/bin/python benchmarks/sglang_mooncake.py --compare 3 [--engine nixl]   (make bench)
 
 `--decode kvbridge` puts a kvbridge `DecodeManager` (`peer_protocol="sglang"`) where sglang's
 decode was, `--prefill kvbridge` a kvbridge `PrefillManager` where sglang's prefill was, on
 identical work; `--compare ROUNDS` runs sglang → sglang, sglang → kvbridge and kvbridge →
-sglang, the order turning from round to round, and writes bench-results/sglang_mooncake.json.
+sglang, the order turning from round to round, and writes bench-results/sglang_ENGINE.json.
 
 A prefill and a decode process drive sglang's real `MooncakeKVManager`, `MooncakeKVSender`,
 `MooncakeKVReceiver` and `MooncakeKVBootstrapServer`, built as sglang's schedulers build them
@@ -48,7 +48,13 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "sglang_compat"))
 sys.path.insert(0, str(ROOT / "src"))  # kvbridge's decode, in sglang's environment
-from sglang_side import Geometry, aux_content, sglang_kv_args, sglang_role  # noqa: E402
+from sglang_side import (  # noqa: E402
+    BACKENDS,
+    Geometry,
+    aux_content,
+    sglang_kv_args,
+    sglang_role,
+)
 
 from kvbridge.wire import KVPoll  # noqa: E402
 
@@ -75,10 +81,12 @@ def _wait(polls: list[Any], timeout_s: float) -> dict[int, float]:
     return ended
 
 
-def sglang_senders(requests: int, pages: int) -> tuple[Any, Any, Callable[[int], Any], Any]:
+def sglang_senders(
+    requests: int, pages: int, engine: str
+) -> tuple[Any, Any, Callable[[int], Any], Any]:
     """sglang's own prefill: its bootstrap server, manager and senders, as its prefill
     scheduler drives them."""
-    sglang = sglang_role("prefill", BOOTSTRAP_PORT)  # first: it makes sglang importable here
+    sglang = sglang_role("prefill", BOOTSTRAP_PORT, engine)  # first: makes sglang importable
     kind = sglang["class"]
     buffers, aux = GEOMETRY.buffers(pages, requests)
     bootstrap = kind("BOOTSTRAP_SERVER")(host="127.0.0.1", port=BOOTSTRAP_PORT)
@@ -93,7 +101,9 @@ def sglang_senders(requests: int, pages: int) -> tuple[Any, Any, Callable[[int],
     return buffers, aux, sender, bootstrap
 
 
-def kvbridge_senders(requests: int, pages: int) -> tuple[Any, Any, Callable[[int], Any], Any]:
+def kvbridge_senders(
+    requests: int, pages: int, engine: str
+) -> tuple[Any, Any, Callable[[int], Any], Any]:
     """kvbridge's prefill with `peer_protocol="sglang"`, its bootstrap serving sglang's
     decode."""
     from kvbridge import KVArgs, KVLayout, ManagerConfig, PrefillManager
@@ -103,7 +113,7 @@ def kvbridge_senders(requests: int, pages: int) -> tuple[Any, Any, Callable[[int
         buffers, kv_layout=KVLayout.MHA, total_kv_heads=GEOMETRY.heads, aux=[aux]
     )
     config = ManagerConfig(
-        engine="mooncake",
+        engine=engine,
         peer_protocol="sglang",
         run_bootstrap=True,
         bootstrap_port=BOOTSTRAP_PORT,
@@ -118,9 +128,16 @@ PREFILL_LAYERS = {"sglang": sglang_senders, "kvbridge": kvbridge_senders}
 
 
 def run_prefill(
-    requests: int, pages_per_request: int, ready: Any, results: Any, layer: str = "sglang"
+    requests: int,
+    pages_per_request: int,
+    ready: Any,
+    results: Any,
+    layer: str = "sglang",
+    engine: str = "mooncake",
 ) -> None:
-    buffers, aux, new_sender, keep = PREFILL_LAYERS[layer](requests, requests * pages_per_request)
+    buffers, aux, new_sender, keep = PREFILL_LAYERS[layer](
+        requests, requests * pages_per_request, engine
+    )
     for room in range(requests):
         pages = slice(room * pages_per_request, (room + 1) * pages_per_request)
         for index, buffer in enumerate(buffers):
@@ -147,6 +164,10 @@ def run_prefill(
     time.sleep(3)  # decode reads the last statuses before the sockets go
     if layer == "kvbridge":
         keep.close()
+    # sglang's NIXL listener thread is not a daemon: nothing else ends this process.
+    results.close()
+    results.join_thread()
+    os._exit(0)
 
 
 def send_chunks(sender: Any, layer: str, pages: np.ndarray, count: int, slot: int) -> None:
@@ -162,9 +183,11 @@ def send_chunks(sender: Any, layer: str, pages: np.ndarray, count: int, slot: in
     sender.send(chunks[1], last=True, aux_index=slot)
 
 
-def sglang_receivers(requests: int, pages: int, ready: Any) -> tuple[Any, Any, OpenRoom]:
+def sglang_receivers(
+    requests: int, pages: int, ready: Any, engine: str
+) -> tuple[Any, Any, OpenRoom]:
     """sglang's own decode: its manager and receivers, as its decode scheduler drives them."""
-    sglang = sglang_role("decode", BOOTSTRAP_PORT)
+    sglang = sglang_role("decode", BOOTSTRAP_PORT, engine)
     kind = sglang["class"]
     buffers, aux = GEOMETRY.buffers(pages, requests)
     manager = kind("MANAGER")(
@@ -185,7 +208,9 @@ def sglang_receivers(requests: int, pages: int, ready: Any) -> tuple[Any, Any, O
     return buffers, aux, open_room
 
 
-def kvbridge_receivers(requests: int, pages: int, ready: Any) -> tuple[Any, Any, OpenRoom]:
+def kvbridge_receivers(
+    requests: int, pages: int, ready: Any, engine: str
+) -> tuple[Any, Any, OpenRoom]:
     """kvbridge's decode with `peer_protocol="sglang"`, asking sglang's prefill."""
     from kvbridge import DecodeManager, KVArgs, KVLayout, ManagerConfig
 
@@ -195,7 +220,7 @@ def kvbridge_receivers(requests: int, pages: int, ready: Any) -> tuple[Any, Any,
     )
     ready.wait(120)
     config = ManagerConfig(
-        engine="mooncake",
+        engine=engine,
         peer_protocol="sglang",
         bootstrap_url=f"127.0.0.1:{BOOTSTRAP_PORT}",
         bootstrap_timeout_s=60.0,
@@ -216,10 +241,15 @@ DECODE_LAYERS = {"sglang": sglang_receivers, "kvbridge": kvbridge_receivers}
 
 
 def run_decode(
-    requests: int, pages_per_request: int, ready: Any, results: Any, layer: str = "sglang"
+    requests: int,
+    pages_per_request: int,
+    ready: Any,
+    results: Any,
+    layer: str = "sglang",
+    engine: str = "mooncake",
 ) -> None:
     pool = requests * pages_per_request
-    buffers, aux, open_room = DECODE_LAYERS[layer](requests, pool, ready)
+    buffers, aux, open_room = DECODE_LAYERS[layer](requests, pool, ready, engine)
     scattered = np.random.default_rng(0).permutation(pool).astype(np.int32)
 
     def pages_of(slot: int) -> np.ndarray:
@@ -278,7 +308,7 @@ def label(prefill: str, decode: str) -> str:
     return f"{prefill} → {decode}"
 
 
-def compare(requests: int, tokens: int, rounds: int) -> None:
+def compare(requests: int, tokens: int, rounds: int, engine: str = "mooncake") -> None:
     """sglang → sglang, sglang → kvbridge and kvbridge → sglang on identical work, the order
     turning from round to round, each run in a network namespace of its own; writes
     bench-results/sglang_mooncake.json."""
@@ -289,7 +319,10 @@ def compare(requests: int, tokens: int, rounds: int) -> None:
     for index in range(rounds):
         order = PAIRS[index % len(PAIRS) :] + PAIRS[: index % len(PAIRS)]
         for prefill, decode in order:
-            arguments = [__file__, "--requests", str(requests), "--tokens", str(tokens)]
+            arguments = [
+                __file__,
+                *("--requests", str(requests), "--tokens", str(tokens), "--engine", engine),
+            ]
             row = json_in_private_netns(
                 [*arguments, "--prefill", prefill, "--decode", decode], python=str(SGLANG_PYTHON)
             )
@@ -324,6 +357,7 @@ def compare(requests: int, tokens: int, rounds: int) -> None:
             f"({min(ratios):.3f}-{max(ratios):.3f}, {rounds} rounds)"
         )
     document = {
+        "engine": engine,
         "requests": requests,
         "tokens": tokens,
         "rounds": rounds,
@@ -331,13 +365,19 @@ def compare(requests: int, tokens: int, rounds: int) -> None:
         "against_sglang": against,
         "runs": runs,
     }
-    print(f"wrote {save('sglang_mooncake', document)}")
+    print(f"wrote {save(f'sglang_{engine}', document)}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument(
+        "--engine",
+        choices=BACKENDS,
+        default="mooncake",
+        help="sglang's transfer backend and kvbridge's engine (results: sglang_ENGINE.json)",
+    )
     parser.add_argument(
         "--prefill",
         choices=sorted(PREFILL_LAYERS),
@@ -360,7 +400,7 @@ def main() -> None:
     )
     options = parser.parse_args()
     if options.compare:
-        compare(options.requests, options.tokens, options.compare)
+        compare(options.requests, options.tokens, options.compare, options.engine)
         return
     pages_per_request = options.tokens // GEOMETRY.page
     context = multiprocessing.get_context("spawn")
@@ -368,11 +408,25 @@ def main() -> None:
     processes = [
         context.Process(
             target=run_prefill,
-            args=(options.requests, pages_per_request, ready, results, options.prefill),
+            args=(
+                options.requests,
+                pages_per_request,
+                ready,
+                results,
+                options.prefill,
+                options.engine,
+            ),
         ),
         context.Process(
             target=run_decode,
-            args=(options.requests, pages_per_request, ready, results, options.decode),
+            args=(
+                options.requests,
+                pages_per_request,
+                ready,
+                results,
+                options.decode,
+                options.engine,
+            ),
         ),
     ]
     for process in processes:
@@ -390,7 +444,7 @@ def main() -> None:
     print(
         json.dumps(
             {
-                "layer": "sglang 0.5.23 MooncakeKVManager",
+                "layer": f"sglang 0.5.23 over {options.engine}",
                 "prefill": options.prefill,
                 "decode": options.decode,
                 "requests": options.requests,

@@ -32,7 +32,8 @@ RENDERERS: dict[str, Renderer] = {
     "busy_host": bench_tables.busy_host,
     "e2e": bench_tables.e2e,
     "hetero": bench_tables.hetero,
-    "sglang_mooncake": bench_tables.sglang_mooncake,
+    "sglang_mooncake": bench_tables.sglang_pairs,
+    "sglang_nixl": bench_tables.sglang_pairs,
     "bench": bench_tables.matrix,
 }
 VLLM_PD_NAME = re.compile(r"vllm(-(mla|sliding|mamba))?(-full)?")

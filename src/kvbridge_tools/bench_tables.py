@@ -243,7 +243,7 @@ def span(low_high: Sequence[float]) -> str:
     return f"{low_high[0]}-{low_high[1]}"
 
 
-def sglang_mooncake(document: Document) -> list[str]:
+def sglang_pairs(document: Document) -> list[str]:
     """sglang → sglang beside sglang → kvbridge and kvbridge → sglang, the order turning."""
     rows = [
         (
@@ -256,8 +256,8 @@ def sglang_mooncake(document: Document) -> list[str]:
     ]
     own = next(iter(document["summary"]))
     return [
-        f"{document['requests']} requests × {document['tokens']} tokens, medians of "
-        f"{document['rounds']} rounds each.",
+        f"{document['requests']} requests × {document['tokens']} tokens over "
+        f"{document.get('engine', 'mooncake')}, medians of {document['rounds']} rounds each.",
         "",
         *table(("prefill → decode", "GB/s", "p50 / p99 ms", "verified (every run)"), rows),
         "",
