@@ -161,6 +161,22 @@ DOCUMENTS: dict[str, dict[str, Any]] = {
         },
         "runs": {},
     },
+    "sglang_nixl": {
+        "engine": "nixl",
+        "requests": 32,
+        "tokens": 2048,
+        "rounds": 3,
+        "summary": {
+            "sglang → sglang": {"gbps": 5.3, "p50_ms": 870.0, "p99_ms": 1590.0, "verified": 32},
+            "sglang → kvbridge": {"gbps": 6.1, "p50_ms": 740.0, "p99_ms": 1390.0, "verified": 32},
+            "kvbridge → sglang": {"gbps": 5.6, "p50_ms": 810.0, "p99_ms": 1520.0, "verified": 32},
+        },
+        "against_sglang": {
+            "sglang → kvbridge": {"ratio": 1.18, "range": [1.13, 1.23]},
+            "kvbridge → sglang": {"ratio": 1.07, "range": [1.04, 1.1]},
+        },
+        "runs": {},
+    },
     "vllm-mla": {
         "family": "mla",
         "model": "random MLA",
@@ -294,6 +310,9 @@ def test_rows_carry_their_figures_and_targets() -> None:
     assert (
         "- kvbridge → sglang against sglang → sglang: 1.07× (1.0-1.12; target ≥ 1.0: met)" in sglang
     )
+    nixl = bench_report.rewrite(page_of("sglang_nixl"), stamped).page
+    assert "32 requests × 2048 tokens over nixl" in nixl
+    assert "| sglang → kvbridge | 6.100 | 740 / 1390 | 32/32 |" in nixl
 
 
 def test_a_matrix_cell_reads_back_as_it_was_written() -> None:
