@@ -132,6 +132,10 @@ def run_prefill(scenario: Scenario, decode: Any, started: Any) -> dict[str, Any]
     """`prefill_tp` kvbridge prefill ranks in this process, each holding its heads of every
     room; sends each room in `chunks` chunks once sglang's decode asked for it."""
     from kvbridge import KVArgs, KVLayout, KVPoll, ManagerConfig, PrefillManager
+    from kvbridge.control.capture import CAPTURE_VARIABLE
+
+    if scenario.capture_dir:
+        os.environ[CAPTURE_VARIABLE] = scenario.capture_dir
 
     geometry, per_room, tp = scenario.geometry, scenario.pages_per_room, scenario.prefill_tp
     heads = geometry.heads if scenario.mla else geometry.heads // tp

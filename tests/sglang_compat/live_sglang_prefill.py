@@ -111,6 +111,10 @@ def run_decode(scenario: Scenario, kill_prefill: Callable[[], None]) -> dict[str
     """`decode_tp` kvbridge decode ranks in this process, each asked for every room (as every
     decode TP rank runs every request), each holding its share of the heads."""
     from kvbridge import DecodeManager, KVArgs, KVLayout, KVPoll, ManagerConfig
+    from kvbridge.control.capture import CAPTURE_VARIABLE
+
+    if scenario.capture_dir:
+        os.environ[CAPTURE_VARIABLE] = scenario.capture_dir
 
     geometry, per_room, tp = scenario.geometry, scenario.pages_per_room, scenario.decode_tp
     pool = 2 * scenario.rooms * per_room  # half of the pages are never asked for

@@ -87,6 +87,7 @@ class LiveRooms:
     chunks: int = 2  # prefill sends each room in this many chunks
     timeout_s: float = 60.0
     backend: str = "mooncake"  # sglang's transfer backend, and kvbridge's engine
+    capture_dir: str = ""  # kvbridge's side writes every control message here (inspect's files)
 
     @property
     def geometry(self) -> Geometry:

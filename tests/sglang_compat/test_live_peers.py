@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -161,3 +163,48 @@ def test_a_killed_sglang_decode_fails_the_rooms_being_written_at_once(backend: s
         gone = "the peer gone" if backend == "mooncake" else "NIXL_ERR_REMOTE_DISCONNECT"
         assert gone in outcome["reason"]
         assert outcome["failed_after_s"] < 5.0
+
+
+def inspected(directory: Path) -> Counter[str]:
+    """`kvbridge inspect --file` on every message kvbridge's side captured: each reads whole
+    (exit 0); the message types it named, counted."""
+    types: Counter[str] = Counter()
+    files = sorted(directory.rglob("*.json"))
+    assert files, "nothing captured"
+    for path in files:
+        shown = subprocess.run(
+            [sys.executable, "-m", "kvbridge", "inspect", "--file", str(path)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert shown.returncode == 0, f"{path.name}: {shown.stdout}{shown.stderr}"
+        title = next(line for line in shown.stdout.splitlines() if " · " in line)
+        types[title.split(" · ")[1].strip().split()[0]] += 1
+    return types
+
+
+@BACKENDS
+def test_inspect_reads_every_frame_of_a_live_session(backend: str, tmp_path: Path) -> None:
+    """Both directions, with aborts: every control message kvbridge sent and received,
+    captured (`KVBRIDGE_CAPTURE_DIR`) and read back by `kvbridge inspect`."""
+    decode_side, prefill_side = tmp_path / "decode", tmp_path / "prefill"
+    scenario(rooms=3, abort_rooms=[1], backend=backend, capture_dir=str(decode_side))
+    sglang_decode(rooms=3, abort_rooms=[1], backend=backend, capture_dir=str(prefill_side))
+    registration = "KVArgsRegisterInfo"
+    status = "TransferStatus" if backend == "mooncake" else "KV_STATUS"
+    # kvbridge's decode: its registration, one request per room and an abort went out; the
+    # statuses and the abort's ack came back.
+    decode_types = inspected(decode_side)
+    assert decode_types[registration] == 1
+    assert decode_types["TransferInfo"] == 3
+    assert decode_types["ABORT"] == 1
+    assert decode_types["ABORT_ACK"] == 1
+    assert decode_types[status] >= 2
+    # kvbridge's prefill: sglang's registration and requests came, statuses and the ack left.
+    prefill_types = inspected(prefill_side)
+    assert prefill_types[registration] == 1
+    assert prefill_types["TransferInfo"] == 3
+    assert prefill_types["ABORT"] == 1
+    assert prefill_types["ABORT_ACK"] == 1
+    assert prefill_types[status] >= 2

@@ -278,7 +278,7 @@ def _render(result: Inspection, description: str | None) -> None:
     type=click.Choice([side.value for side in Receiver]),
     help="SGLang profiles: tell the message apart as that side's sglang listener "
     "does (an untagged message to decode is a status, to prefill a "
-    "TransferInfo). Default: either side.",
+    "TransferInfo). Default: the file's `receiver` (a capture's), else either side.",
 )
 def inspect_command(
     hex_frames: tuple[str, ...],
@@ -304,6 +304,9 @@ def inspect_command(
         raise _fail("no frames given")
     chosen_profile = profile or metadata.get("profile")
     chosen_type = message_type or metadata.get("type")
+    chosen_receiver = receiver or metadata.get("receiver")
+    if chosen_receiver is not None and chosen_receiver not in {side.value for side in Receiver}:
+        raise _fail(f"the file's receiver {str(chosen_receiver)[:40]!r} is not prefill or decode")
     secret = secret_from_env()
     try:
         result = inspect_frames(
@@ -311,7 +314,7 @@ def inspect_command(
             str(chosen_profile) if chosen_profile else None,
             str(chosen_type) if chosen_type else None,
             secret,
-            Receiver(receiver) if receiver else None,
+            Receiver(chosen_receiver) if chosen_receiver else None,
         )
     except WireError as exc:
         raise _fail(str(exc)) from None

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import zmq
 
+from kvbridge.control.capture import FrameCapture
 from kvbridge.wire import NATIVE, Message, Receiver, WireError
 from kvbridge.wire.address import endpoint_problem, tcp_endpoint
 from kvbridge.wire.auth import ReplayGuard
@@ -113,6 +114,11 @@ class ControlChannel:
         self._secret = secret
         self._guard = ReplayGuard() if secret else None
         self._foreign = foreign
+        self._capture = FrameCapture.from_environment(
+            f"{name}-{self.port}",
+            foreign[0].name if foreign else None,
+            foreign[1] if foreign else None,
+        )
         self._outgoing: queue.SimpleQueue[tuple[str, Message]] = queue.SimpleQueue()
         # send() writes a byte here when the loop may be asleep in its poll; the loop clears
         # `_wake_pending` before it drains the queue, so no queued message waits for a timeout.
@@ -223,6 +229,8 @@ class ControlChannel:
                 log.warning("receive failed: %s", exc)
                 return
             self.stats.received += 1
+            if self._capture is not None:
+                self._capture.write("received", "", frames)
             try:
                 message = self._decode(frames)
             except WireError as exc:
@@ -292,6 +300,8 @@ class ControlChannel:
                     continue
                 self._socket_to(endpoint).send_multipart(frames, zmq.NOBLOCK)
                 self.stats.sent += 1
+                if self._capture is not None:
+                    self._capture.write("sent", endpoint, frames)
             except zmq.Again:
                 self.stats.send_failures += 1
                 log.error("peer %s is not accepting control messages; dropped %s", endpoint, kind)
