@@ -9,6 +9,9 @@ from dataclasses import dataclass, field
 
 from kvbridge.engines import DEFAULT_ENGINE
 from kvbridge.wire.auth import secret_from_env
+from kvbridge.wire.sglang.common import SGLangProfile
+from kvbridge.wire.sglang.mooncake import MOONCAKE
+from kvbridge.wire.sglang.nixl import NIXL
 
 # Decode's staging ring and prefill's staging buffer, each. At 64 MiB a TP 2→4 batch of the
 # demo (16 × 1024 tokens of Llama-3-8B: 32 MiB per request and decode rank) kept prefill
@@ -17,7 +20,8 @@ from kvbridge.wire.auth import secret_from_env
 DEFAULT_STAGING_BYTES = 128 << 20
 PEER_PROTOCOLS = ("kvbridge", "sglang")
 # The engines kvbridge speaks to SGLang peers over, each in its own SGLang dialect.
-SGLANG_ENGINES = ("mooncake", "nixl")
+SGLANG_PROFILES: dict[str, SGLangProfile] = {"mooncake": MOONCAKE, "nixl": NIXL}
+SGLANG_ENGINES = tuple(SGLANG_PROFILES)
 
 
 @dataclass(frozen=True)

@@ -19,18 +19,13 @@ from typing import Any
 
 from kvbridge.cache import KVArgs
 from kvbridge.cache.regions import MemoryRegion
-from kvbridge.config import ManagerConfig
+from kvbridge.config import SGLANG_PROFILES, ManagerConfig
 from kvbridge.control.channel import ControlChannel
 from kvbridge.core.protocol import ProtocolCore, RoomsChanged, Send
 from kvbridge.engines import TransferEngine, create_engine
 from kvbridge.metrics import ManagerMetrics, Snapshot
 from kvbridge.staging.buffer import StagingBuffer, StagingUnavailable, open_staging
 from kvbridge.wire import Message, Receiver
-from kvbridge.wire.sglang.mooncake import MOONCAKE
-from kvbridge.wire.sglang.nixl import NIXL
-
-# The SGLang dialect of each engine kvbridge speaks to SGLang peers over.
-SGLANG_PROFILES = {"mooncake": MOONCAKE, "nixl": NIXL}
 
 log = logging.getLogger("kvbridge.runtime")
 
