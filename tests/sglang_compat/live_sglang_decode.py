@@ -67,8 +67,11 @@ def run_decode(scenario: Scenario, started: Any, results: Any) -> None:
     kv, aux = geometry.buffers(pool, scenario.rooms)
     for buffer in kv:
         buffer.fill(SENTINEL)
+    mamba = scenario.state
+    slots = 2 * scenario.rooms  # half of the state slots are never asked for either
+    state = mamba.buffers(slots, 1) if mamba else []
     manager = kind("MANAGER")(
-        sglang_kv_args(kind, geometry, kv, aux),
+        sglang_kv_args(kind, geometry, kv, aux, state),
         sglang["mode"],
         sglang["server_args"],
         scenario.mla,  # is_mla_backend
@@ -86,7 +89,11 @@ def run_decode(scenario: Scenario, started: Any, results: Any) -> None:
     for room in range(scenario.rooms):
         receiver = kind("RECEIVER")(mgr=manager, bootstrap_addr=address, bootstrap_room=room)
         receiver.init(0)
-        receiver.send_metadata(pages_of[room], aux_index=room)
+        receiver.send_metadata(
+            pages_of[room],
+            aux_index=room,
+            state_indices=[[slots - 1 - room]] if mamba else None,
+        )
         if room in scenario.abort_rooms:
             receiver.abort()
         receivers[room] = receiver
@@ -114,6 +121,11 @@ def run_decode(scenario: Scenario, started: Any, results: Any) -> None:
                 for index, buffer in enumerate(kv)
             )
             and bool((aux[room] == aux_content(room)).all())
+            and all(
+                np.array_equal(array[slots - 1 - room], mamba.content(room, index))
+                for index, array in enumerate(state)
+                if mamba
+            )
         )
     asked = np.concatenate(list(pages_of.values()))
     untouched = np.setdiff1d(np.arange(pool), asked)
@@ -121,7 +133,8 @@ def run_decode(scenario: Scenario, started: Any, results: Any) -> None:
         {
             "decode": {str(room): ended.get(room, "unfinished") for room in receivers},
             "verified": verified,
-            "sentinel_kept": all(bool((buffer[untouched] == SENTINEL).all()) for buffer in kv),
+            "sentinel_kept": all(bool((buffer[untouched] == SENTINEL).all()) for buffer in kv)
+            and all(bool((array[: slots - scenario.rooms] == SENTINEL).all()) for array in state),
             "abort_acked": acked,
         }
     )
@@ -139,6 +152,7 @@ def run_prefill(scenario: Scenario, decode: Any, started: Any) -> dict[str, Any]
 
     geometry, per_room, tp = scenario.geometry, scenario.pages_per_room, scenario.prefill_tp
     heads = geometry.heads if scenario.mla else geometry.heads // tp
+    mamba = scenario.state
     config = ManagerConfig(
         engine=scenario.backend,
         peer_protocol="sglang",
@@ -160,6 +174,10 @@ def run_prefill(scenario: Scenario, decode: Any, started: Any) -> dict[str, Any]
                     )
                     buffer[room * per_room : (room + 1) * per_room] = whole[:, :, held]
                 aux[room] = aux_content(room)
+            state = mamba.buffers(scenario.rooms, tp) if mamba else []
+            for room in range(scenario.rooms):
+                for index, array in enumerate(state):
+                    array[room] = mamba.shard(room, index, rank, tp) if mamba else 0
             args = KVArgs.from_numpy(
                 kv,
                 kv_layout=KVLayout.MLA if scenario.mla else KVLayout.MHA,
@@ -167,6 +185,8 @@ def run_prefill(scenario: Scenario, decode: Any, started: Any) -> dict[str, Any]
                 attn_tp_rank=rank,
                 attn_tp_size=tp,
                 aux=[aux],
+                state=state,
+                state_dims=mamba.dims(tp) if mamba else (),
             )
             rank_config = (
                 replace(config, run_bootstrap=True, bootstrap_port=scenario.bootstrap_port)
@@ -201,7 +221,12 @@ def run_prefill(scenario: Scenario, decode: Any, started: Any) -> dict[str, Any]
                     for sender in rank_senders:
                         for index, chunk in enumerate(chunks):
                             last = index == len(chunks) - 1
-                            sender.send(chunk, last=last, aux_index=room if last else None)
+                            sender.send(
+                                chunk,
+                                last=last,
+                                aux_index=room if last else None,
+                                state_indices=(room,) if last and mamba else (),
+                            )
                 if room not in failed_after and KVPoll.Failed in polls:
                     failed_after[room] = time.monotonic() - killed_at
             done = [

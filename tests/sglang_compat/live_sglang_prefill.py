@@ -64,16 +64,23 @@ def run_prefill(scenario: Scenario, ready: Any, results: Any) -> None:
 
     kind, geometry, per_room = sglang["class"], scenario.geometry, scenario.pages_per_room
     kv, aux = geometry.buffers(scenario.rooms * per_room, scenario.rooms)
+    mamba = scenario.state
+    state = mamba.buffers(scenario.rooms, 1) if mamba else None
     for room in range(scenario.rooms):
         for index, buffer in enumerate(kv):
             buffer[room * per_room : (room + 1) * per_room] = geometry.content(
                 room, index, per_room
             )
         aux[room] = aux_content(room)
+        for index, array in enumerate(state or []):
+            array[room] = mamba.content(room, index) if mamba else 0
     bootstrap = kind("BOOTSTRAP_SERVER")(host="127.0.0.1", port=scenario.bootstrap_port)
     wait_healthy(f"127.0.0.1:{scenario.bootstrap_port}")  # before the manager registers there
     manager = kind("MANAGER")(
-        sglang_kv_args(kind, geometry, kv, aux), sglang["mode"], sglang["server_args"], False
+        sglang_kv_args(kind, geometry, kv, aux, state),
+        sglang["mode"],
+        sglang["server_args"],
+        False,
     )
     address = f"127.0.0.1:{scenario.bootstrap_port}"
     senders = [
@@ -94,7 +101,8 @@ def run_prefill(scenario: Scenario, ready: Any, results: Any) -> None:
                 sender.init(per_room, aux_index=room)
                 pages = np.arange(room * per_room, (room + 1) * per_room, dtype=np.int32)
                 for chunk in np.array_split(pages, scenario.chunks):
-                    sender.send(chunk)
+                    # sglang's sender keeps the state slot for the room's last chunk
+                    sender.send(chunk, state_indices=[[room]] if state else None)
             elif poll in (KVPoll.Success, KVPoll.Failed) and room not in ended:
                 ended[room] = "Success" if poll == KVPoll.Success else "Failed"
         time.sleep(POLL_S)
@@ -125,6 +133,9 @@ def run_decode(scenario: Scenario, kill_prefill: Callable[[], None]) -> dict[str
         )
         for _ in range(tp)
     ]
+    mamba = scenario.state
+    slots = 2 * scenario.rooms  # half of the state slots are never asked for either
+    states = [mamba.buffers(slots, tp) if mamba else [] for _ in range(tp)]
     config = ManagerConfig(
         engine=scenario.backend,
         peer_protocol="sglang",
@@ -145,6 +156,8 @@ def run_decode(scenario: Scenario, kill_prefill: Callable[[], None]) -> dict[str
             attn_tp_rank=rank,
             attn_tp_size=tp,
             aux=[aux],
+            state=states[rank],
+            state_dims=mamba.dims(tp) if mamba else (),
         )
         managers.append(DecodeManager(args, config))
     scattered = np.random.default_rng(0).permutation(pool).astype(np.int32)
@@ -156,7 +169,11 @@ def run_decode(scenario: Scenario, kill_prefill: Callable[[], None]) -> dict[str
         for room in range(scenario.rooms):
             receivers[room] = [manager.receiver(room) for manager in managers]
             for receiver in receivers[room]:
-                receiver.init(pages_of[room], aux_index=room)
+                receiver.init(
+                    pages_of[room],
+                    aux_index=room,
+                    state_indices=[slots - 1 - room] if mamba else (),
+                )
                 if room in scenario.abort_rooms:
                     receiver.abort("the scheduler gave up on it")
         killed_at = time.monotonic()
@@ -202,11 +219,21 @@ def run_decode(scenario: Scenario, kill_prefill: Callable[[], None]) -> dict[str
                 for rank, (kv, aux) in enumerate(ranks)
                 for index, buffer in enumerate(kv)
             )
-            verified += int(same)
+            state_same = all(
+                np.array_equal(array[slots - 1 - room], mamba.shard(room, index, rank, tp))
+                for rank in range(tp)
+                for index, array in enumerate(states[rank])
+                if mamba
+            )
+            verified += int(same and state_same)
         asked = np.concatenate(list(pages_of.values()))
         untouched = np.setdiff1d(np.arange(pool), asked)
         sentinel_kept = all(
             bool((buffer[untouched] == SENTINEL).all()) for kv, _ in ranks for buffer in kv
+        ) and all(
+            bool((array[: slots - scenario.rooms] == SENTINEL).all())
+            for rank_state in states
+            for array in rank_state
         )
         for receiver in every:
             receiver.clear()

@@ -77,6 +77,50 @@ def aux_content(room: int) -> int:
 
 
 @dataclass(frozen=True)
+class MambaState:
+    """A hybrid model's per-request state as sglang's `MambaPool` lays it out, per layer a
+    conv state `[slots, channels, kernel - 1]` and an SSM state `[slots, heads, head_dim *
+    state]` (uint16), each sharded by attention TP on its first per-slot axis, flattened
+    tensor-major (every layer's conv state, then every SSM state) as
+    `get_contiguous_buf_infos` flattens them."""
+
+    layers: int = 2
+    channels: int = 64
+    kernel: int = 4
+    heads: int = 8
+    head_state: int = 16 * 16
+
+    def rows(self) -> list[tuple[int, int]]:
+        """(units model-wide, words per unit) of each buffer."""
+        conv = (self.channels, self.kernel - 1)
+        ssm = (self.heads, self.head_state)
+        return [conv] * self.layers + [ssm] * self.layers
+
+    def buffers(self, slots: int, tp: int) -> list[npt.NDArray[np.uint16]]:
+        arrays = [np.empty((slots, units // tp, words), np.uint16) for units, words in self.rows()]
+        for array in arrays:
+            array.fill(SENTINEL)
+        return arrays
+
+    def dims(self, tp: int) -> list[int]:
+        """Each buffer's units on one rank (sglang's `state_dim_per_tensor`)."""
+        return [units // tp for units, _ in self.rows()]
+
+    def content(self, room: int, buffer: int) -> npt.NDArray[np.uint16]:
+        """A room's whole slot of one buffer, all ranks' units."""
+        units, words = self.rows()[buffer]
+        seed = np.uint32((room * 7919 + buffer * 104_729 + 17) % 2**32)
+        values = np.arange(units * words, dtype=np.uint32) * np.uint32(2_654_435_761) + seed
+        return (values >> np.uint32(8)).astype(np.uint16).reshape(units, words)
+
+    def shard(self, room: int, buffer: int, rank: int, tp: int) -> npt.NDArray[np.uint16]:
+        """What attention-TP rank `rank` of `tp` holds of the room's slot."""
+        whole = self.content(room, buffer)
+        share = whole.shape[0] // tp
+        return whole[rank * share : (rank + 1) * share]
+
+
+@dataclass(frozen=True)
 class LiveRooms:
     """What every live scenario has: its rooms, each of `pages_per_room` pages sent in
     `chunks` chunks, a model of `layers` layers, and how long it may take."""
@@ -88,6 +132,11 @@ class LiveRooms:
     timeout_s: float = 60.0
     backend: str = "mooncake"  # sglang's transfer backend, and kvbridge's engine
     capture_dir: str = ""  # kvbridge's side writes every control message here (inspect's files)
+    mamba: bool = False  # a hybrid model: every room also moves its Mamba state slot
+
+    @property
+    def state(self) -> MambaState | None:
+        return MambaState() if self.mamba else None
 
     @property
     def geometry(self) -> Geometry:
@@ -146,9 +195,14 @@ def sglang_role(role: str, bootstrap_port: int, backend: str = "mooncake") -> di
 
 
 def sglang_kv_args(
-    kind: Any, geometry: Geometry, kv: list[npt.NDArray[np.uint16]], aux: npt.NDArray[np.uint8]
+    kind: Any,
+    geometry: Geometry,
+    kv: list[npt.NDArray[np.uint16]],
+    aux: npt.NDArray[np.uint8],
+    state: list[npt.NDArray[np.uint16]] | None = None,
 ) -> Any:
-    """sglang's KVArgs for these buffers, filled as `_init_kv_manager` fills it (one rank)."""
+    """sglang's KVArgs for these buffers, filled as `_init_kv_manager` fills it (one rank);
+    `state`: a `MambaState`'s buffers, as `setup_state_kv_args` appends a hybrid pool's."""
     args = kind("KVARGS")()
     pages = kv[0].shape[0]
     args.engine_rank, args.pp_rank, args.system_dp_rank, args.rust_http_port = 0, 0, 0, None
@@ -184,6 +238,21 @@ def sglang_kv_args(
         "state_conv_shard_groups",
     ):
         setattr(args, name, [])
+    if state:
+        from sglang.srt.disaggregation.base.conn import StateType
+        from sglang.srt.disaggregation.utils import append_state_component
+
+        append_state_component(
+            args,
+            StateType.MAMBA,
+            [b.ctypes.data for b in state],
+            [b.nbytes for b in state],
+            [b.nbytes // b.shape[0] for b in state],
+            [b.shape[1] for b in state],
+            [None] * len(state),  # no GDN q/k/v sub-blocks
+            [1] * len(state),
+            [],  # no layer ids: one pipeline stage pairs buffers by position
+        )
     args.is_hybrid_mla_backend, args.swa_kv_cache_layout, args.mla_compression_ratios = (
         False,
         None,

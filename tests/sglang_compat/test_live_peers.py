@@ -103,6 +103,19 @@ def test_a_killed_sglang_prefill_fails_its_rooms_within_the_peer_timeout(backend
         assert not outcome["pages_safe"]
 
 
+# A hybrid model's Mamba state moves over Mooncake only here: sglang's NIXL backend registers
+# state buffers as GPU memory on both sides (its manager cannot start on this machine with
+# one), and kvbridge refuses a host-memory state toward it (tests/unit/test_decode_sglang.py).
+@pytest.mark.parametrize("decode_tp", [1, 2])
+def test_a_hybrid_models_mamba_state_comes_from_sglangs_prefill(decode_tp: int) -> None:
+    # Between TP sizes sglang's prefill cuts each state slot by the units decode published:
+    # each decode rank checks its share of every conv and SSM buffer, beside its KV and aux.
+    report = scenario(rooms=3, mamba=True, decode_tp=decode_tp)
+    assert {room["poll"] for room in report["decode"].values()} == {"Success"}
+    assert report["verified"] == 3
+    assert set(report["prefill"].values()) == {"Success"}
+
+
 def sglang_decode(**spec: Any) -> dict[str, Any]:
     return scenario("live_sglang_decode.py", **spec)
 
@@ -122,6 +135,15 @@ def test_two_kvbridge_prefill_ranks_each_write_their_heads_into_one_sglang_decod
     # sglang's decode (TP 1) asks both prefill ranks, per room, and waits for both statuses;
     # each writes its half of the heads token by token: every byte checked.
     report = sglang_decode(rooms=3, prefill_tp=2, backend=backend)
+    assert set(report["decode"].values()) == {"Success"}
+    assert report["verified"] == 3
+    assert {room["poll"] for room in report["prefill"].values()} == {"Success"}
+
+
+@pytest.mark.parametrize("prefill_tp", [1, 2])
+def test_sglangs_decode_gets_a_hybrid_models_mamba_state_from_kvbridge(prefill_tp: int) -> None:
+    # Two prefill ranks each write their units of every state slot into sglang's whole slot.
+    report = sglang_decode(rooms=3, mamba=True, prefill_tp=prefill_tp)
     assert set(report["decode"].values()) == {"Success"}
     assert report["verified"] == 3
     assert {room["poll"] for room in report["prefill"].values()} == {"Success"}

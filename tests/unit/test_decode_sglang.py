@@ -283,10 +283,21 @@ def test_a_health_answer_after_a_death_does_not_bring_the_rank_back() -> None:
     assert not core.registered(ENDPOINTS[0])  # the next room registers again
 
 
-def kv_args(pages: int = 8, slots: int = 4, dtype: type = np.uint16) -> KVArgs:
+def kv_args(
+    pages: int = 8,
+    slots: int = 4,
+    dtype: type = np.uint16,
+    state_dims: tuple[int, ...] | None = None,
+) -> KVArgs:
+    """A rank's cache; with `state_dims`, a Mamba state too (one buffer of 8 slots)."""
     kv = [np.zeros((pages, 16, 8, 128), dtype) for _ in range(4)]
     return KVArgs.from_numpy(
-        kv, kv_layout=KVLayout.MHA, total_kv_heads=8, aux=[np.zeros((slots, 64), np.uint8)]
+        kv,
+        kv_layout=KVLayout.MHA,
+        total_kv_heads=8,
+        aux=[np.zeros((slots, 64), np.uint8)],
+        state=[np.zeros((8, 32), np.uint8)] if state_dims is not None else [],
+        state_dims=state_dims or (),
     )
 
 
@@ -322,6 +333,16 @@ def test_over_nixl_head_slices_between_tp_sizes_are_refused_before_registering()
     assert group_problem(group(16, "auto"), kv_args(), "nixl") is None
 
 
+def test_a_mamba_state_an_sglang_prefill_cannot_move_is_refused_before_registering() -> None:
+    # Between TP sizes sglang slices the state by the sizes decode publishes.
+    two = group(16, "auto", tp=2)
+    assert "state_dims" in (group_problem(two, kv_args(state_dims=())) or "")
+    assert group_problem(two, kv_args(state_dims=(4,))) is None
+    # sglang's NIXL backend registers state as GPU memory, on both sides.
+    found = group_problem(group(16, "auto"), kv_args(state_dims=()), "nixl")
+    assert "GPU memory" in (found or "")
+
+
 def group(page_size: int, dtype: str, tp: int = 1) -> SGLangPrefillGroup:
     return SGLangPrefillGroup("h:1", tp, page_size, dtype, ENDPOINTS[:tp])
 
@@ -334,13 +355,30 @@ def group(page_size: int, dtype: str, tp: int = 1) -> SGLangPrefillGroup:
         ([8], 3, (), "0..7"),
         ([0], None, (), "aux slot"),
         ([0], 4, (), "aux slot"),
-        ([0], 0, (1,), "state slots"),
+        ([0], 0, (1,), "no state buffers"),
     ],
 )
 def test_requests_an_sglang_prefill_cannot_check_are_refused_here(
     pages: list[int], aux: int | None, state: tuple[int, ...], problem: str | None
 ) -> None:
     found = sglang_request_problem(kv_args(), np.array(pages, np.int32), aux, state)
+    assert found is None if problem is None else problem in (found or "")
+
+
+@pytest.mark.parametrize(
+    ("state", "problem"),
+    [
+        ((7,), None),
+        ((), "one state slot in 0..7"),  # sglang's prefill writes one whatever is asked
+        ((0, 1), "one state slot"),  # its Mamba state is one slot per room
+        ((8,), "one state slot in 0..7"),
+    ],
+)
+def test_a_hybrid_rooms_state_slot_is_checked_here(
+    state: tuple[int, ...], problem: str | None
+) -> None:
+    hybrid = kv_args(state_dims=())
+    found = sglang_request_problem(hybrid, np.array([0], np.int32), 0, state)
     assert found is None if problem is None else problem in (found or "")
 
 
@@ -372,13 +410,12 @@ def test_group_settings_sglangs_decode_would_read_otherwise_are_refused(
 
 def test_managers_sglang_peers_cannot_serve_are_refused_at_start() -> None:
     config = ManagerConfig(engine="mooncake", peer_protocol="sglang", secret=None)
-    state = KVArgs.from_numpy(
-        [np.zeros((4, 16, 8, 128), np.uint16)] * 2,
-        kv_layout=KVLayout.MHA,
+    head_major = KVArgs.from_numpy(
+        [np.zeros((4, 8, 16, 256), np.uint16)],
+        kv_layout=KVLayout.MHA_HEAD_MAJOR,
         total_kv_heads=8,
-        state=[np.zeros((4, 32), np.uint8)],
     )
-    with pytest.raises(ValueError, match="state buffers"):
-        DecodeManager(state, config)
-    with pytest.raises(ValueError, match="state buffers"):
-        PrefillManager(state, dataclasses.replace(config, bootstrap_url="h:1"))
+    with pytest.raises(ValueError, match="not MHA_HEAD_MAJOR"):
+        DecodeManager(head_major, config)
+    with pytest.raises(ValueError, match="not MHA_HEAD_MAJOR"):
+        PrefillManager(head_major, dataclasses.replace(config, bootstrap_url="h:1"))

@@ -6,6 +6,7 @@ them: tests/sglang_compat holds them against sglang's own classes)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from http import HTTPStatus
 
@@ -14,12 +15,15 @@ import pytest
 from kv_cache import rank_cache
 
 from kvbridge.cache import KVArgs
+from kvbridge.cache.peer import registration_for
 from kvbridge.cache.sglang_peer import (
     UNKNOWN_ITEMS,
     decode_registration_from_sglang,
     sglang_nixl_registration_for,
+    sglang_registration_for,
 )
 from kvbridge.cache.sglang_route import sglang_dtype_name, sglang_rank_problem
+from kvbridge.cache.spec import StatePart
 from kvbridge.control.sglang_routes import SGLangBootstrapService, SGLangPrefillRank, server_info
 from kvbridge.core.prefill_events import (
     Action,
@@ -210,9 +214,10 @@ def test_the_dtype_sglang_compares_and_what_cannot_be_served() -> None:
     with pytest.raises(ValueError, match="int8"):
         sglang_dtype_name("int8")
     assert sglang_rank_problem(local()) is None
-    assert "state buffers" in str(
-        sglang_rank_problem(rank_cache(state_slots=2, state_item_bytes=(8,), **GEOMETRY).args)
-    )
+    hybrid = rank_cache(state_slots=2, state_item_bytes=(8,), **GEOMETRY).args
+    assert sglang_rank_problem(hybrid) is None  # a Mamba state moves beside SGLang
+    head_major = rank_cache(kv_layout=KVLayout.MHA_HEAD_MAJOR, **GEOMETRY).args
+    assert "not MHA_HEAD_MAJOR" in str(sglang_rank_problem(head_major))
 
 
 def rank(tp_rank: int, tp: int = 2, **changes: object) -> bytes:
@@ -308,3 +313,75 @@ def test_over_nixl_the_decode_agent_and_its_page_counts_are_read() -> None:
         True,
         None,
     )
+
+
+def hybrid(rank: int = 0, tp: int = 1, **changes: object) -> KVArgs:
+    """A hybrid model's rank: KV and a Mamba state (a conv and an SSM buffer per slot)."""
+    return rank_cache(
+        seed=None,
+        aux_item_bytes=(64,),
+        state_slots=4,
+        state_item_bytes=(72 // tp, 256 // tp),
+        state_dims=(12 // tp, 4 // tp),
+        attn_tp_rank=rank,
+        attn_tp_size=tp,
+        **{**GEOMETRY, **changes},
+    ).args
+
+
+def test_a_mamba_state_is_read_as_the_native_registration_carries_it() -> None:
+    """What a kvbridge decode registers with sglang (one Mamba component), a kvbridge prefill
+    reads back as kvbridge's own registration of that rank says, but for the sizes, which
+    sglang's Mooncake registration does not carry."""
+    decode = hybrid(rank=1, tp=2)
+    info = sglang_registration_for(decode, host="10.0.0.2", control_port=7100, session_id=SESSION)
+    assert info.dst_state_dim_per_tensor == [[6, 2]]
+    read = decode_registration_from_sglang(info, hybrid(), "mooncake")
+    native = registration_for(
+        decode,
+        peer_id=SESSION,
+        host="10.0.0.2",
+        control_port=7100,
+        engine="mooncake",
+        engine_descriptor=SESSION.encode(),
+    )
+    for name in ("state_ptrs", "state_item_lens", "state_dim_per_tensor", "tp_rank"):
+        assert getattr(read, name) == getattr(native, name), name
+    assert read.state_lengths == [[item * UNKNOWN_ITEMS for item in (36, 128)]]
+
+
+def test_a_state_sglangs_decode_holds_otherwise_is_refused_with_the_reason() -> None:
+    own = hybrid()
+    info = sglang_registration_for(own, host="10.0.0.2", control_port=7100, session_id=SESSION)
+    with pytest.raises(ValueError, match="registered 2 state buffers, this rank moves 0"):
+        decode_registration_from_sglang(info, local(), "mooncake")
+    two_components = sglang_registration_for(
+        own, host="10.0.0.2", control_port=7100, session_id=SESSION
+    )
+    two_components.dst_state_data_ptrs = [[1, 2], [3]]
+    with pytest.raises(ValueError, match="2 state components"):
+        decode_registration_from_sglang(two_components, own, "mooncake")
+    # sglang's NIXL backend registers state as GPU memory only.
+    over_nixl = nixl_registration()
+    over_nixl.dst_state_data_ptrs = [[4096, 8192]]
+    with pytest.raises(ValueError, match="GPU memory"):
+        decode_registration_from_sglang(over_nixl, own, "nixl")
+
+
+def test_a_slot_of_parts_is_cut_by_the_sglang_decode_ranks_tp() -> None:
+    """A Mamba-2 conv slot of three parts (x, B, C): sglang's decode publishes only the units
+    it holds; this rank cuts its own parts by the decode's TP and checks the sum."""
+    parts = (StatePart(0, 8, 6, 8), StatePart(48, 2, 6, 2), StatePart(60, 2, 6, 2))
+    own = dataclasses.replace(
+        hybrid(), state_dims=(), state_parts=(parts, (StatePart(0, 4, 64, 4),))
+    )
+    info = registration()
+    info.dst_state_data_ptrs = [[4096, 8192]]
+    info.dst_state_item_lens = [[36, 128]]
+    info.dst_attn_tp_size, info.dst_tp_rank = 2, 1
+    info.dst_state_dim_per_tensor = [[6, 2]]
+    read = decode_registration_from_sglang(info, own, "mooncake")
+    assert read.state_parts == [[0, 4, 6, 8, 24, 1, 6, 2, 30, 1, 6, 2], [0, 2, 64, 4]]
+    info.dst_state_dim_per_tensor = [[5, 2]]
+    with pytest.raises(ValueError, match="holds 5 units"):
+        decode_registration_from_sglang(info, own, "mooncake")

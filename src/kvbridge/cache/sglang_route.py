@@ -19,7 +19,7 @@ from typing import Protocol
 
 from kvbridge.cache.spec import KVArgs
 from kvbridge.cache.topology import DecodeRoute, HeadRange, Source, TopologyError, rank_heads
-from kvbridge.wire.messages import KVLayout
+from kvbridge.wire.messages import KVLayout, MemoryKind
 
 SGLANG_LAYOUTS = (KVLayout.MHA, KVLayout.MLA)  # what an SGLang prefill group moves
 
@@ -138,6 +138,21 @@ def group_problem(group: SGLangGroupSettings, args: KVArgs, engine: str = "moonc
             f"{args.attn_tp_size}: sglang's NIXL prefill moves head slices between TP sizes "
             "only into GPU memory"
         )
+    if engine == "nixl" and args.state_buffers and args.memory_kind != MemoryKind.VRAM:
+        return (
+            "sglang's NIXL backend registers state buffers as GPU memory on both sides: a "
+            "Mamba state in host memory cannot move to or from it"
+        )
+    if (
+        args.state_buffers
+        and group.attn_tp_size != args.attn_tp_size
+        and args.state_layouts is None
+    ):
+        return (
+            f"the SGLang prefill group has TP {group.attn_tp_size}, this rank "
+            f"{args.attn_tp_size}: its Mamba state moves between TP sizes only in slices, "
+            "which need this rank's state_dims (or state_parts)"
+        )
     if page_size != args.page_size:
         return (
             f"the SGLang prefill group has pages of {page_size} tokens, this rank "
@@ -173,10 +188,10 @@ def sglang_dtype_name(dtype: str) -> str:
 
 def sglang_rank_problem(args: KVArgs) -> str | None:
     """Why a rank with this geometry cannot have SGLang peers (None: it can)."""
-    if args.state_buffers or args.kv_layout not in SGLANG_LAYOUTS:
+    if args.kv_layout not in SGLANG_LAYOUTS:
         return (
-            "beside SGLang ranks a kvbridge rank moves MHA or MLA KV and aux slots "
-            "(state buffers and other layouts: not yet)"
+            "beside SGLang ranks a kvbridge rank moves MHA or MLA KV, aux slots and a Mamba "
+            f"state (not {args.kv_layout.name} pages)"
         )
     if args.dcp_size != 1:
         return "decode context parallelism beside SGLang ranks is not supported"
