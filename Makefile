@@ -96,6 +96,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/registration.py
 	$(BIN)/python benchmarks/nixl_notify.py
 	$(BIN)/python benchmarks/busy_host.py
+	$(BIN)/python benchmarks/layerwise.py
 	$(MAKE) --no-print-directory $(SGLANG_STAMP)
 	$(BIN)/python benchmarks/e2e.py
 	$(BIN)/python benchmarks/sglang_mooncake.py --compare 3

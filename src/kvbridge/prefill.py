@@ -310,11 +310,21 @@ class KVSender:
         last: bool = False,
         aux_index: int | None = None,
         state_indices: Sequence[int] = (),
+        layers: range | None = None,
     ) -> None:
         """Queue the next chunk of this room's pages (in order); `last` ends the room and
-        carries the aux slot and the state slots."""
+        carries the aux slot and the state slots.
+
+        Layer-wise: `layers` (positions in `KVArgs.layer_ids`, a step-1 range) sends only
+        those layers of the pages, written while the forward computes the next ones; a
+        chunk's ranges follow one another from layer 0 to the last on the same pages, and
+        `last` goes with the last chunk's last range. ValueError for a send out of order."""
         pages = np.asarray(kv_pages, dtype=np.int64).ravel()
-        self.manager.queue_chunk(self.room, Chunk(pages, last, aux_index, tuple(state_indices)))
+        if layers is not None and (layers.step != 1 or not layers):
+            raise ValueError(f"layers must be a non-empty step-1 range, got {layers}")
+        span = None if layers is None else (layers.start, layers.stop)
+        chunk = Chunk(pages, last, aux_index, tuple(state_indices), span)
+        self.manager.queue_chunk(self.room, chunk)
 
     # A status's failure kind and reason are set before its state reads Failed: the reads
     # below need no lock.

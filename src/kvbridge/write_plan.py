@@ -15,8 +15,9 @@ def plan_write(
     local: KVArgs, write: Write, staging_ptr: int, memory: PlanMemory = FRESH
 ) -> TransferPlan:
     """A job's blocks: its KV (from the staging buffer when gathered: one block into decode's
-    ring, or runs of decode's token rows; else planned over the caches) plus, with the last
-    chunk, the aux and state slots. `staging_ptr` is this rank's staging buffer."""
+    ring, or runs of decode's token rows; else planned over the caches, of the job's layers)
+    plus, with the last chunk, the aux and state slots. `staging_ptr`: this rank's staging
+    buffer."""
     job, peer_args, staged = write.job, write.peer_args, write.staged
     if staged is not None and isinstance(staged.destination, RingSpace):
         kv_plan = TransferPlan(
@@ -31,9 +32,10 @@ def plan_write(
         kv_plan = plan_gathered(
             local, peer_args, write.pairing.source, gathered_at, staged.destination.rows, memory
         )
-    else:
+    else:  # a layer-wise job plans its layers only (they pair with decode's by layer id)
+        layers = local if job.layers is None else local.layer_range(*job.layers)
         kv_plan = write.pairing.plan(
-            local, peer_args, job.src_pages, job.page_offset, job.dst_pages, memory
+            layers, peer_args, job.src_pages, job.page_offset, job.dst_pages, memory
         )
     plans = [kv_plan]
     if job.last and job.src_aux_index is not None and job.dst_aux_index is not None:

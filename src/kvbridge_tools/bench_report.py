@@ -30,6 +30,7 @@ RENDERERS: dict[str, Renderer] = {
     "registration": bench_tables.registration,
     "nixl_notify": bench_tables.nixl_notify,
     "busy_host": bench_tables.busy_host,
+    "layerwise": bench_tables.layerwise,
     "e2e": bench_tables.e2e,
     "hetero": bench_tables.hetero,
     "sglang_mooncake": bench_tables.sglang_pairs,

@@ -132,6 +132,33 @@ def busy_host(document: Document) -> list[str]:
     )
 
 
+def layerwise(document: Document) -> list[str]:
+    target = document["target"]
+    return table(
+        (
+            "model",
+            "layers",
+            "tokens",
+            "layer ms",
+            "whole-request ms",
+            "layer-wise tail ms",
+            f"tail ratio (target ≤ {target:g})",
+        ),
+        (
+            (
+                r["model"],
+                r["layers"],
+                r["tokens"],
+                f"{r['layer_ms']:g}",
+                f"{r['whole_request_ms']:.1f}",
+                f"{r['tail_ms']:.2f}",
+                f"{r['tail_ratio']:.2f} {'met' if r['tail_ratio'] <= target else 'MISSED'}",
+            )
+            for r in document["rows"]
+        ),
+    )
+
+
 def e2e(document: Document) -> list[str]:
     rows = document["rows"]
     lines = table(

@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from multiprocessing.synchronize import Barrier, Event
 from typing import Any
@@ -881,6 +881,19 @@ def _stop(processes: list[Any], grace_s: float) -> None:
             process.join()
 
 
+def results_until(
+    results: Any, processes: list[Any], done: Callable[[], bool], deadline: float
+) -> Iterator[dict[str, Any]]:
+    """What the rank processes put on `results`, as it comes, until `done()`, the deadline,
+    or no process is left alive to put anything."""
+    while not done() and time.monotonic() < deadline:
+        try:
+            yield results.get(timeout=0.5)
+        except queue.Empty:
+            if not any(process.is_alive() for process in processes):
+                return
+
+
 def run_demo(config: DemoConfig, on_progress: Any = None) -> DemoResult:
     """Run the whole demo; `on_progress(rooms_done)` is called as decode completes rooms.
     `DemoConfigError` at once for a run that cannot work here."""
@@ -920,13 +933,8 @@ def run_demo(config: DemoConfig, on_progress: Any = None) -> DemoResult:
     deadline = time.monotonic() + config.timeout_s + 60
     grace_s = 10.0  # finished ranks close their managers and exit by themselves
     try:
-        while len(reports) < len(processes) and time.monotonic() < deadline:
-            try:
-                item = results.get(timeout=0.5)
-            except queue.Empty:
-                if not any(process.is_alive() for process in processes):
-                    break
-                continue
+        everyone = len(processes)
+        for item in results_until(results, processes, lambda: len(reports) == everyone, deadline):
             if "progress" in item:
                 progressed += 1
                 if on_progress is not None:

@@ -97,7 +97,7 @@ def main() -> None:
         second = prefill.sender(2)
         second.send([6, 7], last=True)
         finish(second, 2)
-    elif mode == "slow":
+    elif mode in ("slow", "slow-layers"):
         config = ManagerConfig(
             engine="nixl", run_bootstrap=True, heartbeat_interval_s=0.1, peer_timeout_s=1.0
         )
@@ -107,8 +107,13 @@ def main() -> None:
         senders = {room: prefill.sender(room) for room in SLOW_ROOMS}
         say(sending=1)
         for chunk in range(SLOW_CHUNKS):
+            last = chunk == SLOW_CHUNKS - 1
             for sender in senders.values():
-                sender.send([chunk % 16], last=chunk == SLOW_CHUNKS - 1)
+                if mode == "slow":
+                    sender.send([chunk % 16], last=last)
+                else:  # layer by layer, as a forward pass computes them
+                    sender.send([chunk % 16], layers=range(0, 1))
+                    sender.send([chunk % 16], layers=range(1, 2), last=last)
             time.sleep(0.05)
         for room, sender in senders.items():
             finish(sender, room)

@@ -2,6 +2,7 @@
 keeps them in flight (prefill never sends the last chunk) until it is killed.
 
     python rank.py prefill BOOTSTRAP_URL ROOM...     (the bootstrap service is in the test)
+    python rank.py prefill-layers BOOTSTRAP_URL ROOM...   (only the first layer of a chunk)
     python rank.py decode  BOOTSTRAP_URL ROOM...
 """
 
@@ -24,11 +25,13 @@ GEOMETRY = dict(layer_ids=(0, 1), page_size=4, total_kv_heads=2, head_dim=16)
 def main() -> None:
     role, url, rooms = sys.argv[1], sys.argv[2], [int(room) for room in sys.argv[3:]]
     config = ManagerConfig(engine="nixl", bootstrap_url=url)
-    if role == "prefill":
+    if role.startswith("prefill"):
         cache = rank_cache(num_pages=32, seed=5, **GEOMETRY)
         prefill = PrefillManager(cache.args, config)
+        layers = range(0, 1) if role == "prefill-layers" else None  # killed mid-forward
         for room in rooms:
-            prefill.sender(room).send([2 * room, 2 * room + 1])  # never the last chunk
+            # never the last chunk (or layer)
+            prefill.sender(room).send([2 * room, 2 * room + 1], layers=layers)
     else:
         cache = rank_cache(num_pages=32, seed=None, **GEOMETRY)
         decode = DecodeManager(cache.args, config)

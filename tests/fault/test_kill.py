@@ -55,8 +55,9 @@ def wait_until(condition: Callable[[], bool], timeout_s: float) -> float:
     return time.monotonic() - started
 
 
+@pytest.mark.parametrize("role", ["prefill", "prefill-layers"])  # mid-chunk, or mid-forward
 def test_killed_prefill_fails_its_rooms_on_decode(
-    spawn: Callable[..., subprocess.Popen[str]],
+    spawn: Callable[..., subprocess.Popen[str]], role: str
 ) -> None:
     dying, healthy = BootstrapServer().start(), BootstrapServer().start()
     target = rank_cache(num_pages=32, seed=None, **GEOMETRY)  # keeps the memory alive
@@ -64,7 +65,7 @@ def test_killed_prefill_fails_its_rooms_on_decode(
     source = rank_cache(num_pages=32, seed=9, **GEOMETRY)
     survivor = PrefillManager(source.args, ManagerConfig(engine="nixl", bootstrap_url=healthy.url))
     try:
-        victim = spawn("prefill", dying.url, "0", "1", "2")
+        victim = spawn(role, dying.url, "0", "1", "2")
         doomed = [decode.receiver(room) for room in (0, 1, 2)]
         for room, receiver in enumerate(doomed):
             receiver.init([room, room + 8])
@@ -92,8 +93,9 @@ def test_killed_prefill_fails_its_rooms_on_decode(
         healthy.close()
 
 
+@pytest.mark.parametrize("layerwise", [False, True])
 def test_killed_decode_fails_its_rooms_on_prefill(
-    spawn: Callable[..., subprocess.Popen[str]],
+    spawn: Callable[..., subprocess.Popen[str]], layerwise: bool
 ) -> None:
     bootstrap = BootstrapServer().start()
     source = rank_cache(num_pages=32, seed=9, **GEOMETRY)
@@ -104,9 +106,10 @@ def test_killed_decode_fails_its_rooms_on_prefill(
         doomed = [prefill.sender(room) for room in (0, 1, 2)]
         victim = spawn("decode", bootstrap.url, "0", "1", "2")
         for room, sender in enumerate(doomed):
-            sender.send([2 * room])  # not the last chunk: the rooms stay in flight
-        # Every room's first chunk has been written (4 buffers × one page each) …
-        wait_until(lambda: prefill.pipeline.stats.blocks_written >= 12, 10)
+            # Not the last chunk (layer-wise: its first layer only): the rooms stay in flight.
+            sender.send([2 * room], layers=range(0, 1) if layerwise else None)
+        # Every room's first chunk (or layer) has been written (one page of 4 or 2 buffers) …
+        wait_until(lambda: prefill.pipeline.stats.blocks_written >= (6 if layerwise else 12), 10)
         victim.send_signal(signal.SIGKILL)  # … and the decode side dies mid-room
         killed_at = time.monotonic()
         wait_until(lambda: all(s.poll() == KVPoll.Failed for s in doomed), TIMEOUT_S + 5)

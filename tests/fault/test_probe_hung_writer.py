@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 import zmq
 from kv_cache import rank_cache
 from real_engine import require_engine
@@ -47,9 +48,10 @@ def said(process: subprocess.Popen[str], key: str) -> dict[str, Any]:
             return message
 
 
-def test_a_stopped_writer_cannot_write_into_pages_decode_handed_back() -> None:
+@pytest.mark.parametrize("mode", ["slow", "slow-layers"])  # whole chunks, or layer by layer
+def test_a_stopped_writer_cannot_write_into_pages_decode_handed_back(mode: str) -> None:
     child = subprocess.Popen(
-        [sys.executable, str(PEER), "slow"],
+        [sys.executable, str(PEER), mode],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,

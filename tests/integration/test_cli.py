@@ -157,6 +157,40 @@ def test_demo_counts_requests_fits_80_columns_and_prints_json() -> None:
     assert "1 request × 64 tokens" in one.stderr
 
 
+def test_demo_layerwise_verifies_both_modes_and_reports_the_tails() -> None:
+    env = {**os.environ, "COLUMNS": "80"}
+    table = subprocess.run(
+        [sys.executable, "-m", "kvbridge", "demo", "--layerwise", "-n", "1", "-l", "64"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert table.returncode == 0, table.stdout + table.stderr
+    assert max(len(line) for line in table.stdout.splitlines()) <= 80
+    assert "2/2" in table.stdout  # both modes of the request, every byte
+    found = subprocess.run(
+        [
+            *(sys.executable, "-m", "kvbridge", "demo", "--layerwise", "-n", "2", "-l", "64"),
+            *("--model", "qwen2.5-7b", "--layer-ms", "1", "--json"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert found.returncode == 0, found.stderr
+    summary = json.loads(found.stdout)
+    assert (summary["ok"], summary["verified"], summary["layers"]) == (True, 4, 28)
+    assert len(summary["tail_ms_all"]) == len(summary["whole_request_ms_all"]) == 2
+    assert summary["tail_ratio"] == pytest.approx(
+        summary["tail_ms"] / (summary["whole_request_ms"] / 28)
+    )
+    refused = kvbridge("demo", "--layerwise", "--prefill-tp", "2")
+    assert refused.returncode == 2
+    assert "TP 1 → 1" in refused.stderr
+
+
 def test_engines_lists_every_engine_with_its_options_and_availability() -> None:
     done = kvbridge("engines")
     assert done.returncode == 0, done.stderr

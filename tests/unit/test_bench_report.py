@@ -117,6 +117,29 @@ DOCUMENTS: dict[str, dict[str, Any]] = {
             }
         ]
     },
+    "layerwise": {
+        "target": 1.5,
+        "rows": [
+            {
+                "model": "Llama-3-8B",
+                "layers": 32,
+                "tokens": 1024,
+                "layer_ms": 4.0,
+                "whole_request_ms": 45.9,
+                "tail_ms": 2.0,
+                "tail_ratio": 1.39,
+            },
+            {
+                "model": "Qwen2.5-7B",
+                "layers": 28,
+                "tokens": 16384,
+                "layer_ms": 64.0,
+                "whole_request_ms": 300.0,
+                "tail_ms": 20.0,
+                "tail_ratio": 1.87,
+            },
+        ],
+    },
     "e2e": {
         "rows": [
             e2e_row("nixl", "32 × 2048", 32, 0.967),
@@ -310,6 +333,9 @@ def test_rows_carry_their_figures_and_targets() -> None:
     assert (
         "- kvbridge → sglang against sglang → sglang: 1.07× (1.0-1.12; target ≥ 1.0: met)" in sglang
     )
+    layers = bench_report.rewrite(page_of("layerwise"), stamped).page
+    assert "| Llama-3-8B | 32 | 1024 | 4 | 45.9 | 2.00 | 1.39 met |" in layers
+    assert "| Qwen2.5-7B | 28 | 16384 | 64 | 300.0 | 20.00 | 1.87 MISSED |" in layers
     nixl = bench_report.rewrite(page_of("sglang_nixl"), stamped).page
     assert "32 requests × 2048 tokens over nixl" in nixl
     assert "| sglang → kvbridge | 6.100 | 740 / 1390 | 32/32 |" in nixl

@@ -3,6 +3,9 @@ memcpy between real numpy buffers) and compared with numpy fancy-indexed copies.
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -286,3 +289,46 @@ def test_plans_in_an_arena_equal_fresh_ones_and_its_memory_is_reused_only_when_g
     merged = TransferPlan.concat(third, small, memory=arena)
     assert np.array_equal(merged.src, np.concatenate([third.src, small.src]))
     assert TransferPlan.concat(third) is third
+
+
+def blocks(plan: TransferPlan) -> set[tuple[int, int, int]]:
+    return set(zip(plan.src.tolist(), plan.dst.tolist(), plan.length.tolist(), strict=True))
+
+
+@pytest.mark.parametrize(
+    ("layout", "src_tp", "dst_tp", "dst_page", "dcp"),
+    [
+        (KVLayout.MHA, 1, 1, 4, 1),  # whole pages
+        (KVLayout.MHA, 2, 1, 4, 1),  # head slices, token by token
+        (KVLayout.MHA, 1, 2, 8, 1),  # another page size
+        (KVLayout.MHA, 1, 1, 4, 2),  # decode context parallelism
+        (KVLayout.MLA, 2, 1, 4, 1),
+        (KVLayout.MHA_HEAD_MAJOR, 1, 2, 4, 1),
+    ],
+)
+@settings(max_examples=10, deadline=None)
+@given(cuts=st.lists(st.integers(1, 4), min_size=0, max_size=3, unique=True))
+def test_layer_ranges_plan_exactly_the_whole_write_between_them(
+    layout: KVLayout, src_tp: int, dst_tp: int, dst_page: int, dcp: int, cuts: list[int]
+) -> None:
+    """A chunk written layer range by layer range moves the same blocks as written whole."""
+    heads = 1 if layout == KVLayout.MLA else 4
+    geometry = dict(layer_ids=tuple(range(5)), kv_layout=layout, total_kv_heads=heads)
+    src = rank_cache(seed=None, num_pages=8, attn_tp_size=src_tp, **geometry).args
+    dst = rank_cache(
+        seed=None, num_pages=16, attn_tp_size=dst_tp, page_size=dst_page, **geometry
+    ).args
+    if dcp > 1:
+        dst = dataclasses.replace(dst, dcp_size=dcp)
+    pairing = pair(src, dst)
+    src_pages = np.array([5, 1, 2, 6])
+    dst_pages = np.array([3, 9, 0, 12, 7, 4, 11, 8])
+    whole = pairing.plan(src, dst, src_pages, 1, dst_pages)
+    bounds = [0, *sorted(cuts), 5]
+    pieces = [
+        pairing.plan(src.layer_range(start, stop), dst, src_pages, 1, dst_pages)
+        for start, stop in itertools.pairwise(bounds)
+        if start < stop
+    ]
+    assert sum(len(piece) for piece in pieces) == len(whole)
+    assert set().union(*map(blocks, pieces)) == blocks(whole)

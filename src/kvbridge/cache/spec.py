@@ -7,7 +7,7 @@ arrays the way a serving engine integrates; nothing here touches memory.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any
 
@@ -135,6 +135,10 @@ class KVArgs:
     # Every array or tensor the buffers point into (from_numpy, from_torch): held here so that
     # registered memory lives as long as this description, whatever the caller keeps.
     keepalive: tuple[Any, ...] = field(default=(), compare=False, repr=False)
+    # `layer_range`'s narrowed views, made once each.
+    _layer_ranges: dict[tuple[int, int], KVArgs] = field(
+        default_factory=dict, compare=False, repr=False
+    )
 
     def __post_init__(self) -> None:
         self.validate()
@@ -197,6 +201,36 @@ class KVArgs:
     def layer_positions(self) -> dict[int, int]:
         """Each layer id's position in `layer_ids`."""
         return {layer: position for position, layer in enumerate(self.layer_ids)}
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_ids)
+
+    def layer_range(self, start: int, stop: int) -> KVArgs:
+        """This rank's KV cache narrowed to the layers at positions `start`..`stop - 1` (a
+        layer-wise write plans only those; the rest of the geometry is the same). Cached: a
+        forward asks for the same ranges on every request."""
+        if not 0 <= start < stop <= self.num_layers:
+            raise GeometryError(
+                f"layers {start}..{stop - 1} are not a range of this rank's {self.num_layers}"
+            )
+        key = (start, stop)
+        narrowed = self._layer_ranges.get(key)
+        if narrowed is None:
+            layers = self.num_layers
+            spans = [
+                slice(part * layers + start, part * layers + stop)
+                for part in range(self.buffers_per_layer)
+            ]
+            narrowed = replace(
+                self,
+                layer_ids=self.layer_ids[start:stop],
+                kv_buffers=tuple(b for span in spans for b in self.kv_buffers[span]),
+                kv_tensors=tuple(t for span in spans for t in self.kv_tensors[span]),
+                _layer_ranges={},
+            )
+            self._layer_ranges[key] = narrowed
+        return narrowed
 
     def validate(self) -> None:
         if self.dtype not in DTYPE_SIZES:

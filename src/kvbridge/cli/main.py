@@ -50,6 +50,7 @@ from kvbridge_tools.demo import (
     DemoResult,
     run_demo,
 )
+from kvbridge_tools.layerwise import LayerwiseConfig, run_layerwise
 
 console = Console()
 error_console = Console(stderr=True)
@@ -469,6 +470,19 @@ def protocol_doc_command(output: Path | None, check: Path | None) -> None:
     help="Where the KV cache lives: numpy arrays, torch CPU tensors, a GPU.",
 )
 @click.option(
+    "--layerwise",
+    is_flag=True,
+    help="Layer-wise writes during a simulated forward pass against whole-request writes after "
+    "it, on the same requests (TP 1→1, one chunk each): the post-forward tail.",
+)
+@click.option(
+    "--layer-ms",
+    type=click.FloatRange(min=0, min_open=True),
+    default=4.0,
+    show_default=True,
+    help="With --layerwise: simulated compute time of one layer.",
+)
+@click.option(
     "--json", "as_json", is_flag=True, help="Print one JSON object to stdout instead of the table."
 )
 @click.pass_obj
@@ -487,10 +501,13 @@ def demo_command(
     staging: bool,
     chunks: int,
     memory: str,
+    layerwise: bool,
+    layer_ms: float,
     as_json: bool,
 ) -> None:
     """Move the KV cache of N requests from a prefill group to a decode group (separate
     processes, a real engine) and verify every byte. Exits 1 on any failure or mismatch.
+    With --layerwise, how much of the transfer is left after prefill's last layer.
 
     Sizes are in GB and rates in GB/s, both decimal (10^9 bytes).
 
@@ -499,6 +516,7 @@ def demo_command(
       kvbridge demo
       kvbridge demo --prefill-tp 2 --decode-tp 4 --requests 8
       kvbridge demo --model deepseek-v3 --json
+      kvbridge demo --layerwise --requests 4 --tokens 4096
     """
     config = DemoConfig(
         model=model,
@@ -516,6 +534,9 @@ def demo_command(
     reason = unavailable_reason(engine)
     if reason is not None:
         raise _fail(f"engine {engine} cannot be used here: {reason}")
+    if layerwise:
+        _layerwise_demo(LayerwiseConfig(config, layer_ms), as_json)
+        return
     try:
         config.check()
     except DemoConfigError as exc:
@@ -540,6 +561,49 @@ def demo_command(
     else:
         _print_demo(result)
     if not result.ok:
+        raise click.exceptions.Exit(1)
+
+
+def _layerwise_demo(config: LayerwiseConfig, as_json: bool) -> None:
+    """`demo --layerwise`: both modes on the same requests, the tails side by side."""
+    try:
+        config.check()
+    except DemoConfigError as exc:
+        raise _fail(str(exc)) from None
+    demo = config.demo
+    (error_console if as_json else console).print(
+        f"{demo.shape.name}: {demo.requests} requests × {demo.tokens} tokens, each written "
+        f"whole after a {demo.shape.layers}-layer forward of {config.layer_ms:g} ms per layer "
+        f"and layer by layer during it, engine {demo.engine}",
+        highlight=False,
+    )
+    try:
+        summary = run_layerwise(config).summary()
+    except KeyboardInterrupt as exc:
+        raise _interrupted(exc, "demo stopped, rank processes ended") from None
+    if as_json:
+        sys.stdout.write(json.dumps(summary) + "\n")
+    else:
+        table = Table(title="kvbridge demo --layerwise", title_justify="left")
+        for column in ("requests", "whole-request ms", "layer-wise tail ms", "tail ratio"):
+            table.add_column(column, justify="right")
+        ratio = summary["tail_ratio"]
+        table.add_row(
+            f"{summary['verified']}/{2 * demo.requests}",
+            f"{summary['whole_request_ms'] or 0:.2f}",
+            f"{summary['tail_ms'] or 0:.2f}",
+            f"{ratio:.2f}" if ratio is not None else "—",
+        )
+        console.print(table)
+        console.print(
+            "tail: last layer computed → KV in place on decode (medians); ratio: the tail over "
+            "the whole-request time per layer (1: only the last layer's share left)",
+            highlight=False,
+        )
+        for role, errors in summary["errors"].items():
+            if errors:
+                console.print(f"[red]{role}: {errors}[/red]")
+    if not summary["ok"]:
         raise click.exceptions.Exit(1)
 
 

@@ -17,6 +17,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
+import numpy.typing as npt
 
 from kvbridge.core.room import SKIPPED_PAGE, Chunk, ChunkJob, Destination, Failure, RoomStatus
 from kvbridge.wire.layout import Message
@@ -47,6 +48,14 @@ class Step(enum.Enum):
 
 class LifecycleError(RuntimeError):
     """A step the room's phase does not allow: a bug in the rules, never the peer's doing."""
+
+
+@dataclass(frozen=True)
+class LayerProgress:
+    """A chunk handed over layer by layer, not complete yet: its pages and the layers queued."""
+
+    pages: npt.NDArray[np.int64]
+    layers_done: int
 
 
 TRANSITIONS: dict[tuple[Phase, Step], Phase] = {
@@ -88,8 +97,12 @@ class PrefillRoom:
     sequence: int = 0
     pending: deque[Chunk] = field(default_factory=deque)
     pages_sent: int = 0
-    chunks_sent: int = 0
+    chunks_sent: int = 0  # jobs made per destination: every chunk, every layer range of one
     last_queued: bool = False
+    # Layers on this rank; a chunk handed over by layers is complete at the last of them.
+    num_layers: int = 1
+    # A chunk handed over layer by layer that is not complete yet: its pages, layers so far.
+    layer_chunk: LayerProgress | None = None
     phase: Phase = Phase.OPEN
     # The acks owed, by decode endpoint: each abort is acknowledged once the room settles,
     # in its sender's own form (kvbridge's `AbortAck`, or sglang's echoing a generation).
@@ -179,10 +192,45 @@ class PrefillRoom:
         return self.required_requests is not None and len(self.requests) >= self.required_requests
 
     def add_chunk(self, chunk: Chunk) -> None:
+        """Queue a chunk; ValueError for one that breaks the order: after the last chunk,
+        or layer ranges of a chunk that do not follow one another from the first layer to
+        the last, on the same pages, before the next chunk."""
         if self.last_queued:
             raise ValueError(f"room {self.room}: send() after the last chunk")
+        self.layer_chunk = self._layer_progress(chunk)
         self.pending.append(chunk)
         self.last_queued = chunk.last
+
+    def _layer_progress(self, chunk: Chunk) -> LayerProgress | None:
+        """Where a layer-wise chunk stands once this piece of it is queued (None: complete)."""
+        ongoing = self.layer_chunk
+        if chunk.layers is None:
+            if ongoing is not None:
+                raise ValueError(
+                    f"room {self.room}: layers {ongoing.layers_done}..{self.num_layers - 1} of "
+                    "the chunk being sent by layers are still to come before the next chunk"
+                )
+            return None
+        start, stop = chunk.layers
+        expected = ongoing.layers_done if ongoing is not None else 0
+        if start != expected or not start < stop <= self.num_layers:
+            raise ValueError(
+                f"room {self.room}: layers {start}..{stop - 1} sent, but the chunk's layers go "
+                f"in order from {expected} up to {self.num_layers - 1}"
+            )
+        if ongoing is not None and not np.array_equal(ongoing.pages, chunk.src_pages):
+            raise ValueError(
+                f"room {self.room}: the layers of one chunk go with the same pages "
+                f"({ongoing.pages.size} pages, then {chunk.src_pages.size})"
+            )
+        if stop == self.num_layers:
+            return None
+        if chunk.last:
+            raise ValueError(
+                f"room {self.room}: the last chunk ends with its last layer "
+                f"({self.num_layers - 1}), not {stop - 1}"
+            )
+        return LayerProgress(chunk.src_pages, stop)
 
     def next_jobs(self) -> list[ChunkJob]:
         """Write jobs (one per destination) for every chunk queued so far, once the requests
@@ -228,9 +276,11 @@ class PrefillRoom:
                         if chunk.last
                         else ()
                     ),
+                    layers=chunk.layers,
                 )
             )
-        self.pages_sent += chunk.src_pages.size
+        if chunk.layers is None or chunk.layers[1] == self.num_layers:  # the chunk is complete
+            self.pages_sent += chunk.src_pages.size
         self.chunks_sent += 1
         self.status.advance(KVPoll.Transferring)
         return jobs

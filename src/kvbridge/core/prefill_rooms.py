@@ -76,6 +76,7 @@ class PrefillRooms:
                 created_at=now,
                 page_size=self.settings.kv_args.page_size,
                 sequence=self._sequence,
+                num_layers=self.settings.kv_args.num_layers,
             )
             self.stats.rooms_started += 1
             self._unclaimed[room] = None

@@ -78,20 +78,24 @@ class RoomStatus:
 
 @dataclass(frozen=True)
 class Chunk:
-    """A piece of a room's KV cache that prefill has computed and wants sent."""
+    """A piece of a room's KV cache that prefill has computed and wants sent: its pages, of
+    every layer or (a layer-wise write) of the layers at positions `layers[0]..layers[1] - 1`
+    only."""
 
     src_pages: npt.NDArray[np.int64]
     last: bool
     aux_index: int | None = None
     state_indices: tuple[int, ...] = ()
+    layers: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
 class ChunkJob:
-    """What to write for one chunk to one decode rank: the chunk's local pages that decode
-    needs, the place of the first among decode's pages, and all of the decode rank's pages
-    for the room (the planner maps tokens, which may differ in page size, heads and DCP
-    layout)."""
+    """What to write for one chunk (or one layer range of it) to one decode rank: the chunk's
+    local pages that decode needs, the place of the first among decode's pages, and all of
+    the decode rank's pages for the room (the planner maps tokens, which may differ in page
+    size, heads and DCP layout). `chunk_idx` numbers the room's jobs toward the decode rank
+    (a chunk handed over layer by layer makes one job per range)."""
 
     room: int
     peer_id: str
@@ -104,6 +108,7 @@ class ChunkJob:
     dst_aux_index: int | None
     src_state_indices: tuple[int, ...]
     dst_state_indices: tuple[int, ...]
+    layers: tuple[int, int] | None = None  # the layer positions it writes; None: every one
 
 
 @dataclass(frozen=True)

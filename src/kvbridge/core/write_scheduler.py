@@ -128,7 +128,7 @@ class WriteScheduler:
             why = peer.error.reason if peer is not None and peer.error else "not connected"
             failure = Failure(FailureKind.ENGINE, f"room {state.room}: {why}")
             return [*self.rooms.fail(state, failure), *self.job_ended(entry)]
-        if not peer.pairing.stageable:
+        if not peer.pairing.stageable or job.layers is not None:  # layer ranges: not gathered
             self._hand_out(state, entry)
             return [self._write(entry, peer, None)]
         gather = gathering(self.settings.kv_args, self._local, job, peer)

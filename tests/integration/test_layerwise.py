@@ -1,0 +1,134 @@
+"""Layer-wise writes with real managers, sockets and a real engine (NIXL): a chunk handed over
+layer range by layer range lands range by range in decode's pages, the room completes only
+when every layer of every chunk landed, different TP sizes included, and an abort between
+layers stops the rest."""
+
+from __future__ import annotations
+
+import numpy as np
+from kv_cache import rank_cache
+from real_engine import ENGINE, require_engine
+from waiting import wait_for
+
+from kvbridge.config import ManagerConfig
+from kvbridge.decode import DecodeManager
+from kvbridge.prefill import PrefillManager
+from kvbridge.wire import KVPoll
+
+require_engine()
+LAYERS = 4
+GEOMETRY = dict(
+    layer_ids=tuple(range(LAYERS)),
+    page_size=4,
+    total_kv_heads=2,
+    head_dim=8,
+    aux_slots=2,
+    aux_item_bytes=(32,),
+    state_slots=2,
+    state_item_bytes=(64,),
+)
+
+
+def kv_index(layer: int, part: int = 0) -> int:
+    """The KV buffer of a layer position: K of every layer, then V."""
+    return part * LAYERS + layer
+
+
+def test_each_layer_range_lands_as_it_is_sent_and_the_room_waits_for_the_last() -> None:
+    src = rank_cache(num_pages=16, seed=5, **GEOMETRY)
+    dst = rank_cache(num_pages=16, seed=None, **GEOMETRY)
+    prefill = PrefillManager(src.args, ManagerConfig(engine=ENGINE, run_bootstrap=True))
+    decode = DecodeManager(
+        dst.args, ManagerConfig(engine=ENGINE, bootstrap_url=prefill.bootstrap_url)
+    )
+    try:
+        receiver, sender = decode.receiver(1), prefill.sender(1)
+        dst_pages = np.array([9, 2, 14, 5, 0])
+        receiver.init(dst_pages, aux_index=1, state_indices=[0])
+        first, second = np.array([3, 4, 5]), np.array([10, 11])
+
+        def landed(pages: np.ndarray, dst_at: np.ndarray, layer: int) -> bool:
+            return all(
+                np.array_equal(
+                    dst.kv[kv_index(layer, part)][dst_at], src.kv[kv_index(layer, part)][pages]
+                )
+                for part in (0, 1)
+            )
+
+        sender.send(first, layers=range(0, 1))
+        wait_for(lambda: landed(first, dst_pages[:3], 0))
+        # Layer 0 of the first chunk is in place; nothing of the next layers yet, no success.
+        assert not dst.kv[kv_index(1)][dst_pages].any()
+        assert receiver.poll() == KVPoll.Transferring
+        sender.send(first, layers=range(1, 4))
+        wait_for(lambda: all(landed(first, dst_pages[:3], layer) for layer in range(LAYERS)))
+        sender.send(second, layers=range(0, 2))
+        sender.send(second, layers=range(2, 3))
+        assert receiver.poll() == KVPoll.Transferring
+        sender.send(second, layers=range(3, 4), last=True, aux_index=0, state_indices=[1])
+        wait_for(lambda: receiver.poll() in (KVPoll.Success, KVPoll.Failed))
+        assert receiver.poll() == KVPoll.Success, receiver.failure_reason
+        wait_for(lambda: sender.poll() == KVPoll.Success)
+    finally:
+        decode.close()
+        prefill.close()
+    pages = np.concatenate([first, second])
+    for got, want in zip(dst.kv, src.kv, strict=True):
+        assert np.array_equal(got[dst_pages], want[pages])
+    assert np.array_equal(dst.aux[0][1], src.aux[0][0])
+    assert np.array_equal(dst.state[0][0], src.state[0][1])
+
+
+def test_two_prefill_ranks_write_their_heads_layer_by_layer_into_one_decode_rank() -> None:
+    geometry = dict(layer_ids=tuple(range(LAYERS)), page_size=4, total_kv_heads=4, head_dim=8)
+    sources = [
+        rank_cache(num_pages=8, seed=21 + rank, attn_tp_rank=rank, attn_tp_size=2, **geometry)
+        for rank in range(2)
+    ]
+    dst = rank_cache(num_pages=8, seed=None, **geometry)
+    first = PrefillManager(sources[0].args, ManagerConfig(engine=ENGINE, run_bootstrap=True))
+    url = first.bootstrap_url
+    second = PrefillManager(sources[1].args, ManagerConfig(engine=ENGINE, bootstrap_url=url))
+    decode = DecodeManager(dst.args, ManagerConfig(engine=ENGINE, bootstrap_url=url))
+    dst_pages, src_pages = np.array([6, 1, 3]), np.array([0, 2, 5])
+    try:
+        receiver = decode.receiver(4)
+        receiver.init(dst_pages)
+        senders = [manager.sender(4) for manager in (first, second)]
+        for start in range(LAYERS):
+            for sender in senders:
+                sender.send(src_pages, layers=range(start, start + 1), last=start == LAYERS - 1)
+        wait_for(lambda: receiver.poll() in (KVPoll.Success, KVPoll.Failed))
+        assert receiver.poll() == KVPoll.Success, receiver.failure_reason
+    finally:
+        decode.close()
+        first.close()
+        second.close()
+    for rank, source in enumerate(sources):
+        for got, want in zip(dst.kv, source.kv, strict=True):  # heads 2·rank, 2·rank + 1
+            assert np.array_equal(got[dst_pages][:, :, 2 * rank : 2 * rank + 2], want[src_pages])
+
+
+def test_an_abort_between_layers_ends_the_room_and_the_rest_is_never_written() -> None:
+    src = rank_cache(num_pages=8, seed=7, **GEOMETRY)
+    dst = rank_cache(num_pages=8, seed=None, **GEOMETRY)
+    prefill = PrefillManager(src.args, ManagerConfig(engine=ENGINE, run_bootstrap=True))
+    decode = DecodeManager(
+        dst.args, ManagerConfig(engine=ENGINE, bootstrap_url=prefill.bootstrap_url)
+    )
+    try:
+        receiver, sender = decode.receiver(2), prefill.sender(2)
+        receiver.init([4, 5])
+        sender.send([0, 1], layers=range(0, 2))
+        wait_for(lambda: np.array_equal(dst.kv[kv_index(1)][[4, 5]], src.kv[kv_index(1)][[0, 1]]))
+        receiver.abort("the user went away")
+        wait_for(lambda: sender.poll() == KVPoll.Failed)
+        assert "the user went away" in str(sender.failure_reason)
+        sender.send([0, 1], layers=range(2, 4), last=True)  # too late: nothing is written
+        wait_for(lambda: receiver.pages_safe)
+        assert receiver.poll() == KVPoll.Failed
+    finally:
+        decode.close()
+        prefill.close()
+    assert not dst.kv[kv_index(2)][[4, 5]].any()
+    assert not dst.kv[kv_index(3, part=1)][[4, 5]].any()
