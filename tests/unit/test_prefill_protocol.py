@@ -635,7 +635,7 @@ def layer_wise(*middle: tuple[str, int, float]) -> list[tuple[str, int, float]]:
 # Layer-wise rooms that succeed, are aborted between layers with a write out, lose a layer's
 # write, or lose their peer mid-forward (random sequences reach these rarely).
 @example(events=layer_wise(), mode="plain", window=2)
-@example(events=layer_wise(), mode="ring", window=1)
+@example(events=[("request", 1, 0.01), ("ended", 1, 0.01)], mode="direct", window=1)
 @example(events=layer_wise(("abort", 1, 0.01)), mode="plain", window=2)
 @example(events=layer_wise(("failed", 1, 0.01)), mode="direct", window=2)
 @example(events=layer_wise(("tick", 1, TIMEOUT_S + 0.1)), mode="plain", window=2)
@@ -651,7 +651,8 @@ def test_a_failure_is_never_reported_while_a_write_can_land(
     out: dict[int, list[Write]] = {}  # per room, writes the "engine" has not ended
     asked: dict[int, list[StagingRequest]] = {}  # per room, unanswered ring requests
     reported: dict[int, int] = {}
-    handed: dict[int, int] = {}  # per room, chunks (and layer ranges) queued
+    # Per room, chunks (and layer ranges) queued: staging_pair queued room 1's last chunk.
+    handed: dict[int, int] = {} if mode == "plain" else {1: 1}
     landed: dict[int, int] = {}  # per room, writes that ended without a failure
     for kind, room, dt in events:
         now += dt

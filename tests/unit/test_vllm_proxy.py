@@ -278,3 +278,45 @@ def test_a_hung_instance_ends_its_requests_with_504_naming_it() -> None:
         decode.close()
     with pytest.raises(ValueError, match="positive"):
         PDProxy([prefill.url], [decode.url], upstream_timeout_s=0)
+
+
+def test_decode_first_sends_both_instances_the_request_at_once_into_one_room() -> None:
+    """Decode answers while prefill still computes: the client has decode's answer, and both
+    requests name the same room; prefill's is held until it answered."""
+    release = threading.Event()
+
+    def slow_prefill(body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        release.wait(10)
+        return 200, {"kv_transfer_params": {}}
+
+    prefill = StandIn(slow_prefill)
+    decode = StandIn(lambda body: (200, {"choices": [{"token_ids": [4]}]}))
+    proxy = PDProxy([prefill.url], [decode.url], prefill_bootstrap=["http://10.0.0.1:8998"])
+    threading.Thread(target=proxy.serve_forever, daemon=True).start()
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(
+                post, proxy.url, "/v1/completions", {"prompt": [5], "max_tokens": 8}
+            )
+            deadline = time.monotonic() + 10
+            while not decode.bodies and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert decode.bodies, "decode waited for prefill's answer"
+            release.set()
+            status, data = answer.result(timeout=10)
+        assert (status, json.loads(data)) == (200, {"choices": [{"token_ids": [4]}]})
+        (to_prefill,), (to_decode,) = prefill.bodies, decode.bodies
+        streamed, loading = to_prefill["kv_transfer_params"], to_decode["kv_transfer_params"]
+        assert (streamed["do_remote_decode"], streamed["kvbridge_stream"]) == (True, True)
+        assert to_prefill["max_tokens"] == 1
+        assert loading["kvbridge_decode_first"] is True
+        assert loading["kvbridge_bootstrap_url"] == "http://10.0.0.1:8998"
+        assert loading["kvbridge_room"] == streamed["kvbridge_room"]
+        assert to_decode["max_tokens"] == 8
+    finally:
+        release.set()
+        proxy.shutdown()
+        prefill.close()
+        decode.close()
+    with pytest.raises(ValueError, match="2 prefill instance"):
+        PDProxy(["http://a:1", "http://b:1"], ["http://c:1"], prefill_bootstrap=["http://d:1"])

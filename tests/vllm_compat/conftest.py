@@ -1,15 +1,17 @@
 """A failed vLLM test reports what its servers and proxies logged while it ran: the lines
 that say what went wrong (errors, tracebacks, kvbridge's own), so that a failure on a machine
-nobody can log in to (CI) explains itself."""
+nobody can log in to (CI) explains itself. And the model and plain run the connector tests
+share."""
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
-from vllm_harness import LOGS
+from vllm_harness import LOGS, MAX_TOKENS, PROMPTS, SHARED_PREFIX, Instance, make_model
 
 TOLD = re.compile(r"ERROR|Error|Traceback|kvbridge|KV load|failed|Failed|\b[45]\d\d\b")
 NOISE = re.compile(r"DeprecationWarning|FutureWarning|warnings\.warn|non-default args")
@@ -54,3 +56,21 @@ def pytest_runtest_makereport(item: pytest.Item) -> Iterator[None]:
             parts.append(f"--- {path} ({len(told)} lines)\n" + "\n".join(told))
     if parts:
         report.sections.append(("what the servers logged", "\n".join(parts)))
+
+
+@pytest.fixture(scope="session")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The random-weight Llama the connector tests run."""
+    return make_model(tmp_path_factory.mktemp("model"))
+
+
+@pytest.fixture(scope="session")
+def reference(model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[int, ...], Any]:
+    """Greedy tokens of a plain single-instance vLLM run, per prompt."""
+    plain = Instance(model, None, tmp_path_factory.mktemp("logs") / "plain.log")
+    try:
+        prompts = [*PROMPTS, SHARED_PREFIX]
+        outputs = plain.generate(prompts, MAX_TOKENS)["outputs"]
+    finally:
+        plain.close()
+    return {tuple(p): output["tokens"] for p, output in zip(prompts, outputs, strict=True)}

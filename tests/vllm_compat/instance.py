@@ -7,7 +7,8 @@ Environment: KVBRIDGE_TEST_TP and KVBRIDGE_TEST_PP (tensor- and pipeline-paralle
 default 1), KVBRIDGE_TEST_DTYPE (default bfloat16), KVBRIDGE_TEST_MAX_MODEL_LEN,
 KVBRIDGE_TEST_KV_BYTES (KV cache bytes), KVBRIDGE_TEST_BLOCK_SIZE (default 32; "auto": vLLM's
 choice), KVBRIDGE_TEST_PREFIX_CACHING=0 (prefix caching off), KVBRIDGE_TEST_MAX_NUM_SEQS
-(requests running at once), KVBRIDGE_TEST_LOG_LEVEL (kvbridge's log level),
+(requests running at once), KVBRIDGE_TEST_MAX_BATCHED_TOKENS (tokens a step computes: below a
+prompt's length, its prefill goes in chunks), KVBRIDGE_TEST_LOG_LEVEL (kvbridge's log level),
 KVBRIDGE_TEST_KV_BLOCKS=1 (each output carries `kv_blocks`: per KV cache group, a hash of each
 block the prompt fills over the group's attention layers, read when the request ends, on rank
 0; `kv_blocks_by_rank`: the same on every TP rank).
@@ -91,6 +92,11 @@ def main() -> None:
         **(
             {"max_num_seqs": int(os.environ["KVBRIDGE_TEST_MAX_NUM_SEQS"])}
             if "KVBRIDGE_TEST_MAX_NUM_SEQS" in os.environ
+            else {}
+        ),
+        **(
+            {"max_num_batched_tokens": int(os.environ["KVBRIDGE_TEST_MAX_BATCHED_TOKENS"])}
+            if "KVBRIDGE_TEST_MAX_BATCHED_TOKENS" in os.environ
             else {}
         ),
         distributed_executor_backend="mp" if TP * PP > 1 else None,

@@ -30,51 +30,29 @@ if importlib.util.find_spec("vllm") is None:
 
 from vllm_harness import (
     BLOCK_SIZE,
+    MAX_TOKENS,
+    PROMPTS,
+    SHARED_PREFIX,
     Instance,
     InstanceError,
     Server,
     ToyProxy,
     free_port,
     kvbridge_config,
-    make_model,
     metric,
     nixl_config,
-    prompt,
     stats_lines_at_every_level,
 )
 
 from kvbridge.integrations.vllm_proxy import PDProxy
 from kvbridge.wire.native import VERSION
 
-# Shorter than a block, exactly one, several, not a multiple of the block size, long.
-LENGTHS = (5, 32, 97, 300, 1000)
-PROMPTS = [prompt(length, seed) for seed, length in enumerate(LENGTHS)]
-# Shares its first three blocks with PROMPTS[3].
-SHARED_PREFIX = PROMPTS[3][:96] + prompt(54, 99)
-MAX_TOKENS = 8
 PREFILL_ONLY = {"do_remote_decode": True}
 ENGINES = ["nixl", "mooncake"]
 
 
 def pages(length: int) -> int:
     return math.ceil(length / BLOCK_SIZE)
-
-
-@pytest.fixture(scope="session")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_model(tmp_path_factory.mktemp("model"))
-
-
-@pytest.fixture(scope="session")
-def reference(model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[int, ...], Any]:
-    """Greedy tokens of a plain single-instance vLLM run, per prompt."""
-    plain = Instance(model, None, tmp_path_factory.mktemp("logs") / "plain.log")
-    try:
-        prompts = [*PROMPTS, SHARED_PREFIX]
-        outputs = plain.generate(prompts, MAX_TOKENS)["outputs"]
-    finally:
-        plain.close()
-    return {tuple(p): output["tokens"] for p, output in zip(prompts, outputs, strict=True)}
 
 
 class Pair:

@@ -194,6 +194,15 @@ def prompt(length: int, seed: int) -> list[int]:
     return [(7 * seed + 13 * j + j * j) % 1000 + 1 for j in range(length)]
 
 
+# The connector tests' prompts: shorter than a block, exactly one, several, not a multiple of
+# the block size, long.
+LENGTHS = (5, 32, 97, 300, 1000)
+PROMPTS = [prompt(length, seed) for seed, length in enumerate(LENGTHS)]
+# Shares its first three blocks with PROMPTS[3].
+SHARED_PREFIX = PROMPTS[3][:96] + prompt(54, 99)
+MAX_TOKENS = 8
+
+
 def metric(page: str, name: str, labels: str = "") -> float:
     """The samples of `name` on a /metrics page whose labels hold `labels`, summed (0 for
     none)."""

@@ -679,25 +679,37 @@ def _print_demo(result: DemoResult) -> None:
     show_default=True,
     help="Seconds an instance may send nothing before its request ends with 504 (a hung instance).",
 )
+@click.option(
+    "--prefill-bootstrap",
+    "prefill_bootstrap",
+    multiple=True,
+    metavar="URL",
+    help="Decode first: each --prefill instance's kvbridge bootstrap service, in the same order "
+    "(its bootstrap_port); requests go to both instances at once and prefill writes each layer "
+    "as it computes it (KVBridgeConnector only).",
+)
 def vllm_proxy_command(
     prefill: tuple[str, ...],
     decode: tuple[str, ...],
     host: str,
     port: int,
     upstream_timeout_s: float,
+    prefill_bootstrap: tuple[str, ...],
 ) -> None:
     """A PD proxy for vLLM instances: each OpenAI completion or chat request goes to a
     prefill instance (max_tokens 1, do_remote_decode), then to a decode instance with the
     kv_transfer_params of prefill's answer. Works with KVBridgeConnector and NixlConnector.
 
     \b
-    Example:
+    Examples:
       kvbridge vllm-proxy --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200
+      kvbridge vllm-proxy --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 \
+          --prefill-bootstrap http://127.0.0.1:8998
     """
     from kvbridge.integrations.vllm_proxy import PDProxy
 
     try:
-        proxy = PDProxy(prefill, decode, host, port, upstream_timeout_s)
+        proxy = PDProxy(prefill, decode, host, port, upstream_timeout_s, prefill_bootstrap)
     except (ValueError, OSError) as exc:
         raise _fail(str(exc)) from None
     console.print(

@@ -170,13 +170,22 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # loads are asynchronous: a request runs only once its KV is in place
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if isinstance(connector_metadata, KVBridgeMetadata):  # before the forward
+            step = connector_metadata.step
+            self._worker_side.begin_step(step.streams, step.stream_aborts)
+
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
     ) -> None:
-        return None  # prefill writes finished requests' blocks when decode asks for them
+        # Decode first: the layer's KV is in place (CPU attention is synchronous), so it goes
+        # out while the next layers compute. Otherwise prefill writes finished requests'
+        # blocks when decode asks for them.
+        self._worker_side.layer_saved(layer_name)
 
     def wait_for_save(self) -> None:
-        return None
+        self._worker_side.end_step()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         metadata = self._step_metadata() if self.has_connector_metadata() else StepMetadata()
@@ -267,7 +276,15 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
 
     def build_connector_meta(self, scheduler_output: Any) -> KVBridgeMetadata:
         idle = int(scheduler_output.total_num_scheduled_tokens) == 0
-        return KVBridgeMetadata(self._scheduler_side.take_step(idle, time.monotonic()))
+        scheduler = self._scheduler_side
+        if scheduler.streams.active:  # decode first: the blocks this step's forward completes
+            manager = self._kv_cache_manager
+            scheduler.stream_step(
+                scheduler_output.num_scheduled_tokens,
+                lambda request_id: self._transfer_blocks(manager.get_block_ids(request_id)),
+                set(scheduler_output.preempted_req_ids or ()),
+            )
+        return KVBridgeMetadata(scheduler.take_step(idle, time.monotonic()))
 
     def update_connector_output(self, connector_output: Any) -> None:
         self._scheduler_side.on_output(

@@ -151,3 +151,15 @@ def blocks_to_load(
             )
         loads.append(GroupLoad(tuple(ids[start:high]), start - first))
     return loads
+
+
+def blocks_to_stream(
+    block_ids: Sequence[int], sent: int, computed: int, final: bool, block_size: int
+) -> tuple[tuple[int, ...], int]:
+    """Decode first: the blocks of a full-attention group that a step completes, once
+    `computed` tokens are in after it (`sent` blocks went before), and the count sent after
+    it. A block the step fills only in part waits for the step that completes it (the
+    prompt's last one goes with the final step), so every block goes once, whole."""
+    complete = math.ceil(computed / block_size) if final else computed // block_size
+    complete = min(complete, len(block_ids))
+    return tuple(block_ids[sent:complete]), max(sent, complete)

@@ -20,7 +20,7 @@ import math
 import re
 from collections.abc import Mapping, Sequence
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvbridge.cache.spec import (
@@ -70,6 +70,9 @@ class VLLMCache:
     # A state group's block moves as a state slot (one page of every state buffer), beside
     # the attention geometry; False: as a whole opaque page.
     state_slots: bool = False
+    # Each attention layer's position in `kv_args.layer_ids`, by vLLM layer name (the layers
+    # whose KV a layer-wise write sends as the forward saves them); empty: opaque pages.
+    layer_positions: Mapping[str, int] = field(default_factory=dict)
 
     def pages_of(self, blocks: Sequence[int]) -> tuple[int, ...]:
         """kvbridge's pages for these vLLM blocks, in order."""
@@ -337,7 +340,8 @@ def describe_kv_caches(
             attention,
             one_per_slot(state_names),
         )
-        return VLLMCache(args, block_size // tokens, state_slots=bool(state_names))
+        positions = {name: position for position, (_, name, _) in enumerate(attention)}
+        return VLLMCache(args, block_size // tokens, bool(state_names), positions)
     views = [view for views in slots for view in views]
     pages = {_byte_strides(tensor)[0] for _, _, tensor in views}
     counts = {int(tensor.shape[0]) for _, _, tensor in views}

@@ -5,6 +5,11 @@ prefill's answer; decode's answer (streamed or not) goes back to the client as i
 Each request goes to the instances with the fewest requests in flight. It works with any
 connector that follows vLLM's PD flow (kvbridge's, vLLM's NixlConnector).
 
+Decode first (kvbridge's connector; `prefill_bootstrap` names each prefill instance's
+bootstrap service): the request goes to both at once, into a room the proxy picks; decode
+allocates its blocks and asks prefill for them while prefill computes, and prefill writes
+each layer as its forward computes it. Decode's answer goes back as it comes.
+
 Built on aiohttp (vLLM's own environment has it): one event loop serves every client, and
 upstream connections are pooled and kept alive, so a request costs the proxy a fraction of a
 millisecond rather than a thread and two new TCP connections.
@@ -16,6 +21,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import secrets
 import socket
 import threading
 import time
@@ -30,7 +36,12 @@ from aiohttp import web
 
 from kvbridge.integrations.vllm_options import OptionsError
 from kvbridge.integrations.vllm_proxy_pool import Pool
-from kvbridge.integrations.vllm_requests import decode_request, prefill_request
+from kvbridge.integrations.vllm_requests import (
+    decode_first_request,
+    decode_request,
+    prefill_request,
+    stream_prefill_request,
+)
 
 log = logging.getLogger("kvbridge.proxy")
 ROUTES = ("/v1/completions", "/v1/chat/completions")
@@ -77,9 +88,20 @@ class PDProxy:
         host: str = "127.0.0.1",
         port: int = 0,
         upstream_timeout_s: float = UPSTREAM_TIMEOUT_S,
+        prefill_bootstrap: Sequence[str] = (),
     ) -> None:
         if not prefill or not decode:
             raise ValueError("a PD proxy needs at least one prefill and one decode instance")
+        if prefill_bootstrap and len(prefill_bootstrap) != len(prefill):
+            raise ValueError(
+                f"decode first needs each prefill instance's bootstrap service: "
+                f"{len(prefill)} prefill instance(s), {len(prefill_bootstrap)} bootstrap URL(s)"
+            )
+        # Decode first: each prefill instance's bootstrap service, by its URL.
+        self._bootstraps = {
+            _check_url(url): _check_url(bootstrap)
+            for url, bootstrap in zip(prefill, prefill_bootstrap, strict=False)
+        }
         if not upstream_timeout_s > 0:
             raise ValueError(f"upstream timeout {upstream_timeout_s!r} s: give a positive time")
         self.upstream_timeout_s = upstream_timeout_s
@@ -195,6 +217,8 @@ class PDProxy:
         except ValueError as exc:
             return web.json_response({"error": f"bad request body: {exc}"}, status=400)
         headers = _forwarded(request)
+        if self._bootstraps:
+            return await self._post_decode_first(request, body, headers, clock)
         try:
             # The prefill instance is held while it works, not while decode does.
             with self._prefill.take() as prefill:
@@ -210,12 +234,47 @@ class PDProxy:
             status = exc.status if isinstance(exc, UpstreamError) else 502
             log.warning("request failed: %s", exc)
             return web.json_response({"error": str(exc)}, status=status)
+        self._timed(clock)
+        return response
+
+    async def _post_decode_first(
+        self, request: web.Request, body: dict[str, Any], headers: dict[str, str], clock: OwnTime
+    ) -> web.StreamResponse:
+        """Both instances at once, into one room: decode's answer is relayed while prefill's
+        (one token) is awaited beside it; prefill is held until it answered."""
+        room = secrets.randbits(63)
+        with self._prefill.take() as prefill:
+            sent = _json(stream_prefill_request(body, room))
+            prefilled = asyncio.ensure_future(
+                self._prefill_answer(prefill, request.path, sent, headers)
+            )
+            try:
+                forward = _json(decode_first_request(body, self._bootstraps[prefill], room))
+                with self._decode.take(prefill) as decode:
+                    with clock.waiting():
+                        upstream = await self._send(
+                            decode, request.path, forward, headers, "decode"
+                        )
+                    response = await self._relay(request, upstream, decode, clock)
+            except (UpstreamError, OptionsError) as exc:
+                status = exc.status if isinstance(exc, UpstreamError) else 502
+                log.warning("request failed: %s", exc)
+                response = web.json_response({"error": str(exc)}, status=status)
+            finally:
+                try:
+                    with clock.waiting():
+                        await prefilled
+                except UpstreamError as exc:  # decode computed what prefill could not send
+                    log.warning("prefill of a decode-first request failed: %s", exc)
+        self._timed(clock)
+        return response
+
+    def _timed(self, clock: OwnTime) -> None:
         own = clock.own()
         first = clock.own_before_first_byte
         with self._timings_lock:
             self._own_seconds.append(own)
             self._own_first_byte_seconds.append(own if first is None else first)  # whole: at end
-        return response
 
     # --- upstream --------------------------------------------------------------------------
 

@@ -28,6 +28,11 @@ BLOCK_SIZES_KEY = "kvbridge_block_sizes"
 # Prefill's lease on the blocks, in seconds: decode renews it while the request waits (0 or
 # absent: no renewals).
 LEASE_KEY = "kvbridge_lease_s"
+# Decode first (a proxy sends the request to both instances at once): on prefill's request,
+# stream its KV into this room layer by layer as the forward computes it; on decode's, load
+# from the room before prefill answered (no blocks or token count known yet).
+STREAM_KEY = "kvbridge_stream"
+DECODE_FIRST_KEY = "kvbridge_decode_first"
 
 
 @dataclass(frozen=True)
@@ -48,6 +53,9 @@ class RemotePrefill:
     block_sizes: tuple[int, ...] = (0,)
     stage_urls: tuple[str, ...] = ()
     lease_s: float = 0.0  # 0: prefill takes no lease renewals
+    # Asked for before prefill answered (`DECODE_FIRST_KEY`): `num_tokens` and `blocks` are
+    # decode's own guess, the whole prompt in one group (`decode_first_load`).
+    decode_first: bool = False
 
     @property
     def stages(self) -> tuple[str, ...]:
@@ -92,8 +100,21 @@ class RemotePrefill:
             raise OptionsError(
                 f"kv_transfer_params.{STAGES_KEY}: {stages!r} does not begin with {BOOTSTRAP_KEY}"
             )
-        tokens = _count(params, "remote_num_tokens", params.get("remote_num_tokens"))
         room = _count(params, ROOM_KEY, params.get(ROOM_KEY))
+        if params.get(DECODE_FIRST_KEY) is True:
+            return RemotePrefill(
+                url,
+                room,
+                0,
+                str(params.get("remote_engine_id", "")),
+                str(params.get("remote_request_id", "")),
+                (),
+                (),
+                tuple(stages) if len(stages) > 1 else (),
+                0.0,
+                decode_first=True,
+            )
+        tokens = _count(params, "remote_num_tokens", params.get("remote_num_tokens"))
         blocks = _listed(params, BLOCKS_KEY, _block_range)
         sizes = _listed(params, BLOCK_SIZES_KEY, lambda key, v: _count(params, key, v))
         if len(blocks) != len(sizes) or not blocks:
@@ -170,6 +191,33 @@ def prefill_request(body: Mapping[str, Any]) -> dict[str, Any]:
     return request
 
 
+def stream_prefill_request(body: Mapping[str, Any], room: int) -> dict[str, Any]:
+    """Decode first: the request for prefill, its KV streamed into `room` as it is computed."""
+    request = prefill_request(body)
+    request["kv_transfer_params"].update({ROOM_KEY: room, STREAM_KEY: True, VERSION_KEY: VERSION})
+    return request
+
+
+def decode_first_request(
+    body: Mapping[str, Any], bootstrap_url: str, room: int, engine_id: str = ""
+) -> dict[str, Any]:
+    """Decode first: the request for decode, sent beside prefill's, loading from `room` of
+    the prefill instance whose bootstrap service is `bootstrap_url`."""
+    host, _, port = bootstrap_url.removeprefix("http://").rpartition(":")
+    params = {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_engine_id": engine_id,
+        "remote_host": host,
+        "remote_port": int(port),
+        BOOTSTRAP_KEY: bootstrap_url,
+        ROOM_KEY: room,
+        DECODE_FIRST_KEY: True,
+        VERSION_KEY: VERSION,
+    }
+    return {**body, "kv_transfer_params": params}
+
+
 def decode_request(body: Mapping[str, Any], prefill_answer: Mapping[str, Any]) -> dict[str, Any]:
     """The same request for decode, with the kv_transfer_params of prefill's answer."""
     params = prefill_answer.get("kv_transfer_params")
@@ -184,11 +232,15 @@ def decode_request(body: Mapping[str, Any], prefill_answer: Mapping[str, Any]) -
 @dataclass(frozen=True)
 class SendSpec:
     """Prefill: a finished request whose blocks decode will ask for, in one room: per KV
-    cache group, its blocks that move."""
+    cache group, its blocks that move. `streamed`: its room was opened by the worker while
+    the forward ran (`StreamSpec`); the send takes it over, failing it with `streamed` as the
+    reason if the request did not finish its prompt."""
 
     request_id: str
     room: int
     blocks: tuple[tuple[int, ...], ...]
+    streamed: bool = False
+    aborted: str = ""
 
     def encode(self) -> bytes:
         """As the scheduler side hands it to a worker (`vllm_handoff`)."""
@@ -196,6 +248,8 @@ class SendSpec:
             "request_id": self.request_id,
             "room": self.room,
             "blocks": [list(group) for group in self.blocks],
+            "streamed": self.streamed,
+            "aborted": self.aborted,
         }
         return json.dumps(fields, separators=(",", ":")).encode()
 
@@ -219,7 +273,23 @@ class SendSpec:
         if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in numbers):
             raise OptionsError(f"send {request_id}: room and blocks must be integers ≥ 0")
         assert isinstance(room, int)
-        return SendSpec(request_id, room, tuple(tuple(group) for group in blocks))
+        streamed, aborted = fields.get("streamed", False), fields.get("aborted", "")
+        if not isinstance(streamed, bool) or not isinstance(aborted, str):
+            raise OptionsError(f"send {request_id}: streamed must be a bool, aborted a string")
+        blocks_of = tuple(tuple(group) for group in blocks)
+        return SendSpec(request_id, room, blocks_of, streamed, aborted)
+
+
+@dataclass(frozen=True)
+class StreamSpec:
+    """Prefill, decode first: the blocks of a request this step completes (its first KV
+    cache group's, which every layer of the forward fills), written into `room` layer by
+    layer as the forward computes them; `final`: this step computes the prompt's end."""
+
+    request_id: str
+    room: int
+    blocks: tuple[int, ...]
+    final: bool
 
 
 @dataclass(frozen=True)
@@ -255,6 +325,10 @@ class StepMetadata:
     renewals: list[RemotePrefill] = dataclasses.field(default_factory=list)
     # Nothing is computed in this step: the worker may wait a little for transfers.
     idle: bool = False
+    # Prefill, decode first: the blocks this step's forward completes, streamed by layer, and
+    # the streamed requests vLLM preempted (their rooms fail).
+    streams: list[StreamSpec] = dataclasses.field(default_factory=list)
+    stream_aborts: list[str] = dataclasses.field(default_factory=list)
 
 
 def tokens_to_load(remote: RemotePrefill, num_prompt_tokens: int, num_computed: int) -> int:

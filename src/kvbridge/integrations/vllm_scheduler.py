@@ -5,9 +5,11 @@ request objects but imports nothing from vLLM; `kvbridge.integrations.vllm` buil
 from __future__ import annotations
 
 import logging
+import math
 import secrets
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kvbridge.integrations.vllm_blocks import (
@@ -26,6 +28,7 @@ from kvbridge.integrations.vllm_requests import (
     tokens_to_load,
 )
 from kvbridge.integrations.vllm_stats import LOADS_IN_FLIGHT, SENDS_IN_FLIGHT
+from kvbridge.integrations.vllm_streamed import StreamBook, Streamed, streamed_room
 
 log = logging.getLogger("kvbridge.vllm")
 
@@ -46,6 +49,13 @@ class SchedulerConfig:
     # Prefill's lease on a finished request's blocks (its request_timeout_s), named in the
     # request's parameters for decode to renew.
     lease_s: float = 0.0
+
+    @property
+    def streams(self) -> bool:
+        """Whether a request's KV can go layer by layer, decode first: one full-attention
+        group, one pipeline stage (what a forward's layers fill, block by block)."""
+        one_full = len(self.groups) == 1 and self.groups[0].kind == GroupKind.FULL
+        return one_full and self.pipeline_stages == 1
 
     @property
     def backoff(self) -> int:
@@ -81,6 +91,8 @@ class SchedulerSide:
         # Decode: requests waiting in the queue for their load, with when their lease on
         # prefill was last renewed (or they arrived).
         self._waiting: dict[str, tuple[RemotePrefill, float]] = {}
+        # Prefill, decode first: requests streamed into their rooms as they are computed.
+        self.streams = StreamBook(config.groups[0].block_size if config.groups else 1)
 
     @property
     def pending(self) -> bool:
@@ -114,6 +126,8 @@ class SchedulerSide:
             remote = self._remote(request)
             if remote is not None and remote.lease_s > 0:
                 self._waiting[request.request_id] = (remote, now)
+        if self.config.produces and self.config.streams:
+            self.streams.opened(request)
         backoff = self.config.backoff
         if (
             not backoff
@@ -136,6 +150,10 @@ class SchedulerSide:
         remote = self._remote(request)
         if remote is None or not params.get("do_remote_prefill"):
             return 0, False
+        if remote.decode_first:
+            if not self.config.streams:  # only a full-attention group is planned unanswered
+                return 0, False
+            remote = self._decode_first(remote, request)
         count = tokens_to_load(remote, request.num_prompt_tokens, num_computed)
         if request.num_prompt_tokens <= self.config.backoff:
             count = 0  # too short for prefill to stop short: computed here
@@ -157,6 +175,8 @@ class SchedulerSide:
         if num_external_tokens == 0:  # every token is in the local prefix cache
             self._step.releases.append(remote)
             return
+        if remote.decode_first:
+            remote = self._decode_first(remote, request)
         try:
             load = self._plan_load(request, remote, block_ids, prefix, num_external_tokens)
         except LoadPlanError as exc:  # a load that cannot be right fails at once
@@ -165,6 +185,28 @@ class SchedulerSide:
             )
         self._step.loads.append(load)
         self._loading.add(request.request_id)
+
+    def _decode_first(self, remote: RemotePrefill, request: Any) -> RemotePrefill:
+        """A decode-first load's remote as if prefill had answered: the whole prompt, in the
+        one full-attention group's blocks of this instance's size (prefill's may differ:
+        tokens map either way)."""
+        tokens = request.num_prompt_tokens
+        size = self.config.groups[0].block_size
+        return replace(
+            remote, num_tokens=tokens, blocks=((0, math.ceil(tokens / size)),), block_sizes=(size,)
+        )
+
+    def stream_step(
+        self,
+        scheduled: Mapping[str, int],
+        block_ids_of: Callable[[str], Sequence[Sequence[int]]],
+        preempted: AbstractSet[str] = frozenset(),
+    ) -> None:
+        """Prefill, decode first: the blocks each streamed request's forward completes in
+        this step (`scheduled`: tokens per request), for the workers to write by layer; the
+        rooms of preempted ones fail."""
+        self._step.stream_aborts += self.streams.preempted(preempted)
+        self._step.streams += self.streams.step(scheduled, block_ids_of)
 
     def _unloaded(
         self, block_ids: Sequence[Sequence[int]], prefix: int
@@ -241,22 +283,25 @@ class SchedulerSide:
             return False, None
         if not params.get("do_remote_decode") or not self.config.produces:
             return False, None
+        streamed = self.streams.ended(request_id)
         if request.status.name not in SENDABLE:
-            return False, None
+            return self._stream_stopped(streamed, request_id, f"ended {request.status.name}")
         stages = [self.bootstrap_urls.get(stage) for stage in range(self.config.pipeline_stages)]
         if None in stages:
             log.error("request %s: no bootstrap service on this instance", request_id)
-            return False, None
+            return self._stream_stopped(streamed, request_id, "no bootstrap service")
         urls = tuple(url for url in stages if url is not None)
         try:
             sent = blocks_to_send(self.config.groups, block_ids, request.num_computed_tokens)
         except ValueError as exc:  # vLLM's block table is not what kvbridge expects
             log.error("request %s: not sent: %s", request_id, exc)
-            return False, None
+            return self._stream_stopped(streamed, request_id, str(exc))
         if not any(group.blocks for group in sent):
-            return False, None
-        room = secrets.randbits(63)
-        problem = self._hand_off(SendSpec(request_id, room, tuple(g.blocks for g in sent)))
+            return self._stream_stopped(streamed, request_id, "no blocks")
+        chosen = streamed_room(params)  # decode first: the proxy's room, decode asks there
+        room = chosen if chosen is not None else secrets.randbits(63)
+        spec = SendSpec(request_id, room, tuple(g.blocks for g in sent), streamed is not None)
+        problem = self._hand_off(spec)
         if problem is not None:
             log.error("request %s: not sent: %s", request_id, problem)
             return False, None
@@ -273,6 +318,20 @@ class SchedulerSide:
             self.config.lease_s,
         )
         return True, remote.to_params()
+
+    def _stream_stopped(
+        self, streamed: Streamed | None, request_id: str, why: str
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """A request that will not be sent: a stream written in part while it ran keeps its
+        blocks until no write of it reads them (its send fails with `why`)."""
+        if streamed is None or not streamed.sent:
+            return False, None
+        aborted = f"the prefill request {why}"
+        spec = SendSpec(request_id, streamed.room, ((),), streamed=True, aborted=aborted)
+        if self._hand_off(spec) is not None:
+            return False, None
+        self._sending.add(request_id)
+        return True, None
 
     def take_step(self, idle: bool, now: float = 0.0) -> StepMetadata:
         """This step's metadata. Once any request waiting in decode's queue is due to renew

@@ -64,6 +64,12 @@ class Sends:
             self._sends[send.request_id] = _Send(sender, sum(map(len, send.blocks)))
         prefill.activity.set()  # an idle step waiting on sends looks again
 
+    def adopt(self, request_id: str, sender: KVSender, blocks: int) -> None:
+        """A room opened while the request ran (decode first), polled from now on as if it
+        started here."""
+        with self._lock:
+            self._sends[request_id] = _Send(sender, blocks)
+
     def poll(self) -> set[str]:
         """The requests whose send ended (decode has the pages, or it failed) since the last
         poll: their blocks may be freed."""

@@ -56,6 +56,8 @@ class ConnectorCounters:
     rooms_released: int = 0
     # Prefill blocks freed because no decode asked for them within their lease.
     sends_expired: int = 0
+    # Prefill, decode first: layer ranges written during the forward (the rest went whole).
+    layer_writes: int = 0
 
     def since(self, earlier: ConnectorCounters) -> dict[str, int]:
         """What changed since `earlier`, the counters that moved only."""

@@ -22,9 +22,10 @@ from kvbridge.integrations.vllm_cache import MambaState, VLLMCache, describe_kv_
 from kvbridge.integrations.vllm_handoff import SendInbox
 from kvbridge.integrations.vllm_loads import Loads
 from kvbridge.integrations.vllm_options import ConnectorOptions, StepTimes, cpu_list
-from kvbridge.integrations.vllm_requests import SendSpec, StepMetadata
+from kvbridge.integrations.vllm_requests import SendSpec, StepMetadata, StreamSpec
 from kvbridge.integrations.vllm_sends import Sends
 from kvbridge.integrations.vllm_stats import WRITE_BYTES, WRITE_SECONDS, ConnectorCounters, Interval
+from kvbridge.integrations.vllm_streams import Streams
 from kvbridge.prefill import PrefillManager
 
 log = logging.getLogger("kvbridge.vllm")
@@ -112,6 +113,7 @@ class WorkerSide:
         self._interval = Interval()
         self._loads = Loads(self.counters, self._interval, self._opener)
         self._sends = Sends(self.counters, self._interval, config.pp_rank, config.state_groups)
+        self._streams: Streams | None = None  # prefill, decode first: rooms written by layer
 
     @property
     def bootstrap_url(self) -> str | None:
@@ -150,6 +152,8 @@ class WorkerSide:
             )
             self.prefill = _unpinned(lambda: PrefillManager(args, manager_config))
             self.prefill.metrics.keep_writes()  # for vLLM's metrics (take_interval)
+            if self.cache.layer_positions:
+                self._streams = Streams(self.prefill, self.cache)
             self.inbox = _unpinned(lambda: SendInbox(self.options.manager.host, self._start_send))
             log.info(
                 "kvbridge prefill rank %d (pipeline stage %d): %s engine, bootstrap %s, %s KV "
@@ -177,9 +181,36 @@ class WorkerSide:
                 )
 
     def _start_send(self, send: SendSpec) -> None:
-        """On the send inbox's thread, as the scheduler hands a send over."""
-        if self.prefill is not None and self.cache is not None:
+        """On the send inbox's thread, as the scheduler hands a send over: a streamed
+        request's send takes its room over, failing it if the prompt did not end there."""
+        if self.prefill is None or self.cache is None:
+            return
+        stream = self._streams.take(send.request_id) if self._streams is not None else None
+        if stream is None:
             self._sends.start(send, self.prefill, self.cache)
+            return
+        if send.aborted or not stream.done:
+            stream.sender.abort(send.aborted or "the prefill request ended before its prompt")
+        self._sends.adopt(send.request_id, stream.sender, sum(map(len, send.blocks)))
+        self.counters.layer_writes += stream.layer_writes
+
+    # --- prefill, decode first: the forward's layers ----------------------------------------
+
+    def begin_step(self, streams: list[StreamSpec], aborts: list[str]) -> None:
+        if self._streams is None:
+            return
+        for request_id in aborts:
+            self._streams.abort(request_id, "vLLM preempted the prefill request")
+        if streams:
+            self._streams.begin(streams)
+
+    def layer_saved(self, name: str) -> None:
+        if self._streams is not None:
+            self._streams.layer_saved(name)
+
+    def end_step(self) -> None:
+        if self._streams is not None:
+            self._streams.end()
 
     def start(self, step: StepMetadata) -> None:
         assert self.cache is not None or not step.loads

@@ -1,0 +1,140 @@
+"""Prefill's worker side, decode first: each streamed request's room, written during the
+forward. Before a step's forward (`begin`), the blocks the step completes (`StreamSpec`) are
+this step's pages of each room; as the forward saves each attention layer (vLLM's
+`save_kv_layer`), the layer goes out for every room whose decode ranks have all asked; after
+the forward (`end`), what is left of the step. A room decode has not asked for yet keeps its
+computed pages back and sends them whole once it has, or with the prompt's end: the
+whole-request write, done when decode's request comes. When the request ends, its send takes
+the room over (`take`). Runs on the engine's thread; no vLLM import."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+
+from kvbridge.integrations.vllm_cache import VLLMCache
+from kvbridge.integrations.vllm_requests import StreamSpec
+from kvbridge.prefill import KVSender, PrefillManager
+from kvbridge.wire.messages import KVPoll
+
+log = logging.getLogger("kvbridge.vllm")
+
+ASKED = (KVPoll.WaitingForInput, KVPoll.Transferring)  # every decode rank sent its request
+
+
+@dataclass
+class Stream:
+    """One request's room while its prompt is computed."""
+
+    sender: KVSender
+    held: list[int] = field(default_factory=list)  # pages computed, not sent: decode not asked
+    pages: tuple[int, ...] = ()  # this step's pages, going out layer by layer
+    layers_sent: int = 0  # of this step's pages
+    final: bool = False  # this step ends the prompt
+    done: bool = False  # the room's last chunk went
+    layer_writes: int = 0  # chunks sent by layer range (the rest went whole)
+
+
+class Streams:
+    def __init__(self, prefill: PrefillManager, cache: VLLMCache) -> None:
+        self._prefill = prefill
+        self._cache = cache
+        self._layers = cache.kv_args.num_layers
+        self._streams: dict[str, Stream] = {}
+        self._stepping: list[Stream] = []  # this step's rooms that go out by layer
+        self._lock = threading.Lock()  # `take` comes from the send inbox's thread
+
+    def begin(self, specs: list[StreamSpec]) -> None:
+        """Before the forward: this step's pages of each streamed request."""
+        self._stepping = []
+        for spec in specs:
+            stream = self._open(spec)
+            if stream is None or stream.done:
+                continue
+            stream.final = spec.final
+            pages = self._cache.pages_of(spec.blocks)
+            if stream.sender.poll() in ASKED:
+                if stream.held:  # computed before decode asked: complete, whole
+                    self._send(stream, stream.held, None, last=False)
+                    stream.held = []
+                stream.pages, stream.layers_sent = tuple(pages), 0
+                self._stepping.append(stream)
+            else:
+                stream.held += pages
+                stream.pages = ()
+
+    def layer_saved(self, name: str) -> None:
+        """The forward saved a layer: it goes out, with any before it that did not."""
+        position = self._cache.layer_positions.get(name)
+        if position is None:
+            return  # a layer that shares another's KV: written with it
+        for stream in self._stepping:
+            if stream.pages and stream.layers_sent <= position:
+                self._send_layers(stream, position + 1)
+
+    def end(self) -> None:
+        """After the forward: what is left of this step's layers; a room decode has not
+        asked for sends its pages whole with the prompt's end."""
+        for stream in self._stepping:
+            if stream.pages and stream.layers_sent < self._layers:
+                self._send_layers(stream, self._layers)
+        with self._lock:
+            streams = list(self._streams.values())
+        for stream in streams:
+            if stream.done or not stream.final or stream.pages:
+                continue
+            self._send(stream, stream.held, None, last=True)  # written when decode asks
+            stream.held = []
+        self._stepping = []
+
+    def abort(self, request_id: str, reason: str) -> None:
+        """The request's room fails; nothing more of it goes out."""
+        with self._lock:
+            stream = self._streams.get(request_id)
+        if stream is not None and not stream.done:
+            stream.sender.abort(reason)
+            stream.done = True
+
+    def take(self, request_id: str) -> Stream | None:
+        """The request's stream, handed to its send (None: it was never streamed here)."""
+        with self._lock:
+            return self._streams.pop(request_id, None)
+
+    def _open(self, spec: StreamSpec) -> Stream | None:
+        with self._lock:
+            stream = self._streams.get(spec.request_id)
+        if stream is not None:
+            return stream
+        try:
+            sender = self._prefill.sender(spec.room)
+        except ValueError as exc:  # the room ended here already
+            log.error("request %s: not streamed: %s", spec.request_id, exc)
+            return None
+        stream = Stream(sender)
+        with self._lock:
+            self._streams[spec.request_id] = stream
+        return stream
+
+    def _send_layers(self, stream: Stream, stop: int) -> None:
+        start = stream.layers_sent
+        stream.layers_sent = stop
+        last = stream.final and stop == self._layers
+        self._send(stream, list(stream.pages), range(start, stop), last)
+        if stop == self._layers:
+            stream.pages = ()
+
+    def _send(self, stream: Stream, pages: list[int], layers: range | None, last: bool) -> None:
+        """One chunk (or layer range of one); `last`: the room's last. A send that fails
+        fails the room, never the forward."""
+        if stream.done:
+            return
+        try:
+            stream.sender.send(pages, last=last, layers=layers)
+        except Exception as exc:
+            log.error("room %d: streaming stopped: %r", stream.sender.room, exc)
+            stream.sender.abort(repr(exc))
+            stream.done = True
+            return
+        stream.done = last
+        stream.layer_writes += layers is not None

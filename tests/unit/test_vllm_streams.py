@@ -1,0 +1,216 @@
+"""Decode first in the vLLM connector, without vLLM: the parameters a proxy sends each side,
+the blocks each prefill step completes, the send that takes a streamed room over, decode's
+load planned before prefill answered, and the worker writing each layer of a step as the
+forward saves it (or the whole request when decode asks late)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from kvbridge.integrations.vllm_blocks import Group, GroupKind, blocks_to_stream
+from kvbridge.integrations.vllm_cache import VLLMCache
+from kvbridge.integrations.vllm_requests import (
+    RemotePrefill,
+    SendSpec,
+    StreamSpec,
+    decode_first_request,
+    stream_prefill_request,
+)
+from kvbridge.integrations.vllm_scheduler import SchedulerConfig, SchedulerSide
+from kvbridge.integrations.vllm_streams import Streams
+from kvbridge.wire.messages import KVPoll
+
+FULL = (Group(GroupKind.FULL, 4),)
+URL = "http://10.0.0.1:8998"
+
+
+def request(tokens: int, params: dict[str, Any], request_id: str = "r") -> SimpleNamespace:
+    return SimpleNamespace(
+        request_id=request_id,
+        kv_transfer_params=params,
+        num_prompt_tokens=tokens,
+        prompt_token_ids=list(range(tokens)),
+        num_computed_tokens=0,
+        status=SimpleNamespace(name="RUNNING"),
+    )
+
+
+@pytest.mark.parametrize(
+    ("sent", "computed", "final", "blocks", "now_sent"),
+    [
+        (0, 7, False, (10, 11), 1),  # a block filled in part waits
+        (1, 10, False, (11, 12), 2),
+        (2, 10, True, (12,), 3),  # the prompt's last, partial block goes with the end
+        (3, 10, True, (), 3),
+    ],
+)
+def test_a_step_streams_the_blocks_it_completes(
+    sent: int, computed: int, final: bool, blocks: tuple[int, ...], now_sent: int
+) -> None:
+    ids = [10, 11, 12]
+    assert blocks_to_stream(ids, sent, computed, final, 4) == (blocks[: now_sent - sent], now_sent)
+
+
+def test_prefill_streams_each_step_and_its_send_takes_the_room_over() -> None:
+    handed: list[SendSpec] = []
+    prefill = SchedulerSide(SchedulerConfig("p", True, FULL), lambda s: handed.append(s) or None)
+    prefill.bootstrap_urls[0] = URL
+    params = stream_prefill_request({"prompt": [1]}, 77)["kv_transfer_params"]
+    ask = request(10, params)
+    prefill.on_new_request(ask)
+    assert prefill.streams.active
+    ids = ([20, 21, 22],)
+    prefill.stream_step({"r": 6}, lambda request_id: ids)  # a chunk of 6 tokens
+    ask.num_computed_tokens = 6
+    prefill.stream_step({"r": 4}, lambda request_id: ids)  # the rest
+    first, second = prefill.take_step(idle=False).streams
+    assert first == StreamSpec("r", 77, (20,), False)
+    assert second == StreamSpec("r", 77, (21, 22), True)
+    prefill.stream_step({"r": 1}, lambda request_id: ids)  # its output token: nothing more
+    assert prefill.take_step(idle=False).streams == []
+    ask.status.name, ask.num_computed_tokens = "FINISHED_LENGTH_CAPPED", 10
+    keep, answer = prefill.finished(ask, ids)
+    assert keep
+    assert answer is not None
+    (send,) = handed
+    assert (send.room, send.streamed, send.aborted) == (77, True, "")  # the proxy's room
+
+
+def test_a_streamed_request_that_ends_early_keeps_its_blocks_until_no_write_reads_them() -> None:
+    handed: list[SendSpec] = []
+    prefill = SchedulerSide(SchedulerConfig("p", True, FULL), lambda s: handed.append(s) or None)
+    ask = request(10, stream_prefill_request({}, 5)["kv_transfer_params"])
+    prefill.on_new_request(ask)
+    prefill.stream_step({"r": 8}, lambda request_id: ([1, 2, 3],))
+    ask.status.name = "FINISHED_ABORTED"
+    assert prefill.finished(ask, ([1, 2, 3],)) == (True, None)
+    (send,) = handed
+    assert send.streamed
+    assert "FINISHED_ABORTED" in send.aborted
+    assert prefill.pending
+    # One never streamed (not scheduled yet) frees its blocks at once.
+    quiet = request(10, stream_prefill_request({}, 6)["kv_transfer_params"], "q")
+    prefill.on_new_request(quiet)
+    quiet.status.name = "FINISHED_ABORTED"
+    assert prefill.finished(quiet, ([4],)) == (False, None)
+
+
+def test_decode_plans_a_decode_first_load_as_if_prefill_had_answered() -> None:
+    params = decode_first_request({}, URL, 77)["kv_transfer_params"]
+    remote = RemotePrefill.from_params(params)
+    assert remote is not None
+    assert (remote.decode_first, remote.room) == (True, 77)
+    decode = SchedulerSide(SchedulerConfig("d", False, FULL))
+    ask = request(10, params)
+    assert decode.matched_tokens(ask, 4) == (6, True)  # a local prefix of 4 tokens
+    decode.after_alloc(ask, ([30, 31, 32],), 6)
+    (load,) = decode.take_step(idle=False).loads
+    assert load.error is None
+    assert (load.remote.num_tokens, load.remote.blocks, load.remote.block_sizes) == (
+        10,
+        ((0, 3),),
+        (4,),
+    )
+    # Several KV cache groups are not planned unanswered: computed here, the room released.
+    hybrid = SchedulerSide(SchedulerConfig("d", False, (*FULL, Group(GroupKind.STATE, 64))))
+    other = request(10, decode_first_request({}, URL, 77)["kv_transfer_params"])
+    assert hybrid.matched_tokens(other, 0) == (0, False)
+    hybrid.after_alloc(other, ([1], [2]), 0)
+    assert hybrid.take_step(idle=False).releases == [remote]
+
+
+class FakeSender:
+    def __init__(self, room: int) -> None:
+        self.room = room
+        self.asked = False
+        self.sent: list[tuple[list[int], range | None, bool]] = []
+        self.aborted: str | None = None
+
+    def poll(self) -> KVPoll:
+        return KVPoll.WaitingForInput if self.asked else KVPoll.Bootstrapping
+
+    def send(self, pages: Any, *, last: bool = False, layers: range | None = None) -> None:
+        self.sent.append((list(pages), layers, last))
+
+    def abort(self, reason: str) -> None:
+        self.aborted = reason
+
+
+class FakePrefill:
+    def __init__(self) -> None:
+        self.senders: dict[int, FakeSender] = {}
+
+    def sender(self, room: int) -> FakeSender:
+        return self.senders.setdefault(room, FakeSender(room))
+
+
+def streams(layers: int = 3) -> tuple[Streams, FakePrefill]:
+    import numpy as np
+
+    from kvbridge.cache import KVArgs
+    from kvbridge.wire import KVLayout
+
+    kv = [np.zeros((8, 4, 1, 8), np.uint16) for _ in range(2 * layers)]
+    args = KVArgs.from_numpy(kv, kv_layout=KVLayout.MHA, total_kv_heads=1)
+    names = {f"model.layers.{i}.attn": i for i in range(layers)}
+    prefill = FakePrefill()
+    return Streams(prefill, VLLMCache(args, 2, layer_positions=names)), prefill  # type: ignore[arg-type]
+
+
+def test_each_layer_goes_out_as_the_forward_saves_it_once_decode_asked() -> None:
+    worker, prefill = streams()
+    worker.begin([StreamSpec("r", 9, (1,), False)])  # decode has not asked: held back
+    for layer in range(3):
+        worker.layer_saved(f"model.layers.{layer}.attn")
+    worker.end()
+    sender = prefill.senders[9]
+    assert sender.sent == []
+    sender.asked = True
+    worker.begin([StreamSpec("r", 9, (2,), True)])
+    assert sender.sent == [([2, 3], None, False)]  # the held pages, whole, first
+    worker.layer_saved("model.layers.0.attn")
+    worker.layer_saved("model.layers.0.attn.shared")  # no position of its own: nothing
+    assert sender.sent[-1] == ([4, 5], range(0, 1), False)
+    worker.layer_saved("model.layers.2.attn")  # layer 1 saved unseen: it goes along
+    worker.end()
+    assert sender.sent[1:] == [([4, 5], range(0, 1), False), ([4, 5], range(1, 3), True)]
+    stream = worker.take("r")
+    assert stream is not None
+    assert (stream.done, stream.layer_writes) == (True, 2)
+
+
+def test_a_room_decode_asks_for_late_gets_the_whole_request_with_the_prompts_end() -> None:
+    worker, prefill = streams()
+    worker.begin([StreamSpec("r", 4, (1,), False)])
+    worker.end()
+    worker.begin([StreamSpec("r", 4, (2, 3), True)])
+    worker.layer_saved("model.layers.0.attn")
+    worker.end()
+    assert prefill.senders[4].sent == [([2, 3, 4, 5, 6, 7], None, True)]
+    stream = worker.take("r")
+    assert stream is not None
+    assert (stream.done, stream.layer_writes) == (True, 0)
+    assert worker.take("r") is None
+
+
+def test_a_preempted_streamed_request_fails_its_room_and_streams_no_more() -> None:
+    prefill = SchedulerSide(SchedulerConfig("p", True, FULL), lambda send: None)
+    ask = request(10, stream_prefill_request({}, 8)["kv_transfer_params"])
+    prefill.on_new_request(ask)
+    prefill.stream_step({"r": 4}, lambda request_id: ([1, 2, 3],))
+    prefill.stream_step({}, lambda request_id: ([1, 2, 3],), preempted={"r", "other"})
+    ask.num_computed_tokens = 0  # computed again from the start, into new blocks
+    prefill.stream_step({"r": 10}, lambda request_id: ([5, 6, 7],))
+    step = prefill.take_step(idle=False)
+    assert step.stream_aborts == ["r"]
+    assert [spec.blocks for spec in step.streams] == [(1,)]
+    worker, fake = streams()
+    fake.sender(8).asked = True
+    worker.begin([StreamSpec("r", 8, (1,), False)])
+    worker.abort("r", "preempted")
+    worker.layer_saved("model.layers.0.attn")
+    worker.end()
+    assert (fake.senders[8].sent, fake.senders[8].aborted) == ([], "preempted")

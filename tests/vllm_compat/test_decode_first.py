@@ -1,0 +1,140 @@
+"""Decode first, inside vLLM: the request goes to the prefill and the decode instance at once;
+decode allocates its blocks and asks prefill for them while prefill computes, and prefill's
+worker writes each attention layer from `save_kv_layer` as its forward computes it, chunked
+prefill included. A decode request that comes after the forward gets the whole-request write.
+Tokens equal a plain run either way; through `vllm serve` and `kvbridge vllm-proxy
+--prefill-bootstrap` as users deploy it."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import secrets
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip(
+        "vLLM is not installed here (make test runs this in .venv-vllm)", allow_module_level=True
+    )
+
+from test_connector import complete_all
+from vllm_harness import (
+    MAX_TOKENS,
+    PROMPTS,
+    Instance,
+    Server,
+    free_port,
+    kvbridge_config,
+    stats_lines_at_every_level,
+)
+
+from kvbridge.integrations.vllm_proxy import PDProxy
+from kvbridge.integrations.vllm_requests import decode_first_request, stream_prefill_request
+
+CHUNKED = {"KVBRIDGE_TEST_MAX_BATCHED_TOKENS": "128"}  # the 300- and 1000-token prompts in chunks
+
+
+def params(bootstrap_url: str, count: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Per prompt, prefill's and decode's kv_transfer_params of one decode-first request."""
+    rooms = [secrets.randbits(63) for _ in range(count)]
+    return (
+        [stream_prefill_request({}, room)["kv_transfer_params"] for room in rooms],
+        [decode_first_request({}, bootstrap_url, room)["kv_transfer_params"] for room in rooms],
+    )
+
+
+def counters(instance: Instance) -> dict[str, int]:
+    return dict(instance.call("stats")["connector"])
+
+
+def test_decode_first_writes_each_layer_during_the_forward_and_falls_back_when_late(
+    model: Path, tmp_path: Path, reference: dict[Any, Any]
+) -> None:
+    port = free_port()
+    bootstrap = f"http://127.0.0.1:{port}"
+    prefill = Instance(
+        model,
+        kvbridge_config("kv_producer", "nixl", bootstrap_port=port),
+        tmp_path / "prefill.log",
+        env=CHUNKED,
+    )
+    try:
+        decode = Instance(model, kvbridge_config("kv_consumer", "nixl"), tmp_path / "decode.log")
+        try:
+            # Decode asks first, then prefill computes: each layer goes out as it is saved.
+            to_prefill, to_decode = params(bootstrap, len(PROMPTS))
+            decode.call("submit", prompts=PROMPTS, max_tokens=MAX_TOKENS, params=to_decode)
+            prefill.generate(PROMPTS, 1, to_prefill)
+            outputs = decode.call("collect")["outputs"]
+            assert [o["tokens"] for o in outputs] == [reference[tuple(p)] for p in PROMPTS]
+            streamed = prefill.wait_for(lambda s: s["connector"]["requests_sent"] == 5)
+            assert streamed["connector"]["requests_sent"] == len(PROMPTS)
+            # At least a range per layer of the forward: 2 layers, every prompt, the long ones
+            # in several chunks.
+            assert streamed["connector"]["layer_writes"] >= 2 * len(PROMPTS)
+            assert counters(decode)["requests_loaded"] == len(PROMPTS)
+            # Decode asks only after prefill's forward: the whole-request write, no layer.
+            before = streamed["connector"]["layer_writes"]
+            to_prefill, to_decode = params(bootstrap, len(PROMPTS))
+            prefill.generate(PROMPTS, 1, to_prefill)
+            late = decode.generate(PROMPTS, MAX_TOKENS, to_decode)["outputs"]
+            assert [o["tokens"] for o in late] == [reference[tuple(p)] for p in PROMPTS]
+            after = prefill.wait_for(lambda s: s["connector"]["requests_sent"] == 10)
+            assert after["connector"]["requests_sent"] == 2 * len(PROMPTS)
+            assert after["connector"]["layer_writes"] == before
+            assert "KV load failed" not in decode.log()
+        finally:
+            decode.close()
+    finally:
+        prefill.close()
+
+
+def test_through_vllm_serve_and_the_proxy_in_decode_first_mode(
+    model: Path, tmp_path: Path, reference: dict[Any, Any]
+) -> None:
+    port = free_port()
+    prefill = Server(
+        model,
+        kvbridge_config("kv_producer", "nixl", bootstrap_port=port),
+        tmp_path / "p.log",
+        environment=stats_lines_at_every_level(tmp_path),
+        # Long prompts in many chunks: decode's request comes while prefill still computes
+        # (with whole prompts in one step, this CPU's forward ends first: the whole write).
+        arguments=(
+            "--skip-tokenizer-init",
+            "--max-num-batched-tokens",
+            "64",
+            "--max-num-seqs",
+            "8",
+        ),
+    )
+    try:
+        decode = Server(model, kvbridge_config("kv_consumer", "nixl"), tmp_path / "d.log")
+        try:
+            proxy = PDProxy(
+                [prefill.url], [decode.url], prefill_bootstrap=[f"http://127.0.0.1:{port}"]
+            )
+            threading.Thread(target=proxy.serve_forever, daemon=True).start()
+            try:
+                tokens = complete_all(proxy.url, model, PROMPTS)
+            finally:
+                proxy.shutdown()
+            assert tokens == [reference[tuple(p)] for p in PROMPTS]
+            assert "KV load failed" not in decode.log(tail=None)
+            deadline = time.monotonic() + 10
+
+            def streamed() -> int:  # layer ranges written during forwards, over the intervals
+                return sum(map(int, re.findall(r"layer_writes=(\d+)", prefill.log(tail=None))))
+
+            while not streamed() and time.monotonic() < deadline:
+                time.sleep(0.5)
+            assert streamed() > 0, prefill.log()[-3000:]
+        finally:
+            decode.close()
+    finally:
+        prefill.close()
