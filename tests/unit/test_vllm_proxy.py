@@ -320,3 +320,30 @@ def test_decode_first_sends_both_instances_the_request_at_once_into_one_room() -
         decode.close()
     with pytest.raises(ValueError, match="2 prefill instance"):
         PDProxy(["http://a:1", "http://b:1"], ["http://c:1"], prefill_bootstrap=["http://d:1"])
+
+
+def test_decode_first_cuts_decode_off_when_prefill_fails() -> None:
+    """Decode would wait for KV that will not come: its request is cut off (vLLM aborts it)
+    and the client hears at once; the prefill instance is free again."""
+    release = threading.Event()
+    prefill = StandIn(lambda body: (500, {"error": "out of memory"}))
+
+    def stuck_decode(body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        release.wait(10)
+        return 200, {"choices": []}
+
+    decode = StandIn(stuck_decode)
+    proxy = PDProxy([prefill.url], [decode.url], prefill_bootstrap=["http://10.0.0.1:8998"])
+    threading.Thread(target=proxy.serve_forever, daemon=True).start()
+    try:
+        started = time.monotonic()
+        status, _ = post(proxy.url, "/v1/completions", {"prompt": [5], "max_tokens": 8})
+        assert status >= 500
+        assert time.monotonic() - started < 5
+    finally:
+        release.set()
+        proxy.shutdown()
+        prefill.close()
+        decode.close()
+    with pytest.raises(ValueError, match="not an http://host:port URL"):
+        PDProxy(["http://a:1"], ["http://c:1"], prefill_bootstrap=["http://d"])

@@ -20,6 +20,7 @@ from kvbridge.integrations.vllm_requests import (
     stream_prefill_request,
 )
 from kvbridge.integrations.vllm_scheduler import SchedulerConfig, SchedulerSide
+from kvbridge.integrations.vllm_stats import ConnectorCounters
 from kvbridge.integrations.vllm_streams import Streams
 from kvbridge.wire.messages import KVPoll
 
@@ -91,11 +92,18 @@ def test_a_streamed_request_that_ends_early_keeps_its_blocks_until_no_write_read
     assert send.streamed
     assert "FINISHED_ABORTED" in send.aborted
     assert prefill.pending
-    # One never streamed (not scheduled yet) frees its blocks at once.
+    # One ended before any block was complete: its room may be open all the same (decode
+    # waiting on it): the worker fails it, and frees the blocks once nothing is out.
     quiet = request(10, stream_prefill_request({}, 6)["kv_transfer_params"], "q")
     prefill.on_new_request(quiet)
+    prefill.stream_step({"q": 2}, lambda request_id: ([4],))
     quiet.status.name = "FINISHED_ABORTED"
-    assert prefill.finished(quiet, ([4],)) == (False, None)
+    assert prefill.finished(quiet, ([4],)) == (True, None)
+    assert (handed[-1].room, handed[-1].streamed) == (6, True)
+    # A request for no stream frees its blocks at once.
+    plain = request(10, {"do_remote_decode": True}, "p")
+    plain.status.name = "FINISHED_ABORTED"
+    assert prefill.finished(plain, ([5],)) == (False, None)
 
 
 def test_decode_plans_a_decode_first_load_as_if_prefill_had_answered() -> None:
@@ -157,7 +165,8 @@ def streams(layers: int = 3) -> tuple[Streams, FakePrefill]:
     args = KVArgs.from_numpy(kv, kv_layout=KVLayout.MHA, total_kv_heads=1)
     names = {f"model.layers.{i}.attn": i for i in range(layers)}
     prefill = FakePrefill()
-    return Streams(prefill, VLLMCache(args, 2, layer_positions=names)), prefill  # type: ignore[arg-type]
+    cache = VLLMCache(args, 2, layer_positions=names)
+    return Streams(prefill, cache, ConnectorCounters()), prefill  # type: ignore[arg-type]
 
 
 def test_each_layer_goes_out_as_the_forward_saves_it_once_decode_asked() -> None:

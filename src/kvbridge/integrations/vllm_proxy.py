@@ -68,9 +68,9 @@ class UpstreamError(Exception):
         self.status = status
 
 
-def _check_url(url: str) -> str:
+def _check_url(url: str, port: bool = False) -> str:
     parts = urlsplit(url)
-    if parts.scheme != "http" or not parts.hostname:
+    if parts.scheme != "http" or not parts.hostname or (port and parts.port is None):
         raise ValueError(f"{url!r} is not an http://host:port URL")
     return url.rstrip("/")
 
@@ -99,7 +99,7 @@ class PDProxy:
             )
         # Decode first: each prefill instance's bootstrap service, by its URL.
         self._bootstraps = {
-            _check_url(url): _check_url(bootstrap)
+            _check_url(url): _check_url(bootstrap, port=True)
             for url, bootstrap in zip(prefill, prefill_bootstrap, strict=False)
         }
         if not upstream_timeout_s > 0:
@@ -241,31 +241,55 @@ class PDProxy:
         self, request: web.Request, body: dict[str, Any], headers: dict[str, str], clock: OwnTime
     ) -> web.StreamResponse:
         """Both instances at once, into one room: decode's answer is relayed while prefill's
-        (one token) is awaited beside it; prefill is held until it answered."""
+        (one token) comes beside it; the prefill instance counts as busy until it answered.
+        If either fails, the other's request is cut off (vLLM then aborts it): a decode
+        waiting for KV that will not come, or a prefill holding KV nobody will ask for."""
         room = secrets.randbits(63)
-        with self._prefill.take() as prefill:
-            sent = _json(stream_prefill_request(body, room))
-            prefilled = asyncio.ensure_future(
-                self._prefill_answer(prefill, request.path, sent, headers)
-            )
+        taken = self._prefill.take()
+        prefill = taken.__enter__()
+
+        async def prefill_leg() -> bytes:
             try:
-                forward = _json(decode_first_request(body, self._bootstraps[prefill], room))
-                with self._decode.take(prefill) as decode:
-                    with clock.waiting():
-                        upstream = await self._send(
-                            decode, request.path, forward, headers, "decode"
-                        )
-                    response = await self._relay(request, upstream, decode, clock)
-            except (UpstreamError, OptionsError) as exc:
-                status = exc.status if isinstance(exc, UpstreamError) else 502
-                log.warning("request failed: %s", exc)
-                response = web.json_response({"error": str(exc)}, status=status)
+                sent = _json(stream_prefill_request(body, room))
+                return await self._prefill_answer(prefill, request.path, sent, headers)
             finally:
-                try:
-                    with clock.waiting():
-                        await prefilled
-                except UpstreamError as exc:  # decode computed what prefill could not send
-                    log.warning("prefill of a decode-first request failed: %s", exc)
+                taken.__exit__(None, None, None)
+
+        async def decode_leg() -> web.StreamResponse:
+            forward = _json(decode_first_request(body, self._bootstraps[prefill], room))
+            with self._decode.take(prefill) as decode:
+                with clock.waiting():
+                    upstream = await self._send(decode, request.path, forward, headers, "decode")
+                return await self._relay(request, upstream, decode, clock)
+
+        prefilled = asyncio.ensure_future(prefill_leg())
+        decoding = asyncio.ensure_future(decode_leg())
+
+        def on_prefilled(task: asyncio.Future[bytes]) -> None:
+            if not task.cancelled() and task.exception() is not None:
+                decoding.cancel()  # it would wait for KV that will not come
+
+        prefilled.add_done_callback(on_prefilled)
+        try:
+            response = await decoding
+        except (UpstreamError, OptionsError) as exc:
+            prefilled.cancel()  # nobody will ask for its KV
+            status = exc.status if isinstance(exc, UpstreamError) else 502
+            log.warning("request failed: %s", exc)
+            response = web.json_response({"error": str(exc)}, status=status)
+        except asyncio.CancelledError:
+            failed = prefilled.done() and not prefilled.cancelled() and prefilled.exception()
+            if not isinstance(failed, UpstreamError):
+                prefilled.cancel()
+                raise  # the client went away
+            log.warning("request failed: %s", failed)
+            response = web.json_response({"error": str(failed)}, status=failed.status)
+        if not prefilled.cancelled():
+            try:
+                with clock.waiting():
+                    await prefilled
+            except UpstreamError as exc:
+                log.warning("prefill of a decode-first request failed: %s", exc)
         self._timed(clock)
         return response
 

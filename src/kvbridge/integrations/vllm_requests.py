@@ -33,6 +33,9 @@ LEASE_KEY = "kvbridge_lease_s"
 # from the room before prefill answered (no blocks or token count known yet).
 STREAM_KEY = "kvbridge_stream"
 DECODE_FIRST_KEY = "kvbridge_decode_first"
+# Decode first: the lease decode renews on the room while its request waits in its queue (the
+# connector's own request_timeout_s default on prefill).
+DECODE_FIRST_LEASE_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -111,7 +114,7 @@ class RemotePrefill:
                 (),
                 (),
                 tuple(stages) if len(stages) > 1 else (),
-                0.0,
+                _lease(params),
                 decode_first=True,
             )
         tokens = _count(params, "remote_num_tokens", params.get("remote_num_tokens"))
@@ -122,9 +125,6 @@ class RemotePrefill:
                 f"kv_transfer_params: {BLOCKS_KEY} and {BLOCK_SIZES_KEY} need one entry per KV "
                 f"cache group, got {len(blocks)} and {len(sizes)}"
             )
-        lease = params.get(LEASE_KEY, 0.0)  # absent: no renewals
-        if not isinstance(lease, int | float) or isinstance(lease, bool) or not lease >= 0:
-            raise OptionsError(f"kv_transfer_params.{LEASE_KEY}: {lease!r} is not seconds ≥ 0")
         return RemotePrefill(
             url,
             room,
@@ -134,8 +134,15 @@ class RemotePrefill:
             tuple(blocks),
             tuple(sizes),
             tuple(stages) if len(stages) > 1 else (),
-            float(lease),
+            _lease(params),
         )
+
+
+def _lease(params: Mapping[str, Any]) -> float:
+    lease = params.get(LEASE_KEY, 0.0)  # absent: no renewals
+    if not isinstance(lease, int | float) or isinstance(lease, bool) or not lease >= 0:
+        raise OptionsError(f"kv_transfer_params.{LEASE_KEY}: {lease!r} is not seconds ≥ 0")
+    return float(lease)
 
 
 def stage_room(room: int, stage: int) -> int:
@@ -213,6 +220,7 @@ def decode_first_request(
         BOOTSTRAP_KEY: bootstrap_url,
         ROOM_KEY: room,
         DECODE_FIRST_KEY: True,
+        LEASE_KEY: DECODE_FIRST_LEASE_S,
         VERSION_KEY: VERSION,
     }
     return {**body, "kv_transfer_params": params}

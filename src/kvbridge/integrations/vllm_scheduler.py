@@ -304,6 +304,8 @@ class SchedulerSide:
         problem = self._hand_off(spec)
         if problem is not None:
             log.error("request %s: not sent: %s", request_id, problem)
+            if streamed is not None:  # its worker fails the room at its next step
+                self._step.stream_aborts.append(request_id)
             return False, None
         self._sending.add(request_id)
         remote = RemotePrefill(
@@ -324,11 +326,14 @@ class SchedulerSide:
     ) -> tuple[bool, dict[str, Any] | None]:
         """A request that will not be sent: a stream written in part while it ran keeps its
         blocks until no write of it reads them (its send fails with `why`)."""
-        if streamed is None or not streamed.sent:
+        if streamed is None:
             return False, None
+        # Its room may have been opened with writes going: the worker fails it (decode hears
+        # at once) and reports the blocks free once no write of them is out.
         aborted = f"the prefill request {why}"
         spec = SendSpec(request_id, streamed.room, ((),), streamed=True, aborted=aborted)
-        if self._hand_off(spec) is not None:
+        if self._hand_off(spec) is not None:  # the worker's inbox is gone: so is its engine
+            self._step.stream_aborts.append(request_id)
             return False, None
         self._sending.add(request_id)
         return True, None

@@ -64,7 +64,7 @@ class Sends:
             self._sends[send.request_id] = _Send(sender, sum(map(len, send.blocks)))
         prefill.activity.set()  # an idle step waiting on sends looks again
 
-    def adopt(self, request_id: str, sender: KVSender, blocks: int) -> None:
+    def adopt(self, request_id: str, sender: KVSender | None, blocks: int) -> None:
         """A room opened while the request ran (decode first), polled from now on as if it
         started here."""
         with self._lock:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from kvbridge.integrations.vllm_cache import VLLMCache
 from kvbridge.integrations.vllm_requests import StreamSpec
+from kvbridge.integrations.vllm_stats import ConnectorCounters
 from kvbridge.prefill import KVSender, PrefillManager
 from kvbridge.wire.messages import KVPoll
 
@@ -37,9 +38,12 @@ class Stream:
 
 
 class Streams:
-    def __init__(self, prefill: PrefillManager, cache: VLLMCache) -> None:
+    def __init__(
+        self, prefill: PrefillManager, cache: VLLMCache, counters: ConnectorCounters
+    ) -> None:
         self._prefill = prefill
         self._cache = cache
+        self._counters = counters
         self._layers = cache.kv_args.num_layers
         self._streams: dict[str, Stream] = {}
         self._stepping: list[Stream] = []  # this step's rooms that go out by layer
@@ -93,8 +97,11 @@ class Streams:
         with self._lock:
             stream = self._streams.get(request_id)
         if stream is not None and not stream.done:
-            stream.sender.abort(reason)
             stream.done = True
+            try:
+                stream.sender.abort(reason)
+            except Exception as exc:  # never into vLLM's step
+                log.error("room %d: %r", stream.sender.room, exc)
 
     def take(self, request_id: str) -> Stream | None:
         """The request's stream, handed to its send (None: it was never streamed here)."""
@@ -108,8 +115,8 @@ class Streams:
             return stream
         try:
             sender = self._prefill.sender(spec.room)
-        except ValueError as exc:  # the room ended here already
-            log.error("request %s: not streamed: %s", spec.request_id, exc)
+        except Exception as exc:  # the room ended here already: never into vLLM's step
+            log.error("request %s: not streamed: %r", spec.request_id, exc)
             return None
         stream = Stream(sender)
         with self._lock:
@@ -133,8 +140,13 @@ class Streams:
             stream.sender.send(pages, last=last, layers=layers)
         except Exception as exc:
             log.error("room %d: streaming stopped: %r", stream.sender.room, exc)
-            stream.sender.abort(repr(exc))
             stream.done = True
+            try:
+                stream.sender.abort(repr(exc))
+            except Exception as again:
+                log.error("room %d: %r", stream.sender.room, again)
             return
         stream.done = last
-        stream.layer_writes += layers is not None
+        if layers is not None:
+            stream.layer_writes += 1
+            self._counters.layer_writes += 1

@@ -27,6 +27,7 @@ from kvbridge.integrations.vllm_sends import Sends
 from kvbridge.integrations.vllm_stats import WRITE_BYTES, WRITE_SECONDS, ConnectorCounters, Interval
 from kvbridge.integrations.vllm_streams import Streams
 from kvbridge.prefill import PrefillManager
+from kvbridge.wire.messages import MemoryKind
 
 log = logging.getLogger("kvbridge.vllm")
 T = TypeVar("T")
@@ -152,8 +153,10 @@ class WorkerSide:
             )
             self.prefill = _unpinned(lambda: PrefillManager(args, manager_config))
             self.prefill.metrics.keep_writes()  # for vLLM's metrics (take_interval)
-            if self.cache.layer_positions:
-                self._streams = Streams(self.prefill, self.cache)
+            # Layer by layer only where a saved layer's KV is in place when vLLM says so (CPU
+            # attention runs synchronously; on a GPU its kernels are only queued then).
+            if self.cache.layer_positions and args.memory_kind == MemoryKind.DRAM:
+                self._streams = Streams(self.prefill, self.cache, self.counters)
             self.inbox = _unpinned(lambda: SendInbox(self.options.manager.host, self._start_send))
             log.info(
                 "kvbridge prefill rank %d (pipeline stage %d): %s engine, bootstrap %s, %s KV "
@@ -186,13 +189,21 @@ class WorkerSide:
         if self.prefill is None or self.cache is None:
             return
         stream = self._streams.take(send.request_id) if self._streams is not None else None
-        if stream is None:
+        if stream is None and not send.aborted:
             self._sends.start(send, self.prefill, self.cache)
             return
-        if send.aborted or not stream.done:
-            stream.sender.abort(send.aborted or "the prefill request ended before its prompt")
-        self._sends.adopt(send.request_id, stream.sender, sum(map(len, send.blocks)))
-        self.counters.layer_writes += stream.layer_writes
+        sender = stream.sender if stream is not None else None
+        try:
+            if sender is None:  # nothing streamed here: decode, if it asked, hears at once
+                sender = self.prefill.sender(send.room)
+            if send.aborted or stream is None or not stream.done:
+                sender.abort(send.aborted or "the prefill request ended before its prompt")
+        except Exception as exc:  # (a room that ended here already)
+            log.warning("request %s: %r", send.request_id, exc)
+        if stream is not None:
+            stream.done = True
+        self._sends.adopt(send.request_id, sender, sum(map(len, send.blocks)))
+        self.prefill.activity.set()
 
     # --- prefill, decode first: the forward's layers ----------------------------------------
 
