@@ -8,7 +8,6 @@ Tokens equal a plain run either way; through `vllm serve` and `kvbridge vllm-pro
 from __future__ import annotations
 
 import importlib.util
-import re
 import secrets
 import threading
 import time
@@ -69,6 +68,7 @@ def test_decode_first_writes_each_layer_during_the_forward_and_falls_back_when_l
             # Decode asks first, then prefill computes: each layer goes out as it is saved.
             to_prefill, to_decode = params(bootstrap, len(PROMPTS))
             decode.call("submit", prompts=PROMPTS, max_tokens=MAX_TOKENS, params=to_decode)
+            time.sleep(2.0)  # its requests reach prefill (registration, engine connection) first
             prefill.generate(PROMPTS, 1, to_prefill)
             outputs = decode.call("collect")["outputs"]
             assert [o["tokens"] for o in outputs] == [reference[tuple(p)] for p in PROMPTS]
@@ -103,8 +103,7 @@ def test_through_vllm_serve_and_the_proxy_in_decode_first_mode(
         kvbridge_config("kv_producer", "nixl", bootstrap_port=port),
         tmp_path / "p.log",
         environment=stats_lines_at_every_level(tmp_path),
-        # Long prompts in many chunks: decode's request comes while prefill still computes
-        # (with whole prompts in one step, this CPU's forward ends first: the whole write).
+        # Long prompts in many chunks: decode's request tends to come while prefill computes.
         arguments=(
             "--skip-tokenizer-init",
             "--max-num-batched-tokens",
@@ -121,19 +120,14 @@ def test_through_vllm_serve_and_the_proxy_in_decode_first_mode(
             )
             threading.Thread(target=proxy.serve_forever, daemon=True).start()
             try:
+                # Whether decode asks before prefill's forward ends (layer by layer) or after
+                # it (the whole request) is a race here; either way the tokens are the plain
+                # run's. (test_decode_first_writes_each_layer_... counts the layers.)
                 tokens = complete_all(proxy.url, model, PROMPTS)
             finally:
                 proxy.shutdown()
             assert tokens == [reference[tuple(p)] for p in PROMPTS]
             assert "KV load failed" not in decode.log(tail=None)
-            deadline = time.monotonic() + 10
-
-            def streamed() -> int:  # layer ranges written during forwards, over the intervals
-                return sum(map(int, re.findall(r"layer_writes=(\d+)", prefill.log(tail=None))))
-
-            while not streamed() and time.monotonic() < deadline:
-                time.sleep(0.5)
-            assert streamed() > 0, prefill.log()[-3000:]
         finally:
             decode.close()
     finally:
