@@ -33,6 +33,7 @@ _EXPORTS: dict[str, str] = {
     "KVPoll": "kvbridge.wire",
     "KVReceiver": "kvbridge.decode",
     "KVSender": "kvbridge.prefill",
+    "DataParallel": "kvbridge.config",
     "ManagerConfig": "kvbridge.config",
     "PrefillManager": "kvbridge.prefill",
     "TopologyError": "kvbridge.cache.topology",
@@ -43,6 +44,7 @@ _EXPORTS: dict[str, str] = {
 __all__ = [
     "BootstrapError",
     "BufferSpec",
+    "DataParallel",
     "DecodeManager",
     "FailureKind",
     "GeometryError",
@@ -61,7 +63,7 @@ __all__ = [
 if TYPE_CHECKING:
     from kvbridge.cache import BufferSpec, GeometryError, KVArgs
     from kvbridge.cache.topology import TopologyError
-    from kvbridge.config import ManagerConfig
+    from kvbridge.config import DataParallel, ManagerConfig
     from kvbridge.control.bootstrap import BootstrapError
     from kvbridge.decode import DecodeManager, KVReceiver
     from kvbridge.prefill import KVSender, PrefillManager

@@ -25,6 +25,40 @@ SGLANG_ENGINES = tuple(SGLANG_PROFILES)
 
 
 @dataclass(frozen=True)
+class DataParallel:
+    """A prefill rank's place in an SGLang prefill instance with data parallelism (DP
+    attention): its DP rank of `size`, and how rooms are spread over the DP ranks — by room
+    number modulo `size` (`follow_bootstrap_room`, sglang's default), or as the serving engine
+    chooses, each rank registering the rooms it takes at the bootstrap service for decode to
+    ask (sglang's other load-balance methods)."""
+
+    rank: int = 0
+    size: int = 1
+    follow_bootstrap_room: bool = True
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.size:
+            raise ValueError(f"data_parallel rank {self.rank} of {self.size}")
+
+    def registers_rooms(self, force_query: bool) -> bool:
+        """Whether each room this rank takes is registered with the bootstrap service
+        (`force_query`: sglang's FORCE_QUERY_PREFILL_DP_RANK, mixed routing)."""
+        return self.size > 1 and (force_query or not self.follow_bootstrap_room)
+
+    def room_problem(self, room: int, force_query: bool) -> str | None:
+        """Why this rank cannot take `room` (None: it can): following bootstrap rooms without
+        mixed routing, decode asks the room's number modulo the DP size — sglang's conflict."""
+        if not self.follow_bootstrap_room or force_query or room % self.size == self.rank:
+            return None
+        return (
+            f"follow_bootstrap_room conflict: dispatched to DP rank {self.rank} but bootstrap "
+            f"room {room} implies DP rank {room % self.size} (set "
+            "SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK=1 on both sides for mixed "
+            "routing)"
+        )
+
+
+@dataclass(frozen=True)
 class ManagerConfig:
     """What a manager needs beyond its KV geometry.
 
@@ -63,6 +97,8 @@ class ManagerConfig:
         0.5.23's own PD transfer layer, over Mooncake: `bootstrap_url` is then an SGLang
         bootstrap address `host:port`, messages are sglang's frames; SGLang peers carry no
         secret, heartbeats or write leases: docs/trust-model.md says what holds).
+    data_parallel: a prefill rank's DP rank in an SGLang prefill instance (`DataParallel`);
+        SGLang peers only.
     """
 
     engine: str = DEFAULT_ENGINE
@@ -85,6 +121,7 @@ class ManagerConfig:
     metrics_port: int | None = None
     secret: bytes | None = field(default_factory=secret_from_env, repr=False)
     peer_protocol: str = "kvbridge"
+    data_parallel: DataParallel = field(default_factory=DataParallel)
 
     def __post_init__(self) -> None:
         if self.writes_in_flight < 1:
@@ -93,6 +130,11 @@ class ManagerConfig:
             raise ValueError(
                 f"peer_protocol must be one of {', '.join(PEER_PROTOCOLS)}, "
                 f"got {self.peer_protocol!r}"
+            )
+        if self.data_parallel.size > 1 and not self.sglang_peers:
+            raise ValueError(
+                "data_parallel is an SGLang prefill instance's: kvbridge groups are told apart "
+                "by their bootstrap URLs (peer_protocol 'sglang' for SGLang peers)"
             )
         if self.sglang_peers:
             if self.engine not in SGLANG_ENGINES:

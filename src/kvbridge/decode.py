@@ -1,4 +1,5 @@
-"""Decode side: `DecodeManager` (one per decode rank) and `KVReceiver` (one per room).
+"""Decode side: `DecodeManager` (one per decode rank) and `KVReceiver` (one per room,
+decode_receiver.py).
 
 A receiver finds its prefill group through the bootstrap service, registers this rank's
 memory with the prefill rank it pairs with (once per peer), and sends one `TransferRequest`
@@ -21,27 +22,20 @@ import logging
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
-
-import numpy as np
-import numpy.typing as npt
 
 from kvbridge.cache import BufferSpec, KVArgs
 from kvbridge.cache.peer import memory_regions, registration_for
-from kvbridge.cache.sglang_peer import (
-    sglang_nixl_registration_for,
-    sglang_registration_for,
-    sglang_request_problem,
-)
+from kvbridge.cache.sglang_peer import sglang_nixl_registration_for, sglang_registration_for
 from kvbridge.cache.sglang_route import group_problem, sglang_rank_problem, sglang_route
 from kvbridge.cache.topology import DecodeRoute, TopologyError, topology
 from kvbridge.config import ManagerConfig
-from kvbridge.control.bootstrap import BootstrapError, PrefillRank, lookup_prefill_group
+from kvbridge.control.bootstrap import PrefillRank, lookup_prefill_group
 from kvbridge.control.sglang_bootstrap import (
     HealthPoller,
     SGLangPrefillGroup,
     lookup_sglang_group,
 )
+from kvbridge.control.sglang_dp import DPRankAnswer, DPRankQueries, force_query
 from kvbridge.core.decode_events import (
     Closing,
     DecodeSettings,
@@ -59,9 +53,10 @@ from kvbridge.core.decode_protocol import FENCE_MARGIN_S, DecodeProtocol
 from kvbridge.core.decode_sglang import SGLangMooncakePeer, SGLangNixlPeer
 from kvbridge.core.protocol import Tick
 from kvbridge.core.room import RoomStatus
+from kvbridge.decode_receiver import KVReceiver, PrefillWay
 from kvbridge.decode_scatter import ScatterThread
 from kvbridge.runtime import RankManager, RankRuntime
-from kvbridge.wire import FailureKind, KVPoll, Message
+from kvbridge.wire import KVPoll, Message
 from kvbridge.wire.address import tcp_endpoint
 from kvbridge.wire.notifications import COMPLETING_NOTIFICATIONS
 
@@ -74,17 +69,7 @@ log = logging.getLogger("kvbridge.decode")
 # heard of the first room that much later.
 FIRST_SEND_WAIT_S = 0.002
 
-
-@dataclass(frozen=True)
-class PrefillWay:
-    """How this rank's rooms toward one prefill group go: the route (sources and dummies),
-    per prefill rank the requests it counts on and its control endpoint (registered with),
-    and the ranks whose status ends a room (None: every rank asked)."""
-
-    route: DecodeRoute
-    required: dict[int, int]
-    endpoints: dict[int, str]
-    reporting: frozenset[int] | None = None
+__all__ = ["FIRST_SEND_WAIT_S", "DecodeManager", "KVReceiver", "PrefillWay"]
 
 
 class DecodeManager(RankManager):
@@ -92,6 +77,11 @@ class DecodeManager(RankManager):
         problem = sglang_rank_problem(kv_args) if config.sglang_peers else None
         if problem is not None:
             raise ValueError(problem)
+        if config.data_parallel.size > 1:
+            raise ValueError(
+                "data_parallel places a prefill rank in its instance; a decode rank of a DP "
+                "instance is a rank of its own to its prefill peers (leave data_parallel unset)"
+            )
         self.config = config
         self.rank = kv_args.attn_tp_rank
         self.runtime = RankRuntime("decode", kv_args, config, self._on_message, self._on_tick)
@@ -140,6 +130,7 @@ class DecodeManager(RankManager):
         self._scatters = ScatterThread(self.kv_args, self.runtime, self.protocol, self.stats)
         self.runtime.watch(self._scatters.thread)
         self._health: HealthPoller | None = None
+        self._dp_queries: DPRankQueries | None = None
         if config.sglang_peers:
             self._health = HealthPoller(
                 self._known_sglang_groups,
@@ -147,6 +138,8 @@ class DecodeManager(RankManager):
                 config.heartbeat_interval_s,
             )
             self.runtime.watch(self._health.thread)
+            self._dp_queries = DPRankQueries(config.bootstrap_timeout_s)
+            self.runtime.watch(self._dp_queries.thread)
         self._handle = self.runtime.handle
         try:
             self.runtime.start(self.protocol, self._execute_own, self._counters)
@@ -169,16 +162,19 @@ class DecodeManager(RankManager):
 
     # --- scheduler side ------------------------------------------------------------------
 
-    def receiver(self, room: int, bootstrap_url: str | None = None) -> KVReceiver:
-        return KVReceiver(self, room, bootstrap_url or self.config.bootstrap_url)
+    def receiver(
+        self, room: int, bootstrap_url: str | None = None, prefill_dp_rank: int | None = None
+    ) -> KVReceiver:
+        return KVReceiver(self, room, bootstrap_url or self.config.bootstrap_url, prefill_dp_rank)
 
-    def route_to(self, url: str) -> PrefillWay:
-        """How this rank's rooms toward the prefill group behind `url` go: its route (sources
-        and dummies), per prefill rank the requests it needs and its control endpoint, this
-        rank registered with each. Looks the group up once (blocking, up to
-        bootstrap_timeout_s); BootstrapError or TopologyError say why there is no route."""
+    def route_to(self, url: str, dp_rank: int = 0) -> PrefillWay:
+        """How this rank's rooms toward the prefill group behind `url` (its data-parallel rank
+        `dp_rank`: SGLang groups only) go: its route (sources and dummies), per prefill rank
+        the requests it needs and its control endpoint, this rank registered with each. Looks
+        the group up once (blocking, up to bootstrap_timeout_s); BootstrapError or
+        TopologyError say why there is no route."""
         if self.config.sglang_peers:
-            return self._sglang_way(url)
+            return self._sglang_way(url, dp_rank)
         group = self.prefill_group(url)
         args = self.kv_args
         mapping = topology(
@@ -197,7 +193,21 @@ class DecodeManager(RankManager):
         }
         return PrefillWay(decode_route, required, endpoints)
 
-    def _sglang_way(self, address: str) -> PrefillWay:
+    def prefill_dp_rank(self, url: str, room: int, given: int | None) -> int | None:
+        """The data-parallel rank of the prefill group behind `url` that takes `room`; None:
+        its bootstrap service is to be asked (`ask_prefill_dp_rank`). A kvbridge group has
+        one. Blocks for the group's lookup the first time."""
+        if not self.config.sglang_peers:
+            return 0
+        return self.sglang_group(url).dp_rank_of(room, given, force_query())
+
+    def ask_prefill_dp_rank(self, url: str, room: int, answer: DPRankAnswer) -> None:
+        """Ask the SGLang bootstrap service behind `url` which DP rank took `room`, in the
+        background; `answer` hears it (or why not) on the query thread."""
+        assert self._dp_queries is not None, "only an SGLang-mode rank asks"
+        self._dp_queries.ask(url, room, self.sglang_group(url).dp_size, answer)
+
+    def _sglang_way(self, address: str, dp_rank: int) -> PrefillWay:
         """`route_to` for an SGLang prefill group: sglang's rank mapping, its registration."""
         group = self.sglang_group(address)
         args = self.kv_args
@@ -212,7 +222,8 @@ class DecodeManager(RankManager):
             args.kv_layout,
         )
         endpoints = {
-            rank: self._register_sglang(group.endpoints[rank]) for rank in way.route.prefill_ranks
+            rank: self._register_sglang(group.endpoints[dp_rank][rank])
+            for rank in way.route.prefill_ranks
         }
         return PrefillWay(way.route, way.required, endpoints, way.reporting)
 
@@ -286,7 +297,7 @@ class DecodeManager(RankManager):
         ]
         for url in stale:
             del self._groups[url]
-        for address in [a for a, g in self._sglang_groups.items() if endpoint in g.endpoints]:
+        for address in [a for a, g in self._sglang_groups.items() if endpoint in g.every_endpoint]:
             del self._sglang_groups[address]
 
     def ensure_registered(self, target: PrefillRank) -> str:
@@ -367,7 +378,10 @@ class DecodeManager(RankManager):
     def close(self) -> None:
         """Stop: rooms that a prefill rank may still write into are aborted first, and their
         writers heard (or declared dead and fenced) before the memory is deregistered, within
-        about two peer timeouts."""
+        about two peer timeouts. Rooms still waiting for their prefill DP rank fail first:
+        none opens from here on."""
+        if self._dp_queries is not None:
+            self._dp_queries.close()
         self._handle(Closing())
         deadline = time.monotonic() + 2 * self.config.peer_timeout_s + FENCE_MARGIN_S
         while True:
@@ -382,113 +396,3 @@ class DecodeManager(RankManager):
         if self._health is not None:
             self._health.close()
         self.runtime.close()
-
-
-class KVReceiver:
-    """One room on the decode side: give it the destination pages, poll its state. Until
-    `init` the receiver keeps the room's status (looking its prefill group up, or why it could
-    not); from `init` until `clear` the decode protocol does, and the receiver reads it there;
-    `clear` hands the last status back to the receiver."""
-
-    def __init__(self, manager: DecodeManager, room: int, bootstrap_url: str | None) -> None:
-        self.manager = manager
-        self.room = room
-        self._status = RoomStatus()
-        self._open = False  # from init() to clear(): the status lives in the protocol
-        self._way: PrefillWay | None = None
-        if bootstrap_url is None:
-            self._status.fail(FailureKind.BOOTSTRAP, "no bootstrap URL for this room")
-            return
-        try:
-            self._way = manager.route_to(bootstrap_url)
-        except BootstrapError as exc:
-            self._status.fail(FailureKind.BOOTSTRAP, str(exc))
-            return
-        except TopologyError as exc:
-            self._status.fail(FailureKind.INCOMPATIBLE, str(exc))
-            return
-        self._status.advance(KVPoll.WaitingForInput)
-
-    def init(
-        self,
-        kv_pages: npt.ArrayLike,
-        aux_index: int | None = None,
-        state_indices: Sequence[int] = (),
-        decode_prefix_len: int | None = None,
-    ) -> None:
-        """Ask the prefill ranks to fill these pages (and aux slot, state slots)
-        (`DecodeProtocol` decides what each prefill rank is asked).
-
-        `kv_pages` pairs with the room's pages after the first `decode_prefix_len` tokens;
-        SKIPPED_PAGE (-1) where decode needs nothing (pages of one size on both sides)."""
-        way = self._way
-        if self._status.finished or way is None or self._open:
-            return
-        pages = np.asarray(kv_pages, dtype=np.int32).ravel()
-        if self.manager.config.sglang_peers:  # an SGLang prefill checks no index of ours
-            args = self.manager.kv_args
-            problem = sglang_request_problem(args, pages, aux_index, state_indices)
-            if problem is not None:
-                self._status.fail(FailureKind.INCOMPATIBLE, f"room {self.room}: {problem}")
-                self.manager.abort_room(self.room, problem, list(way.endpoints.values()))
-                return
-        opened = RoomOpened(
-            room=self.room,
-            route=way.route,
-            required=dict(way.required),
-            endpoints=dict(way.endpoints),
-            pages=pages,
-            aux_index=aux_index,
-            state_indices=tuple(state_indices),
-            decode_prefix_len=decode_prefix_len,
-            reporting=way.reporting,
-        )
-        self._open = True
-        self.manager.open_room(opened)
-
-    def _current(self) -> RoomStatus:
-        if self._open:
-            status = self.manager.room_status(self.room)
-            if status is not None:
-                return status
-        return self._status
-
-    # A status's failure kind and reason are set before its state reads Failed: the reads
-    # below need no lock.
-    def poll(self) -> KVPoll:
-        return self._current().poll
-
-    @property
-    def failure_reason(self) -> str | None:
-        return self._current().failure_reason
-
-    @property
-    def failure_kind(self) -> FailureKind | None:
-        """Why the room failed, as a kind; None unless it failed."""
-        return self._current().failure_kind
-
-    def abort(self, reason: str) -> None:
-        """Give up on the room: it fails at once; its pages are safe to reuse only when
-        `pages_safe` says so (every prefill rank confirmed that nothing is in flight)."""
-        if self._open:
-            self.manager.abort_room(self.room, reason)
-        elif self._status.fail(FailureKind.ABORTED, f"aborted by decode: {reason}"):
-            # Before init(): the prefill ranks hear it now, not at their deadline.
-            endpoints = self._way.endpoints.values() if self._way is not None else ()
-            self.manager.abort_room(self.room, reason, list(endpoints))
-
-    @property
-    def pages_safe(self) -> bool:
-        """Whether the room's pages can be handed back to the allocator: the room succeeded,
-        or it failed and no prefill rank can still write into them (each confirmed, reported
-        how the room ended, or was declared dead)."""
-        return self.manager.pages_safe(self.room, self._current())
-
-    def clear(self) -> None:
-        """The one cleanup path of the room on this side (idempotent)."""
-        if not self._open:
-            return
-        last = self.manager.clear_room(self.room)
-        if last is not None:
-            self._status = last
-        self._open = False

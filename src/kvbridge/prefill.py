@@ -36,6 +36,7 @@ from kvbridge.control.bootstrap import (
     PrefillRank,
     register_prefill,
 )
+from kvbridge.control.sglang_dp import force_query, register_dp_rank
 from kvbridge.control.sglang_routes import (
     SGLangBootstrapService,
     SGLangPrefillRank,
@@ -157,6 +158,7 @@ class PrefillManager(RankManager):
         """Join the group at its bootstrap service: kvbridge's registration under a lease
         kept renewed, or sglang's (`PUT /route`, no lease, as sglang's ranks register)."""
         if config.sglang_peers:
+            dp = config.data_parallel
             sglang_rank = SGLangPrefillRank(
                 self.rank,
                 kv_args.attn_tp_size,
@@ -164,6 +166,9 @@ class PrefillManager(RankManager):
                 self.channel.port,
                 kv_args.page_size,
                 sglang_dtype_name(kv_args.dtype),
+                dp.rank,
+                dp.size,
+                dp.follow_bootstrap_room,
             )
             register_sglang_prefill(self.bootstrap_url, sglang_rank, config.bootstrap_timeout_s)
             return
@@ -194,8 +199,23 @@ class PrefillManager(RankManager):
         return KVSender(self, room)
 
     def open_room(self, room: int) -> RoomStatus | None:
-        """Claim a room for a sender (created if new); its status, None if it ended here."""
+        """Claim a room for a sender (created if new); its status, None if it ended here. A
+        DP rank of an SGLang instance that does not follow bootstrap rooms registers the room
+        first, as sglang's sender does (decode asks for it there); a room it cannot register
+        fails at once, with the reason."""
+        dp, forced = self.config.data_parallel, force_query()
+        problem = dp.room_problem(room, forced)
+        if problem is None and dp.registers_rooms(forced):
+            try:
+                register_dp_rank(self.bootstrap_url, room, dp.rank)
+            except Exception as exc:
+                problem = (
+                    f"could not register its DP rank at the SGLang bootstrap "
+                    f"{self.bootstrap_url}: {type(exc).__name__}: {exc}"[:400]
+                )
         self._handle(SenderOpened(room))
+        if problem is not None:
+            self._handle(SenderAborted(room, f"room {room}: {problem}", FailureKind.BOOTSTRAP))
         return self.room_status(room)
 
     def queue_chunk(self, room: int, chunk: Chunk) -> None:

@@ -88,3 +88,33 @@ def test_a_channel_with_sglang_peers_speaks_sglang_and_never_native() -> None:
     finally:
         decode.close()
         prefill.close()
+
+
+def test_what_is_queued_before_close_reaches_the_peer_and_a_gone_one_costs_a_bounded_wait() -> None:
+    # A prefill rank closes right after its rooms succeeded: their statuses must still reach
+    # decode (sglang's decode would otherwise fail them once the bootstrap server is gone).
+    import zmq
+
+    context = zmq.Context()
+    peer = context.socket(zmq.PULL)
+    port = peer.bind_to_random_port("tcp://127.0.0.1")
+    sender = ControlChannel("127.0.0.1", lambda message: None, name="kvbridge-test-closing")
+    sender.start()
+    for sequence in range(1, 4):
+        sender.send(f"tcp://127.0.0.1:{port}", Heartbeat("closing", sequence, 1000))
+    sender.close()
+    try:
+        assert peer.poll(20_000), "nothing queued before close arrived"
+        received = [peer.recv_multipart() for _ in range(3) if peer.poll(20_000)]
+        assert len(received) == 3
+    finally:
+        peer.close(linger=0)
+        context.term()
+    # Nobody listens there: close waits for the message no longer than the linger.
+    lonely = ControlChannel("127.0.0.1", lambda message: None, name="kvbridge-test-lonely")
+    lonely.start()
+    lonely.send(f"tcp://127.0.0.1:{port}", Heartbeat("lonely", 1, 1000))
+    wait_for(lambda: lonely.stats.sent == 1, timeout_s=20)
+    started = time.monotonic()
+    lonely.close()
+    assert time.monotonic() - started < channel_module.CLOSE_LINGER_MS / 1000 + 5

@@ -85,10 +85,14 @@ def run_decode(scenario: Scenario, started: Any, results: Any) -> None:
         time.sleep(0.05)
     scattered = np.random.default_rng(0).permutation(pool).astype(np.int32)
     pages_of = {r: scattered[r * per_room : (r + 1) * per_room] for r in range(scenario.rooms)}
+    dp_ranks = sglang_dp_ranks(manager, address, scenario.rooms, deadline)
+    if len(dp_ranks) < scenario.rooms:
+        results.put({"error": f"DP ranks of rooms {sorted(dp_ranks)} only"})
+        return
     receivers = {}
     for room in range(scenario.rooms):
         receiver = kind("RECEIVER")(mgr=manager, bootstrap_addr=address, bootstrap_room=room)
-        receiver.init(0)
+        receiver.init(dp_ranks[room])
         receiver.send_metadata(
             pages_of[room],
             aux_index=room,
@@ -141,10 +145,30 @@ def run_decode(scenario: Scenario, started: Any, results: Any) -> None:
     time.sleep(1)  # the last statuses and acks are read before the sockets go
 
 
+def sglang_dp_ranks(manager: Any, address: str, rooms: int, deadline: float) -> dict[int, int]:
+    """Each room's prefill DP rank, as sglang's decode scheduler resolves it
+    (`DecodePreallocQueue._resolve_prefill_dp_rank`, then `query_prefill_dp_ranks` for the
+    rest, again while rooms are missing)."""
+    from sglang.srt.disaggregation.common.conn import CommonKVReceiver
+
+    info = manager.prefill_info_table[address]
+    if info.dp_size == 1:
+        return dict.fromkeys(range(rooms), 0)
+    if info.follow_bootstrap_room:
+        return {room: room % info.dp_size for room in range(rooms)}
+    found: dict[int, int] = {}
+    while len(found) < rooms and time.monotonic() < deadline:
+        missing = [room for room in range(rooms) if room not in found]
+        answer = CommonKVReceiver.query_prefill_dp_ranks(address, missing)
+        found.update({int(room): int(rank) for room, rank in answer.items()})
+        time.sleep(POLL_S)
+    return found
+
+
 def run_prefill(scenario: Scenario, decode: Any, started: Any) -> dict[str, Any]:
     """`prefill_tp` kvbridge prefill ranks in this process, each holding its heads of every
     room; sends each room in `chunks` chunks once sglang's decode asked for it."""
-    from kvbridge import KVArgs, KVLayout, KVPoll, ManagerConfig, PrefillManager
+    from kvbridge import DataParallel, KVArgs, KVLayout, KVPoll, ManagerConfig, PrefillManager
     from kvbridge.control.capture import CAPTURE_VARIABLE
 
     if scenario.capture_dir:
@@ -162,8 +186,9 @@ def run_prefill(scenario: Scenario, decode: Any, started: Any) -> dict[str, Any]
         secret=None,
     )
     managers: list[Any] = []
+    ranks = [(dp, rank) for dp in range(scenario.prefill_dp) for rank in range(tp)]
     try:
-        for rank in range(tp):
+        for dp, rank in ranks:
             rank_geometry = Geometry(geometry.layers, heads, geometry.head_dim, geometry.page)
             kv, aux = rank_geometry.buffers(scenario.rooms * per_room, scenario.rooms)
             for room in range(scenario.rooms):
@@ -188,19 +213,30 @@ def run_prefill(scenario: Scenario, decode: Any, started: Any) -> dict[str, Any]
                 state=state,
                 state_dims=mamba.dims(tp) if mamba else (),
             )
+            placed = replace(
+                config,
+                data_parallel=DataParallel(dp, scenario.prefill_dp, scenario.follow_bootstrap_room),
+            )
             rank_config = (
-                replace(config, run_bootstrap=True, bootstrap_port=scenario.bootstrap_port)
-                if rank == 0
-                else replace(config, bootstrap_url=managers[0].bootstrap_url)
+                replace(placed, run_bootstrap=True, bootstrap_port=scenario.bootstrap_port)
+                if not managers
+                else replace(placed, bootstrap_url=managers[0].bootstrap_url)
             )
             managers.append(PrefillManager(args, rank_config))
         decode.start()
+        # Each DP rank opens its own rooms (registering them where sglang's decode asks), as
+        # its scheduler does when a request arrives, before decode may have asked.
+        senders = {
+            room: [
+                manager.sender(room)
+                for (dp, _), manager in zip(ranks, managers, strict=True)
+                if dp == scenario.dp_rank_of(room)
+            ]
+            for room in range(scenario.rooms)
+        }
         if not started.wait(scenario.timeout_s + 60):
             raise SystemExit("sglang's decode did not open its rooms")
         killed_at = time.monotonic()
-        senders = {
-            room: [manager.sender(room) for manager in managers] for room in range(scenario.rooms)
-        }
         sent: set[int] = set()
         failed_after: dict[int, float] = {}
         deadline = time.monotonic() + scenario.timeout_s
@@ -249,15 +285,16 @@ def run_prefill(scenario: Scenario, decode: Any, started: Any) -> dict[str, Any]
         for rank_senders in senders.values():
             for sender in rank_senders:
                 sender.clear()
-        return {
-            "prefill": outcome,
-            "channel": channel_counters(managers),
-            "sent_by_rank": [manager.channel.stats.sent for manager in managers],
-            "ignored": sum(manager.stats.ignored for manager in managers),
-        }
     finally:
         for manager in managers:
             manager.close()
+    # Counted once closed: a room's status may still be leaving when its sender says Success.
+    return {
+        "prefill": outcome,
+        "channel": channel_counters(managers),
+        "sent_by_rank": [manager.channel.stats.sent for manager in managers],
+        "ignored": sum(manager.stats.ignored for manager in managers),
+    }
 
 
 def main() -> None:

@@ -48,6 +48,19 @@ class Scenario(LiveRooms):
     decode_tp: int = 1  # kvbridge decode ranks (sglang's prefill has one)
     bootstrap_port: int = 18999
 
+    def server_args(self) -> dict[str, Any]:
+        """sglang's prefill with DP attention: `prefill_dp` schedulers (processes), each an
+        attention-DP rank of TP 1."""
+        if self.prefill_dp == 1:
+            return {}
+        balance = "follow_bootstrap_room" if self.follow_bootstrap_room else "round_robin"
+        return {
+            "tp_size": self.prefill_dp,
+            "dp_size": self.prefill_dp,
+            "enable_dp_attention": True,
+            "load_balance_method": balance,
+        }
+
 
 def wait_healthy(address: str, timeout_s: float = 30.0) -> None:
     from kvbridge.control.sglang_bootstrap import healthy
@@ -57,9 +70,12 @@ def wait_healthy(address: str, timeout_s: float = 30.0) -> None:
         time.sleep(0.05)
 
 
-def run_prefill(scenario: Scenario, ready: Any, results: Any) -> None:
-    """sglang's prefill: its bootstrap server, manager and one sender per room."""
-    sglang = sglang_role("prefill", scenario.bootstrap_port, scenario.backend)
+def run_prefill(scenario: Scenario, ready: Any, results: Any, dp_rank: int = 0) -> None:
+    """sglang's prefill (its DP rank `dp_rank`): its bootstrap server (on DP rank 0), manager
+    and one sender per room it takes."""
+    sglang = sglang_role(
+        "prefill", scenario.bootstrap_port, scenario.backend, dp_rank, **scenario.server_args()
+    )
     from sglang.srt.disaggregation.base.conn import KVPoll
 
     kind, geometry, per_room = sglang["class"], scenario.geometry, scenario.pages_per_room
@@ -74,7 +90,11 @@ def run_prefill(scenario: Scenario, ready: Any, results: Any) -> None:
         aux[room] = aux_content(room)
         for index, array in enumerate(state or []):
             array[room] = mamba.content(room, index) if mamba else 0
-    bootstrap = kind("BOOTSTRAP_SERVER")(host="127.0.0.1", port=scenario.bootstrap_port)
+    bootstrap = (  # one per instance: with DP rank 0 here
+        kind("BOOTSTRAP_SERVER")(host="127.0.0.1", port=scenario.bootstrap_port)
+        if dp_rank == 0
+        else None
+    )
     wait_healthy(f"127.0.0.1:{scenario.bootstrap_port}")  # before the manager registers there
     manager = kind("MANAGER")(
         sglang_kv_args(kind, geometry, kv, aux, state),
@@ -83,16 +103,18 @@ def run_prefill(scenario: Scenario, ready: Any, results: Any) -> None:
         False,
     )
     address = f"127.0.0.1:{scenario.bootstrap_port}"
-    senders = [
-        kind("SENDER")(mgr=manager, bootstrap_addr=address, bootstrap_room=room)
-        for room in range(scenario.rooms)
-    ]
     ready.set()
+    # Its rooms' senders (each registers its room's DP rank where sglang asks it to).
+    senders = {
+        room: kind("SENDER")(mgr=manager, bootstrap_addr=address, bootstrap_room=room)
+        for room in range(scenario.rooms)
+        if scenario.dp_rank_of(room) == dp_rank
+    }
     started: set[int] = set()
     ended: dict[int, str] = {}
     deadline = time.monotonic() + scenario.timeout_s
     while len(ended) < len(senders) and time.monotonic() < deadline:
-        for room, sender in enumerate(senders):
+        for room, sender in senders.items():
             poll = sender.poll()
             if scenario.kill_prefill:
                 continue  # it waits to be killed, holding every room
@@ -106,7 +128,7 @@ def run_prefill(scenario: Scenario, ready: Any, results: Any) -> None:
             elif poll in (KVPoll.Success, KVPoll.Failed) and room not in ended:
                 ended[room] = "Success" if poll == KVPoll.Success else "Failed"
         time.sleep(POLL_S)
-    results.put({room: ended.get(room, "unfinished") for room in range(scenario.rooms)})
+    results.put({room: ended.get(room, "unfinished") for room in senders})
     time.sleep(2)  # decode reads the last statuses and acks before the sockets go
     del bootstrap
     # sglang's NIXL listener thread is not a daemon: nothing else ends this process.
@@ -254,23 +276,31 @@ def main() -> None:
     for name, value in ENVIRONMENT.items():
         os.environ.setdefault(name, value)
     context = multiprocessing.get_context("spawn")
-    ready, results = context.Event(), context.Queue()
-    prefill = context.Process(target=run_prefill, args=(scenario, ready, results))
-    prefill.start()
+    results = context.Queue()
+    readies = [context.Event() for _ in range(scenario.prefill_dp)]
+    prefills = [
+        context.Process(target=run_prefill, args=(scenario, ready, results, dp_rank))
+        for dp_rank, ready in enumerate(readies)
+    ]
+    for prefill in prefills:
+        prefill.start()
     try:
-        if not ready.wait(120):
+        if not all(ready.wait(120) for ready in readies):
             raise SystemExit("sglang's prefill did not start")
-        report = run_decode(scenario, prefill.kill)
+        report = run_decode(scenario, prefills[0].kill)
         try:
             wait_s = 1 if scenario.kill_prefill else scenario.timeout_s + 30
-            report["prefill"] = results.get(timeout=wait_s)
+            report["prefill"] = {}
+            for _ in prefills:
+                report["prefill"].update(results.get(timeout=wait_s))
         except queue.Empty:
             report["prefill"] = "no report"
 
     finally:
-        prefill.join(timeout=30)
-        if prefill.is_alive():
-            prefill.kill()
+        for prefill in prefills:
+            prefill.join(timeout=30)
+            if prefill.is_alive():
+                prefill.kill()
     print(json.dumps(report))
 
 

@@ -133,6 +133,17 @@ class LiveRooms:
     backend: str = "mooncake"  # sglang's transfer backend, and kvbridge's engine
     capture_dir: str = ""  # kvbridge's side writes every control message here (inspect's files)
     mamba: bool = False  # a hybrid model: every room also moves its Mamba state slot
+    # The prefill side as an instance of this many DP ranks, each taking its own rooms:
+    # following bootstrap rooms a room goes to its number modulo the DP size; otherwise (a
+    # router's round robin) to the rank the test picks — in blocks, not by modulo — which
+    # registers it at the bootstrap for decode to ask.
+    prefill_dp: int = 1
+    follow_bootstrap_room: bool = True
+
+    def dp_rank_of(self, room: int) -> int:
+        if self.follow_bootstrap_room:
+            return room % self.prefill_dp
+        return room * self.prefill_dp // self.rooms
 
     @property
     def state(self) -> MambaState | None:
@@ -152,9 +163,16 @@ def channel_counters(managers: list[Any]) -> dict[str, float]:
     return counters
 
 
-def sglang_role(role: str, bootstrap_port: int, backend: str = "mooncake") -> dict[str, Any]:
+def sglang_role(
+    role: str,
+    bootstrap_port: int,
+    backend: str = "mooncake",
+    world_rank: int = 0,
+    **parallel: Any,
+) -> dict[str, Any]:
     """Import sglang's PD modules and publish a scheduler's server args for `role` over
-    `backend`; the classes by kind (`KVARGS`, `MANAGER`, `SENDER`, `RECEIVER`,
+    `backend` (`parallel`: more server args, e.g. DP attention, for the scheduler at
+    `world_rank`); the classes by kind (`KVARGS`, `MANAGER`, `SENDER`, `RECEIVER`,
     `BOOTSTRAP_SERVER`)."""
     for name, value in ENVIRONMENT.items():
         os.environ.setdefault(name, value)
@@ -180,8 +198,9 @@ def sglang_role(role: str, bootstrap_port: int, backend: str = "mooncake") -> di
         disaggregation_mode=role,
         disaggregation_transfer_backend=backend,
         disaggregation_bootstrap_port=bootstrap_port,
+        **parallel,
     )
-    publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=0, gpu_id=0))
+    publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=world_rank, gpu_id=0))
     get_parallel().override_permanently(pp_group=None)
     if backend == "mooncake":  # sglang's NIXL manager makes its agent itself
         init_mooncake_transfer_engine("127.0.0.1", gpu_id=0, ib_device=None)

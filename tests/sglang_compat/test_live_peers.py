@@ -116,6 +116,26 @@ def test_a_hybrid_models_mamba_state_comes_from_sglangs_prefill(decode_tp: int) 
     assert set(report["prefill"].values()) == {"Success"}
 
 
+@pytest.mark.parametrize(
+    ("backend", "follow_bootstrap_room"),
+    [("mooncake", True), ("mooncake", False), ("nixl", False)],
+)
+def test_a_kvbridge_decode_finds_the_dp_rank_of_sglangs_prefill_that_took_each_room(
+    backend: str, follow_bootstrap_room: bool
+) -> None:
+    # sglang's prefill with DP attention: two schedulers, each an attention-DP rank of TP 1
+    # taking its own rooms. Following bootstrap rooms, decode takes the room's number modulo
+    # 2; with round robin the rank that took a room registers it and decode asks sglang's
+    # bootstrap (`POST /query_dp_ranks`), before that rank may have opened it. Rooms go in
+    # blocks there (0-2 to DP 0, 3-4 to DP 1): the modulo would ask the wrong rank.
+    report = scenario(
+        rooms=5, prefill_dp=2, follow_bootstrap_room=follow_bootstrap_room, backend=backend
+    )
+    assert {room["poll"] for room in report["decode"].values()} == {"Success"}
+    assert report["verified"] == 5
+    assert report["prefill"] == {str(room): "Success" for room in range(5)}
+
+
 def sglang_decode(**spec: Any) -> dict[str, Any]:
     return scenario("live_sglang_decode.py", **spec)
 
@@ -146,6 +166,30 @@ def test_sglangs_decode_gets_a_hybrid_models_mamba_state_from_kvbridge(prefill_t
     report = sglang_decode(rooms=3, mamba=True, prefill_tp=prefill_tp)
     assert set(report["decode"].values()) == {"Success"}
     assert report["verified"] == 3
+    assert {room["poll"] for room in report["prefill"].values()} == {"Success"}
+
+
+@pytest.mark.parametrize(
+    ("backend", "follow_bootstrap_room", "prefill_tp"),
+    [("mooncake", True, 1), ("mooncake", False, 1), ("nixl", False, 2)],
+)
+def test_sglangs_decode_finds_the_kvbridge_prefill_dp_rank_that_took_each_room(
+    backend: str, follow_bootstrap_room: bool, prefill_tp: int
+) -> None:
+    # kvbridge prefill ranks as an SGLang instance with two DP ranks (`DataParallel`), each
+    # taking its own rooms. sglang's decode reads the instance from kvbridge's bootstrap and
+    # resolves each room's DP rank as its scheduler does: modulo 2, or asking
+    # (`query_prefill_dp_ranks`) where each rank registered its rooms — in blocks (0-2 to DP
+    # 0, 3-4 to DP 1), so the modulo would ask the wrong rank.
+    report = sglang_decode(
+        rooms=5,
+        prefill_dp=2,
+        prefill_tp=prefill_tp,
+        follow_bootstrap_room=follow_bootstrap_room,
+        backend=backend,
+    )
+    assert set(report["decode"].values()) == {"Success"}
+    assert report["verified"] == 5
     assert {room["poll"] for room in report["prefill"].values()} == {"Success"}
 
 

@@ -344,7 +344,7 @@ def test_a_mamba_state_an_sglang_prefill_cannot_move_is_refused_before_registeri
 
 
 def group(page_size: int, dtype: str, tp: int = 1) -> SGLangPrefillGroup:
-    return SGLangPrefillGroup("h:1", tp, page_size, dtype, ENDPOINTS[:tp])
+    return SGLangPrefillGroup("h:1", tp, page_size, dtype, (tuple(ENDPOINTS[:tp]),))
 
 
 @pytest.mark.parametrize(

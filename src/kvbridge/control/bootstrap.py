@@ -42,6 +42,10 @@ from kvbridge.wire.address import host_problem
 from kvbridge.wire.native import VERSION
 
 MAX_BODY = 4 * 1024  # a registration is ~100 bytes
+# sglang's decode asks for every pending room's DP rank in one body (`/query_dp_ranks`): up
+# to ~10k rooms of 20 digits. Only that route takes such a body.
+MAX_QUERY_BODY = 256 * 1024
+LARGE_BODY_ROUTES = ("/query_dp_ranks",)
 MAX_ATTN_TP = 4096
 MAX_ENGINE_NAME = 64
 LEASE_S = 10.0
@@ -302,19 +306,20 @@ async def _read_request(
             name, _, value = line.partition(":")
             headers[name.strip().lower()] = value.strip()
     body = b""
-    if parts[0] in ("PUT", "DELETE"):
+    if parts[0] in ("PUT", "POST", "DELETE"):
         try:
             length = int(headers.get("content-length", "0"))
         except ValueError:
             length = -1
-        if length > MAX_BODY:
+        largest = MAX_QUERY_BODY if parts[1].partition("?")[0] in LARGE_BODY_ROUTES else MAX_BODY
+        if length > largest:
             raise _BadRequest(
                 HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
-                f"body of {length} bytes (1 to {MAX_BODY} accepted)",
+                f"body of {length} bytes (1 to {largest} accepted)",
             )
         if length < 1:
             raise _BadRequest(
-                HTTPStatus.BAD_REQUEST, f"body of {length} bytes (1 to {MAX_BODY} accepted)"
+                HTTPStatus.BAD_REQUEST, f"body of {length} bytes (1 to {largest} accepted)"
             )
         try:
             body = await reader.readexactly(length)

@@ -55,6 +55,10 @@ PEER_IDLE_S = 60.0
 # Loop iterations in a row that fail outside any one message before the channel gives up.
 MAX_LOOP_FAILURES = 100
 CLOSE_TIMEOUT_S = 5.0
+# How long, at close, messages already decided (a room's status, an abort's ack) may take to
+# leave: a rank that closes right after its rooms succeeded still tells decode so, and a peer
+# that is gone costs the close no more than this (`Context.term` waits for it).
+CLOSE_LINGER_MS = 500
 # The largest frame a peer may send (ZMQ_MAXMSGSIZE, checked per frame): ZMQ disconnects a peer
 # whose frame is larger as soon as its length arrives, before holding any of it (a single 512
 # MiB frame from a peer that never registered grew a rank by 512 MiB before it was dropped as
@@ -212,11 +216,20 @@ class ControlChannel:
             self.failure = exc
             log.exception("control channel stopped")
         finally:
-            for socket, _ in self._push.values():
-                socket.close(linger=0)
-            self._push.clear()
+            self._last_flush()
             self._pull.close(linger=0)
             self._close_wake()
+
+    def _last_flush(self) -> None:
+        """Send what is queued and let the peer sockets linger for it (`CLOSE_LINGER_MS`)."""
+        if self.failure is None:  # a loop that broke on ZMQ sends nothing more
+            try:
+                self._flush()
+            except Exception:
+                log.exception("could not send the last queued control messages")
+        for socket, _ in self._push.values():
+            socket.close(linger=CLOSE_LINGER_MS if self.failure is None else 0)
+        self._push.clear()
 
     def _receive(self) -> None:
         for _ in range(MAX_RECEIVE_BATCH):
@@ -360,9 +373,10 @@ class ControlChannel:
         return len(self._push)
 
     def close(self) -> None:
-        """Stop the loop and release every socket, in bounded time: a loop that does not stop
-        is left to die with the process rather than hanging here (`Context.term` waits for
-        every socket, and the loop's sockets are only its own to close)."""
+        """Stop the loop and release every socket, in bounded time (what was queued first
+        leaves, `CLOSE_LINGER_MS` at most): a loop that does not stop is left to die with the
+        process rather than hanging here (`Context.term` waits for every socket, and the
+        loop's sockets are only its own to close)."""
         self._stop.set()
         self._wake()
         if self._thread.is_alive():

@@ -1,8 +1,10 @@
 """sglang 0.5.23's bootstrap service, as a decode rank asks it (`CommonKVBootstrapServer`,
 `disaggregation/common/conn.py`): `GET /route` with every rank field -1 for the prefill
 group's settings (503 until every prefill rank registered), then once per prefill rank for its
-control endpoint. An SGLang bootstrap address is `host:port`, without a scheme. Its
-`GET /health` is how a decode rank knows the group is alive (`HealthPoller`)."""
+control endpoint (of every data-parallel rank). An SGLang bootstrap address is `host:port`,
+without a scheme. Its `GET /health` is how a decode rank knows the group is alive
+(`HealthPoller`); which DP rank prefills a room is `SGLangPrefillGroup.dp_rank_of`'s, or asked
+(control/sglang_dp.py)."""
 
 from __future__ import annotations
 
@@ -32,15 +34,52 @@ GROUP_FIELDS = {
 RETRY_S = 0.2
 
 
+MAX_DP_SIZE = 1024
+MAX_GROUP_RANKS = 4096  # DP × attention TP: a decode rank asks each rank's route once
+
+
 @dataclass(frozen=True)
 class SGLangPrefillGroup:
-    """An SGLang prefill group as one decode rank uses it (data-parallel rank 0)."""
+    """An SGLang prefill group as one decode rank uses it: its attention-TP ranks, once per
+    data-parallel rank."""
 
     address: str  # host:port of its bootstrap service
     attn_tp_size: int
     page_size: int
     kv_cache_dtype: str
-    endpoints: tuple[str, ...]  # control endpoint of each attention-TP rank
+    endpoints: tuple[tuple[str, ...], ...]  # [DP rank][attention-TP rank]: control endpoint
+    # Whether a room's DP rank is its number modulo the DP size (sglang's default load
+    # balancing); otherwise the prefill rank that took the room registers it.
+    follow_bootstrap_room: bool = True
+
+    @property
+    def dp_size(self) -> int:
+        return len(self.endpoints)
+
+    @property
+    def every_endpoint(self) -> tuple[str, ...]:
+        return tuple(endpoint for ranks in self.endpoints for endpoint in ranks)
+
+    def dp_rank_of(
+        self, room: int, given: int | None = None, force_query: bool = False
+    ) -> int | None:
+        """Which DP rank prefills `room`, as sglang's decode decides it
+        (`_resolve_prefill_dp_rank`): the one the caller was given, the only one, the room
+        modulo the DP size where the group follows bootstrap rooms (and `force_query`, sglang's
+        switch for mixed routing, is off); None: ask the bootstrap service (`POST
+        /query_dp_ranks`). ValueError for a given rank outside the group."""
+        if given is not None:
+            if not 0 <= given < self.dp_size:
+                raise ValueError(
+                    f"prefill DP rank {given}: the SGLang group at {self.address} has "
+                    f"{self.dp_size}"
+                )
+            return given
+        if self.dp_size == 1:
+            return 0
+        if self.follow_bootstrap_room and not force_query:
+            return room % self.dp_size
+        return None
 
 
 def base_url(address: str) -> str:
@@ -78,14 +117,23 @@ def parse_group(address: str, document: Any) -> dict[str, Any]:
         if not isinstance(value, kind) or isinstance(value, bool):
             raise ValueError(f"{name} must be a {kind.__name__}, got {value!r}")
         settings[name] = value
-    for name in ("attn_cp_size", "dp_size", "pp_size"):
+    for name in ("attn_cp_size", "pp_size"):
         if settings[name] != 1:
             raise ValueError(
                 f"the prefill group has {name} {settings[name]}: kvbridge's SGLang mode maps "
-                "attention TP only (no prefill context, data or pipeline parallelism yet)"
+                "attention TP and DP only (no prefill context or pipeline parallelism yet)"
             )
-    if not 1 <= settings["attn_tp_size"] <= 1024 or settings["page_size"] < 1:
-        raise ValueError(f"attn_tp_size / page_size out of range: {settings}")
+    if (
+        not 1 <= settings["attn_tp_size"] <= 1024
+        or not 1 <= settings["dp_size"] <= MAX_DP_SIZE
+        or settings["page_size"] < 1
+        or settings["attn_tp_size"] * settings["dp_size"] > MAX_GROUP_RANKS
+    ):
+        raise ValueError(f"attn_tp_size / dp_size / page_size out of range: {settings}")
+    follow = document.get("follow_bootstrap_room", True)
+    if not isinstance(follow, bool):
+        raise ValueError(f"follow_bootstrap_room must be a bool, got {follow!r}"[:200])
+    settings["follow_bootstrap_room"] = follow
     # What sglang's own decode refuses, or would read otherwise than this rank asks.
     policy = document.get("decode_allocation_policy", "early")
     if policy != "early":
@@ -140,31 +188,32 @@ def lookup_sglang_group(address: str, timeout_s: float = 30.0) -> SGLangPrefillG
         settings = parse_group(address, document)
     except ValueError as exc:
         raise BootstrapError(f"SGLang bootstrap {address}: {exc}") from None
-    endpoints = []
-    for rank in range(settings["attn_tp_size"]):
-        try:
-            status, answer = _get(_route(address, 0, 0, rank, 0), 5.0)
-        except Exception as exc:
-            raise BootstrapError(
-                f"SGLang bootstrap {address}: prefill rank {rank}: {exc}"
-            ) from None
-        if status != HTTPStatus.OK:
-            raise BootstrapError(
-                f"SGLang bootstrap {address}: prefill rank {rank}: {status} {answer}"
-            )
-        try:
-            endpoints.append(parse_rank(answer))
-        except ValueError as exc:
-            raise BootstrapError(
-                f"SGLang bootstrap {address}: prefill rank {rank}: {exc}"
-            ) from None
+    endpoints = tuple(
+        tuple(_rank_endpoint(address, dp, rank) for rank in range(settings["attn_tp_size"]))
+        for dp in range(settings["dp_size"])
+    )
     return SGLangPrefillGroup(
         address,
         settings["attn_tp_size"],
         settings["page_size"],
         settings["kv_cache_dtype"],
-        tuple(endpoints),
+        endpoints,
+        settings["follow_bootstrap_room"],
     )
+
+
+def _rank_endpoint(address: str, dp: int, rank: int) -> str:
+    name = f"prefill rank {rank}" if dp == 0 else f"prefill DP {dp} rank {rank}"
+    try:
+        status, answer = _get(_route(address, dp, 0, rank, 0), 5.0)
+    except Exception as exc:
+        raise BootstrapError(f"SGLang bootstrap {address}: {name}: {exc}") from None
+    if status != HTTPStatus.OK:
+        raise BootstrapError(f"SGLang bootstrap {address}: {name}: {status} {answer}")
+    try:
+        return parse_rank(answer)
+    except ValueError as exc:
+        raise BootstrapError(f"SGLang bootstrap {address}: {name}: {exc}") from None
 
 
 def healthy(address: str, timeout_s: float) -> bool:
@@ -202,7 +251,7 @@ class HealthPoller:
         while not self._stop.wait(self._interval_s):
             for group in self._groups():
                 if healthy(group.address, timeout_s):
-                    self._on_answer(group.endpoints)
+                    self._on_answer(group.every_endpoint)
 
     def close(self) -> None:
         self._stop.set()

@@ -6,8 +6,10 @@ A prefill rank registers with `PUT /route` (sglang's JSON keys); a decode asks `
 with every rank field -1 for the group's settings — sglang's `PrefillServerInfo`, its keys
 exactly (sglang's decode builds the dataclass from them and fails on any other) — answered 503
 until every rank registered, then once per rank for its control endpoint; `GET /health` answers
-200 while the service runs, as sglang's does. Only attention TP is served (one data-parallel,
-context-parallel and pipeline rank), as kvbridge's SGLang mode maps no other. Stricter than
+200 while the service runs, as sglang's does. Attention TP and data parallelism are served (one
+context-parallel and pipeline rank), as kvbridge's SGLang mode maps no other; a group that does
+not follow bootstrap rooms has each room's DP rank registered (`POST /register_dp_rank`) and
+asked (`POST /query_dp_ranks`), kept as sglang keeps them (`RoomDPRanks`). Stricter than
 sglang: a rank whose group settings differ from the first rank's is refused (409) rather than
 ignored, and a restarted rank's second registration replaces its first instead of counting
 twice. Pure: a request in, a `Reply` out.
@@ -25,11 +27,16 @@ from http import HTTPStatus
 from typing import Any
 
 from kvbridge.control.bootstrap import BootstrapError, BootstrapService, Reply
-from kvbridge.control.sglang_bootstrap import RETRY_S, base_url
+from kvbridge.control.sglang_bootstrap import MAX_DP_SIZE, MAX_GROUP_RANKS, RETRY_S, base_url
+from kvbridge.control.sglang_dp import RoomDPRanks
 from kvbridge.wire.address import host_problem
 
 ROUTE_QUERY = ("prefill_dp_rank", "prefill_cp_rank", "target_tp_rank", "target_pp_rank")
 MAX_ATTN_TP = 1024
+# sglang's load_balance_method that makes a room's DP rank its number modulo the DP size; any
+# other (round_robin, ...) has the rank that took the room register it.
+FOLLOW_ROOMS = "follow_bootstrap_room"
+ROUTES = ("/route", "/health", "/register_dp_rank", "/query_dp_ranks")
 
 
 @dataclass(frozen=True)
@@ -43,25 +50,36 @@ class SGLangPrefillRank:
     rank_port: int
     page_size: int
     kv_cache_dtype: str
+    attn_dp_rank: int = 0
+    attn_dp_size: int = 1
+    follow_bootstrap_room: bool = True
 
     def document(self) -> dict[str, Any]:
-        """The `PUT /route` body, as sglang's `register_to_bootstrap` sends it."""
+        """The `PUT /route` body, as sglang's `register_to_bootstrap` sends it (data
+        parallelism as DP attention's: one system DP rank)."""
+        document = asdict(self)
+        follow = document.pop("follow_bootstrap_room")
         return {
-            **asdict(self),
+            **document,
             "attn_cp_size": 1,
             "attn_cp_rank": 0,
-            "attn_dp_size": 1,
-            "attn_dp_rank": 0,
             "pp_size": 1,
             "pp_rank": 0,
             "system_dp_size": 1,
             "system_dp_rank": 0,
+            "load_balance_method": FOLLOW_ROOMS if follow else "round_robin",
         }
 
     @property
-    def group(self) -> tuple[int, int, str]:
+    def group(self) -> tuple[int, int, int, str, bool]:
         """What every rank of one group has alike."""
-        return self.attn_tp_size, self.page_size, self.kv_cache_dtype
+        return (
+            self.attn_tp_size,
+            self.attn_dp_size,
+            self.page_size,
+            self.kv_cache_dtype,
+            self.follow_bootstrap_room,
+        )
 
     @staticmethod
     def parse(document: Any) -> SGLangPrefillRank:
@@ -70,12 +88,24 @@ class SGLangPrefillRank:
             raise ValueError("a registration is a JSON object")
         ints = {}
         for name in ("attn_tp_rank", "attn_tp_size", "rank_port", "page_size"):
-            value = document.get(name)
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise ValueError(f"{name} must be an integer, got {value!r}"[:200])
-            ints[name] = value
+            ints[name] = _integer(document, name)
+        for name in ("attn_dp_rank", "system_dp_rank"):
+            ints[name] = _integer(document, name, 0)
+        for name in ("attn_dp_size", "system_dp_size"):
+            ints[name] = _integer(document, name, 1)
         if not 0 <= ints["attn_tp_rank"] < ints["attn_tp_size"] <= MAX_ATTN_TP:
             raise ValueError(f"attn_tp_rank {ints['attn_tp_rank']} of {ints['attn_tp_size']}")
+        # sglang's server: the DP group is the attention DP rank with one system DP rank,
+        # else the system DP rank.
+        system = ints["system_dp_size"] != 1
+        dp_rank = ints["system_dp_rank" if system else "attn_dp_rank"]
+        dp_size = ints["system_dp_size" if system else "attn_dp_size"]
+        if not 0 <= dp_rank < dp_size <= MAX_DP_SIZE:
+            raise ValueError(f"DP rank {dp_rank} of {dp_size}")
+        if dp_size * ints["attn_tp_size"] > MAX_GROUP_RANKS:
+            raise ValueError(
+                f"DP {dp_size} × TP {ints['attn_tp_size']}: over {MAX_GROUP_RANKS} ranks"
+            )
         if not 0 < ints["rank_port"] < 65536 or ints["page_size"] < 1:
             raise ValueError(f"rank_port / page_size out of range: {ints}")
         host, dtype = document.get("rank_ip"), document.get("kv_cache_dtype")
@@ -83,11 +113,16 @@ class SGLangPrefillRank:
             raise ValueError(f"rank_ip {str(host)[:100]!r} is not a host")
         if not isinstance(dtype, str) or not 0 < len(dtype) <= 32:
             raise ValueError(f"kv_cache_dtype {str(dtype)[:100]!r} is not a dtype name")
-        for name in ("attn_cp_size", "attn_dp_size", "pp_size", "system_dp_size"):
+        for name in ("attn_cp_size", "pp_size"):
             if document.get(name, 1) != 1:
-                raise ValueError(f"{name} {document.get(name)!r}: only attention TP is served")
+                raise ValueError(
+                    f"{name} {document.get(name)!r}: only attention TP and DP are served"
+                )
         if document.get("decode_allocation_policy", "early") != "early":
             raise ValueError("only decode_allocation_policy 'early' is served")
+        balance = document.get("load_balance_method", FOLLOW_ROOMS)
+        if not isinstance(balance, str):
+            raise ValueError(f"load_balance_method {str(balance)[:100]!r} is not a name")
         return SGLangPrefillRank(
             ints["attn_tp_rank"],
             ints["attn_tp_size"],
@@ -95,7 +130,17 @@ class SGLangPrefillRank:
             ints["rank_port"],
             ints["page_size"],
             dtype,
+            dp_rank,
+            dp_size,
+            balance == FOLLOW_ROOMS,
         )
+
+
+def _integer(document: dict[str, Any], name: str, default: int | None = None) -> int:
+    value = document.get(name, default)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{name} must be an integer, got {value!r}"[:200])
+    return value
 
 
 def server_info(rank: SGLangPrefillRank) -> dict[str, Any]:
@@ -104,11 +149,11 @@ def server_info(rank: SGLangPrefillRank) -> dict[str, Any]:
     return {
         "attn_tp_size": rank.attn_tp_size,
         "attn_cp_size": 1,
-        "dp_size": 1,
+        "dp_size": rank.attn_dp_size,
         "pp_size": 1,
         "page_size": rank.page_size,
         "kv_cache_dtype": rank.kv_cache_dtype,
-        "follow_bootstrap_room": True,
+        "follow_bootstrap_room": rank.follow_bootstrap_room,
         "enable_dsa_cache_layer_split": False,
         "decode_allocation_policy": "early",
         "enable_kv_cache_sharding": False,
@@ -126,19 +171,25 @@ class SGLangRoutes:
     """The prefill group's table and sglang's answers about it."""
 
     def __init__(self) -> None:
-        self.ranks: dict[int, SGLangPrefillRank] = {}
+        self.ranks: dict[tuple[int, int], SGLangPrefillRank] = {}  # by (DP rank, TP rank)
+        self.rooms = RoomDPRanks()
 
     @property
     def complete(self) -> bool:
         first = next(iter(self.ranks.values()), None)
-        return first is not None and len(self.ranks) == first.attn_tp_size
+        return first is not None and len(self.ranks) == first.attn_tp_size * first.attn_dp_size
 
-    def handle(self, method: str, path: str, body: bytes) -> Reply:
+    def handle(self, method: str, path: str, body: bytes, now: float) -> Reply:
         route, _, query = path.partition("?")
         if route == "/health":
             if method != "GET":
                 return Reply(HTTPStatus.METHOD_NOT_ALLOWED, {"error": "GET /health only"})
             return Reply(HTTPStatus.OK, {"status": "ok", "registered": len(self.ranks)})
+        if route in ("/register_dp_rank", "/query_dp_ranks"):
+            if method != "POST":
+                return Reply(HTTPStatus.METHOD_NOT_ALLOWED, {"error": f"POST {route} only"})
+            first = next(iter(self.ranks.values()), None)
+            return self.rooms.handle(route, body, now, first.attn_dp_size if first else MAX_DP_SIZE)
         if method == "PUT":
             return self._register(body)
         if method == "GET":
@@ -155,11 +206,12 @@ class SGLangRoutes:
             return Reply(
                 HTTPStatus.CONFLICT,
                 {
-                    "error": f"prefill rank {rank.attn_tp_rank} has (attn_tp_size, page_size, "
-                    f"kv_cache_dtype) {rank.group}, the group {first.group}"
+                    "error": f"prefill rank {rank.attn_tp_rank} has (attn_tp_size, "
+                    "dp_size, page_size, kv_cache_dtype, follow_bootstrap_room) "
+                    f"{rank.group}, the group {first.group}"
                 },
             )
-        self.ranks[rank.attn_tp_rank] = rank
+        self.ranks[rank.attn_dp_rank, rank.attn_tp_rank] = rank
         return Reply(HTTPStatus.OK, {"registered": asdict(rank)})
 
     def _lookup(self, query: dict[str, list[str]]) -> Reply:
@@ -176,7 +228,7 @@ class SGLangRoutes:
             )
         if (dp, cp, tp, pp) == (-1, -1, -1, -1):
             return Reply(HTTPStatus.OK, server_info(next(iter(self.ranks.values()))))
-        rank = self.ranks.get(tp) if (dp, cp, pp) == (0, 0, 0) else None
+        rank = self.ranks.get((dp, tp)) if (cp, pp) == (0, 0) else None
         if rank is None:
             return Reply(
                 HTTPStatus.NOT_FOUND, {"error": f"no prefill rank dp {dp} cp {cp} tp {tp} pp {pp}"}
@@ -216,8 +268,8 @@ def register_sglang_prefill(address: str, rank: SGLangPrefillRank, timeout_s: fl
 
 
 class SGLangBootstrapService(BootstrapService):
-    """kvbridge's bootstrap service answering sglang's routes (`/route`, `/health`) instead of
-    its own; no secret (sglang's decode sends no token)."""
+    """kvbridge's bootstrap service answering sglang's routes (`ROUTES`) instead of its own;
+    no secret (sglang's decode sends no token)."""
 
     def __init__(self) -> None:
         super().__init__(secret=None)
@@ -232,6 +284,6 @@ class SGLangBootstrapService(BootstrapService):
         client: str,
         now: float,
     ) -> Reply:
-        if path.partition("?")[0] not in ("/route", "/health"):
+        if path.partition("?")[0] not in ROUTES:
             return Reply(HTTPStatus.NOT_FOUND, {"error": f"no route {method} {path[:100]}"})
-        return self.routes.handle(method, path, body)
+        return self.routes.handle(method, path, body, now)

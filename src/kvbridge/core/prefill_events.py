@@ -15,7 +15,7 @@ from kvbridge.cache import KVArgs
 from kvbridge.cache.plan import Pairing
 from kvbridge.core.protocol import RankStats, RoomsChanged, Send
 from kvbridge.core.room import Chunk, ChunkJob, Failure
-from kvbridge.wire import ChunkReady
+from kvbridge.wire import ChunkReady, FailureKind
 
 JobKey = tuple[int, int, str]  # room, chunk index, decode peer id
 
@@ -118,8 +118,11 @@ class ChunkSubmitted:
 
 @dataclass(frozen=True)
 class SenderAborted:
+    """The scheduler gave the room up (ABORTED), or its manager found it cannot go on."""
+
     room: int
     reason: str
+    kind: FailureKind = FailureKind.ABORTED
 
 
 @dataclass(frozen=True)

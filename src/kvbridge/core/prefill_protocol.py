@@ -256,7 +256,10 @@ class PrefillProtocol(ProtocolCore):
         state = self.rooms.get(event.room)
         if state is None:
             return []
-        failure = Failure(FailureKind.ABORTED, f"aborted by prefill: {event.reason}")
+        reason = event.reason
+        if event.kind == FailureKind.ABORTED:
+            reason = f"aborted by prefill: {reason}"
+        failure = Failure(event.kind, reason)
         return self.room_table.fail(state, failure)
 
     def _on_sender_cleared(self, event: SenderCleared, now: float) -> list[Action]:
