@@ -17,6 +17,7 @@ scatter thread copies staged chunks from the ring into pages.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import logging
 import os
@@ -48,6 +49,7 @@ from kvbridge.core.decode_events import (
     RoomCleared,
     RoomOpened,
     ScatterChunk,
+    WriteAux,
 )
 from kvbridge.core.decode_protocol import FENCE_MARGIN_S, DecodeProtocol
 from kvbridge.core.decode_sglang import SGLangMooncakePeer, SGLangNixlPeer
@@ -58,6 +60,7 @@ from kvbridge.decode_scatter import ScatterThread
 from kvbridge.runtime import RankManager, RankRuntime
 from kvbridge.wire import KVPoll, Message
 from kvbridge.wire.address import tcp_endpoint
+from kvbridge.wire.messages import MemoryKind
 from kvbridge.wire.notifications import COMPLETING_NOTIFICATIONS
 
 log = logging.getLogger("kvbridge.decode")
@@ -112,6 +115,8 @@ class DecodeManager(RankManager):
                 staging_bytes=ring.length if ring is not None else None,
                 transfer_timeout_s=config.transfer_timeout_s,
                 engine_notifies=self.engine.delivers_notifications,
+                aux_geometry=tuple((aux.item_len, aux.num_items) for aux in kv_args.aux_buffers),
+                aux_in_host_memory=kv_args.memory_kind == MemoryKind.DRAM,
             )
         )
         self.stats: DecodeStats = self.protocol.stats
@@ -153,6 +158,9 @@ class DecodeManager(RankManager):
             self._scatters.put(action)
         elif isinstance(action, ForgetPrefill):
             self._forget_groups(action.endpoint)
+        elif isinstance(action, WriteAux):
+            aux = self.kv_args.aux_buffers[action.buffer_index]
+            ctypes.memmove(aux.ptr + action.slot * aux.item_len, action.data, len(action.data))
 
     def _counters(self) -> dict[str, float]:
         return {

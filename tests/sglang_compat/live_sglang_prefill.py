@@ -47,6 +47,8 @@ class Scenario(LiveRooms):
     kill_prefill: bool = False
     decode_tp: int = 1  # kvbridge decode ranks (sglang's prefill has one)
     bootstrap_port: int = 18999
+    # sglang's prefill sends each room's aux slot over ZMQ (SGLANG_MOONCAKE_SEND_AUX_TCP)
+    aux_over_zmq: bool = False
 
     def server_args(self) -> dict[str, Any]:
         """sglang's prefill with DP attention: `prefill_dp` schedulers (processes), each an
@@ -73,6 +75,8 @@ def wait_healthy(address: str, timeout_s: float = 30.0) -> None:
 def run_prefill(scenario: Scenario, ready: Any, results: Any, dp_rank: int = 0) -> None:
     """sglang's prefill (its DP rank `dp_rank`): its bootstrap server (on DP rank 0), manager
     and one sender per room it takes."""
+    if scenario.aux_over_zmq:
+        os.environ["SGLANG_MOONCAKE_SEND_AUX_TCP"] = "1"
     sglang = sglang_role(
         "prefill", scenario.bootstrap_port, scenario.backend, dp_rank, **scenario.server_args()
     )

@@ -116,6 +116,17 @@ def test_a_hybrid_models_mamba_state_comes_from_sglangs_prefill(decode_tp: int) 
     assert set(report["prefill"].values()) == {"Success"}
 
 
+@pytest.mark.parametrize("decode_tp", [1, 2])
+def test_aux_slots_sglangs_prefill_sends_over_zmq_land_in_the_slots_asked(decode_tp: int) -> None:
+    # SGLANG_MOONCAKE_SEND_AUX_TCP: sglang's prefill sends each room's aux slot as an AUX_DATA
+    # message to every decode rank it writes, before its status; each rank copies it into the
+    # slot its room asked for (checked with the KV).
+    report = scenario(rooms=4, aux_over_zmq=True, decode_tp=decode_tp)
+    assert {room["poll"] for room in report["decode"].values()} == {"Success"}
+    assert report["verified"] == 4
+    assert report["channel"]["received"] >= 8 * decode_tp  # an AUX_DATA and a status per room
+
+
 @pytest.mark.parametrize(
     ("backend", "follow_bootstrap_room"),
     [("mooncake", True), ("mooncake", False), ("nixl", False)],

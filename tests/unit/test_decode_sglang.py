@@ -30,6 +30,7 @@ from kvbridge.core.decode_events import (
     Registering,
     RoomAborted,
     RoomOpened,
+    WriteAux,
 )
 from kvbridge.core.decode_protocol import DecodeProtocol
 from kvbridge.core.decode_sglang import ABORT_RELEASE_S, SGLangMooncakePeer
@@ -258,13 +259,49 @@ def test_configurations_that_cannot_talk_to_sglang_are_refused_at_start() -> Non
     assert ManagerConfig(engine="nixl", peer_protocol="sglang", secret=None).sglang_peers
 
 
-def test_aux_sent_over_zmq_fails_the_room_rather_than_leave_its_aux_slot_stale() -> None:
-    core = protocol()
+def aux_protocol(host_memory: bool = True) -> DecodeProtocol:
+    """A rank with one aux buffer of 8 slots of 64 bytes."""
+    return DecodeProtocol(
+        dataclasses.replace(
+            protocol().settings, aux_geometry=((64, 8),), aux_in_host_memory=host_memory
+        )
+    )
+
+
+def test_aux_sent_over_zmq_is_copied_into_the_slot_the_room_asked() -> None:
+    # SGLANG_MOONCAKE_SEND_AUX_TCP: the slot comes before the status, on the same socket.
+    core = aux_protocol()
     opened(core, 1, KVLayout.MHA)
-    actions = core.handle(common.AuxData.of(7, 0, 5, b"x" * 64), 2.0)
+    [write] = core.handle(common.AuxData.of(7, 0, 5, b"x" * 64), 2.0)
+    assert write == WriteAux(0, 5, b"x" * 64)
+    assert core.room_status(7).poll == KVPoll.Transferring
+    # Into another slot, or for a room not open here: nothing is written.
+    assert core.handle(common.AuxData.of(7, 0, 4, b"x" * 64), 2.0) == []
+    assert core.handle(common.AuxData.of(8, 0, 5, b"x" * 64), 2.0) == []
+    assert core.stats.ignored == 2
+    core.handle(status(7, 0, KVPoll.Success), 2.1)
+    assert core.room_status(7).poll == KVPoll.Success
+    assert core.handle(common.AuxData.of(7, 0, 5, b"y" * 64), 2.2) == []  # ended: not again
+
+
+@pytest.mark.parametrize(
+    ("host_memory", "message", "problem"),
+    [
+        (True, common.AuxData.of(7, 0, 5, b"x" * 63), "of 63 bytes for a slot of 64"),
+        (True, common.AuxData.of(7, 1, 5, b"x" * 64), "for aux buffer 1; this rank has 1"),
+        (False, common.AuxData.of(7, 0, 5, b"x" * 64), "GPU memory"),
+    ],
+)
+def test_aux_over_zmq_that_cannot_be_taken_fails_the_room_rather_than_leave_it_stale(
+    host_memory: bool, message: common.AuxData, problem: str
+) -> None:
+    core = aux_protocol(host_memory)
+    opened(core, 1, KVLayout.MHA)
+    actions = core.handle(message, 2.0)
     room = core.room_status(7)
     assert room.poll == KVPoll.Failed
     assert room.failure_kind == FailureKind.INCOMPATIBLE
+    assert problem in str(room.failure_reason)
     assert [type(s.message) for s in sends(actions)] == [common.AbortNotification]
 
 

@@ -43,7 +43,17 @@ class ForgetPrefill:
     endpoint: str
 
 
-Action = Send | ScatterChunk | ForgetPrefill | RoomsChanged
+@dataclass(frozen=True)
+class WriteAux:
+    """Copy an aux slot's bytes that came in a message (SGLang's AUX_DATA) into aux buffer
+    `buffer_index`, slot `slot`: checked against the rank's aux geometry before it is asked."""
+
+    buffer_index: int
+    slot: int
+    data: bytes
+
+
+Action = Send | ScatterChunk | ForgetPrefill | WriteAux | RoomsChanged
 
 
 # --- local events: what the scheduler, the scatter thread and the clock report -------------
@@ -145,6 +155,10 @@ class DecodeSettings:
     transfer_timeout_s: float = 300.0  # a room's deadline, from when it opens
     # The engine delivers a write's notification (NIXL): a room waits for its sources' last.
     engine_notifies: bool = False
+    # Per aux buffer (bytes per slot, slots), and whether they lie in host memory: where an
+    # aux slot that arrives in a message (SGLang's AUX_DATA) may be copied.
+    aux_geometry: tuple[tuple[int, int], ...] = ()
+    aux_in_host_memory: bool = True
 
     @property
     def lease_ms(self) -> int:

@@ -73,6 +73,7 @@ def opened_room(
         sources=sources,
         endpoints=dict(event.endpoints),
         status=RoomStatus(KVPoll.WaitingForInput),
+        aux_index=event.aux_index,
     )
     state.status.advance(KVPoll.Transferring)
     return state

@@ -42,6 +42,7 @@ class DecodeRoom:
     # The generation of the room's last abort toward SGLang prefill ranks: their ABORT_ACKs
     # echo it, and only such acks settle a rank.
     abort_generation: int | None = None
+    aux_index: int | None = None  # the aux slot the room asked for
 
     def pages_safe(self, now: float) -> bool:
         """Whether the room's pages may be handed back: no prefill rank can still write."""

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvbridge.core.decode_events import DecodeSettings
+from kvbridge.core.decode_events import DecodeSettings, WriteAux
 from kvbridge.core.decode_room import DecodeRoom
 from kvbridge.core.protocol import RoomsChanged, Send
 from kvbridge.wire.messages import FailureKind
@@ -167,12 +167,36 @@ class SGLangPeers:
         state.on_abort_ack(ack.prefill_rank)
         return [RoomsChanged()]
 
-    def on_aux_data(self, message: AuxData, now: float) -> list[Send | RoomsChanged]:
-        """sglang sends the aux slot over ZMQ with SGLANG_MOONCAKE_SEND_AUX_TCP: not taken
-        here, so the room fails rather than succeed with its aux slot unwritten."""
+    def on_aux_data(self, message: AuxData, now: float) -> list[Send | WriteAux | RoomsChanged]:
+        """sglang sends the aux slot over ZMQ with SGLANG_MOONCAKE_SEND_AUX_TCP (before its
+        status, on the same socket): copied into the slot the room asked for. Only into that
+        slot, of a room still transferring; bytes that do not fit the slot, or aux buffers in
+        GPU memory, fail the room rather than let it succeed with its aux slot unwritten."""
         state = self._rooms.get(message.room)
-        if state is None or self.of_room(state) is None:
+        if state is None or self.of_room(state) is None or state.status.finished:
             return self._ignore("AUX_DATA for room %d, not an SGLang room", message.room)
-        reason = "the SGLang prefill sent the aux slot over ZMQ (SGLANG_MOONCAKE_SEND_AUX_TCP)"
+        if message.aux_index != state.aux_index:
+            return self._ignore(
+                "AUX_DATA for room %d into slot %d, not its slot %s",
+                message.room,
+                message.aux_index,
+                state.aux_index,
+            )
+        geometry = self._settings.aux_geometry
+        problem = None
+        if not self._settings.aux_in_host_memory:
+            problem = "into aux buffers in GPU memory: not taken here"
+        elif message.buffer_index >= len(geometry):
+            problem = f"for aux buffer {message.buffer_index}; this rank has {len(geometry)}"
+        elif len(message.data) != geometry[message.buffer_index][0]:
+            problem = (
+                f"of {len(message.data)} bytes for a slot of "
+                f"{geometry[message.buffer_index][0]} (aux buffer {message.buffer_index})"
+            )
+        elif not 0 <= message.aux_index < geometry[message.buffer_index][1]:
+            problem = f"for slot {message.aux_index} of {geometry[message.buffer_index][1]}"
+        if problem is None:
+            return [WriteAux(message.buffer_index, message.aux_index, message.data)]
+        reason = f"the SGLang prefill sent the aux slot over ZMQ {problem}"
         state.status.fail(FailureKind.INCOMPATIBLE, f"room {message.room}: {reason}")
         return [*self.aborts(state, now), RoomsChanged()]
