@@ -43,6 +43,7 @@ DPRankAnswer = Callable[[int | None, str | None], None]
 # How long a registered room's DP rank is kept (sglang's
 # SGLANG_DISAGGREGATION_BOOTSTRAP_ENTRY_CLEANUP_INTERVAL), and how many at most: the oldest
 # go first under a flood.
+ROOM_ROUTES = ("/register_dp_rank", "/query_dp_ranks")  # served by `RoomDPRanks`
 ROOM_ENTRY_S = 120.0
 MAX_ROOM_ENTRIES = 1 << 18
 

@@ -28,7 +28,7 @@ from typing import Any
 
 from kvbridge.control.bootstrap import BootstrapError, BootstrapService, Reply
 from kvbridge.control.sglang_bootstrap import MAX_DP_SIZE, MAX_GROUP_RANKS, RETRY_S, base_url
-from kvbridge.control.sglang_dp import RoomDPRanks
+from kvbridge.control.sglang_dp import ROOM_ROUTES, RoomDPRanks
 from kvbridge.wire.address import host_problem
 
 ROUTE_QUERY = ("prefill_dp_rank", "prefill_cp_rank", "target_tp_rank", "target_pp_rank")
@@ -36,7 +36,7 @@ MAX_ATTN_TP = 1024
 # sglang's load_balance_method that makes a room's DP rank its number modulo the DP size; any
 # other (round_robin, ...) has the rank that took the room register it.
 FOLLOW_ROOMS = "follow_bootstrap_room"
-ROUTES = ("/route", "/health", "/register_dp_rank", "/query_dp_ranks")
+ROUTES = ("/route", "/health", *ROOM_ROUTES)
 
 
 @dataclass(frozen=True)
@@ -175,8 +175,13 @@ class SGLangRoutes:
         self.rooms = RoomDPRanks()
 
     @property
+    def first(self) -> SGLangPrefillRank | None:
+        """The first rank registered: the group's settings, as sglang's server keeps them."""
+        return next(iter(self.ranks.values()), None)
+
+    @property
     def complete(self) -> bool:
-        first = next(iter(self.ranks.values()), None)
+        first = self.first
         return first is not None and len(self.ranks) == first.attn_tp_size * first.attn_dp_size
 
     def handle(self, method: str, path: str, body: bytes, now: float) -> Reply:
@@ -185,10 +190,10 @@ class SGLangRoutes:
             if method != "GET":
                 return Reply(HTTPStatus.METHOD_NOT_ALLOWED, {"error": "GET /health only"})
             return Reply(HTTPStatus.OK, {"status": "ok", "registered": len(self.ranks)})
-        if route in ("/register_dp_rank", "/query_dp_ranks"):
+        if route in ROOM_ROUTES:
             if method != "POST":
                 return Reply(HTTPStatus.METHOD_NOT_ALLOWED, {"error": f"POST {route} only"})
-            first = next(iter(self.ranks.values()), None)
+            first = self.first
             return self.rooms.handle(route, body, now, first.attn_dp_size if first else MAX_DP_SIZE)
         if method == "PUT":
             return self._register(body)
@@ -201,7 +206,7 @@ class SGLangRoutes:
             rank = SGLangPrefillRank.parse(json.loads(body))
         except (ValueError, RecursionError) as exc:
             return Reply(HTTPStatus.BAD_REQUEST, {"error": str(exc)[:300]})
-        first = next(iter(self.ranks.values()), None)
+        first = self.first
         if first is not None and first.group != rank.group:
             return Reply(
                 HTTPStatus.CONFLICT,
@@ -227,7 +232,9 @@ class SGLangRoutes:
                 {"error": f"prefill group not fully registered ({len(self.ranks)} ranks)"},
             )
         if (dp, cp, tp, pp) == (-1, -1, -1, -1):
-            return Reply(HTTPStatus.OK, server_info(next(iter(self.ranks.values()))))
+            first = self.first
+            assert first is not None  # the group is complete
+            return Reply(HTTPStatus.OK, server_info(first))
         rank = self.ranks.get((dp, tp)) if (cp, pp) == (0, 0) else None
         if rank is None:
             return Reply(
