@@ -57,7 +57,7 @@ def measure(model: str, tokens: int, requests: int, engine: str) -> dict[str, An
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=3, help="requests per mode (median)")
+    parser.add_argument("--requests", type=int, default=5, help="requests per mode (median)")
     parser.add_argument("--engine", default="nixl", choices=("nixl", "mooncake"))
     args = parser.parse_args()
     unavailable = engine_unavailable(args.engine)

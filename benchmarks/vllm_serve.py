@@ -15,11 +15,14 @@ every connector, Poisson arrivals (`--burstiness 1`), output of `--output-len` t
 is busy generating while later loads arrive), and a shared prefix (`--prefix-len`) so that
 prefix caches hit. First a run at an unbounded rate measures the deployment's capacity (the
 first connector's sets the rates for all: fractions of it, unless `--rates`), then one run per
-rate. Reported per run: TTFT, TPOT, ITL and E2E latency p50/p99, request and output-token
-throughput, goodput at the stated SLO, the proxy's own time per request (p50/p99, without the
-time spent waiting on instances), and each connector's TTFT and throughput over the best vLLM
-connector's at the same rate. Writes bench-results/vllm-serve.json and
-vllm-serve.png (without `--quick`: vllm-serve-full.json and .png).
+rate. `kvbridge-nixl-stream` is kvbridge decode first: the proxy sends each request to both
+instances at once and prefill writes each layer during its forward (the whole request where
+decode asked too late). Reported per run: TTFT, TPOT, ITL and E2E latency p50/p99, request
+and output-token throughput, goodput at the stated SLO, the proxy's own time per request
+(p50/p99, without the time spent waiting on instances), and each connector's TTFT and
+throughput over the best vLLM connector's at the same rate. Writes
+bench-results/vllm-serve.json and vllm-serve.png (without `--quick`: vllm-serve-full.json and
+.png).
 """
 
 from __future__ import annotations
@@ -40,14 +43,20 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "vllm_compat"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from vllm_harness import InstanceError, Server, make_model
-from vllm_pd import CONNECTORS, transfer_config
+from vllm_harness import InstanceError, Server, free_port, kvbridge_config, make_model
+from vllm_pd import CONNECTORS as PD_CONNECTORS
+from vllm_pd import transfer_config
 
 from kvbridge.integrations.vllm_proxy import PDProxy
 from kvbridge_tools.bench_results import save
 
 RESULTS = Path("bench-results")
 VLLM_CONNECTORS = ("vllm-nixl", "vllm-nixl-push")
+# kvbridge decode first: the proxy sends each request to both instances at once, decode asks
+# prefill for the blocks before prefill's forward and each layer is written during it
+# (`kvbridge vllm-proxy --prefill-bootstrap`); against the same connector written whole.
+STREAM = "kvbridge-nixl-stream"
+CONNECTORS = (*PD_CONNECTORS, STREAM)
 DEPLOYMENTS = {"1p1d": (1, 1), "2p2d": (2, 2)}
 # The fractions of the measured capacity each deployment runs at (below saturation).
 RATE_FRACTIONS = (0.3, 0.55, 0.8)
@@ -87,10 +96,18 @@ class Deployment:
         prefills, decodes = shape
         roles = [("prefill", "kv_producer")] * prefills + [("decode", "kv_consumer")] * decodes
 
+        # Decode first: each prefill instance's kvbridge bootstrap at a port the proxy knows.
+        ports = [free_port() for _ in range(prefills)] if connector == STREAM else []
+
         def start(index: int) -> Server:
             name, role = roles[index]
             log = logs / f"{connector}-{prefills}p{decodes}d-{name}{index}.log"
-            transfer = transfer_config(connector, role, num_threads=nixl_threads)
+            if connector != STREAM:
+                transfer = transfer_config(connector, role, num_threads=nixl_threads)
+            elif role == "kv_producer":
+                transfer = kvbridge_config(role, "nixl", bootstrap_port=ports[index])
+            else:
+                transfer = kvbridge_config(role, "nixl")
             server = Server(model, transfer, log, environment=UNBOUND, arguments=DTYPE)
             self.servers.append(server)
             return server
@@ -100,7 +117,8 @@ class Deployment:
             with ThreadPoolExecutor(len(roles)) as pool:
                 started = list(pool.map(start, range(len(roles))))
             urls = [server.url for server in started]
-            self.proxy = PDProxy(urls[:prefills], urls[prefills:])
+            bootstraps = [f"http://127.0.0.1:{port}" for port in ports]
+            self.proxy = PDProxy(urls[:prefills], urls[prefills:], prefill_bootstrap=bootstraps)
         except BaseException:
             self.close()
             raise

@@ -38,6 +38,7 @@ _EXPORTS: dict[str, str] = {
     "PrefillManager": "kvbridge.prefill",
     "TopologyError": "kvbridge.cache.topology",
     "WireError": "kvbridge.wire",
+    "WriteGate": "kvbridge.write_gate",
 }
 
 # Written out (not derived from _EXPORTS) so that linters and type checkers see it.
@@ -57,6 +58,7 @@ __all__ = [
     "PrefillManager",
     "TopologyError",
     "WireError",
+    "WriteGate",
     "__version__",
 ]
 
@@ -68,6 +70,7 @@ if TYPE_CHECKING:
     from kvbridge.decode import DecodeManager, KVReceiver
     from kvbridge.prefill import KVSender, PrefillManager
     from kvbridge.wire import FailureKind, KVLayout, KVPoll, WireError
+    from kvbridge.write_gate import WriteGate
 
 
 def __getattr__(name: str) -> object:

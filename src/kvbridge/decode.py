@@ -57,6 +57,7 @@ from kvbridge.core.protocol import Tick
 from kvbridge.core.room import RoomStatus
 from kvbridge.decode_receiver import KVReceiver, PrefillWay
 from kvbridge.decode_scatter import ScatterThread
+from kvbridge.engines import EngineError
 from kvbridge.runtime import RankManager, RankRuntime
 from kvbridge.wire import KVPoll, Message
 from kvbridge.wire.address import tcp_endpoint
@@ -71,6 +72,9 @@ log = logging.getLogger("kvbridge.decode")
 # which needs the GIL to send, got it only after the whole batch: every prefill rank then
 # heard of the first room that much later.
 FIRST_SEND_WAIT_S = 0.002
+# Receivers' polls take the engine's notifications at most this often: a scheduler polls each
+# of its rooms every step, and one engine call serves them all.
+NOTIFICATIONS_EVERY_S = 50e-6
 
 __all__ = ["FIRST_SEND_WAIT_S", "DecodeManager", "KVReceiver", "PrefillWay"]
 
@@ -132,6 +136,7 @@ class DecodeManager(RankManager):
             else frozenset()
         )
         self._poll_often = False
+        self._notifications_due = 0.0  # (a hint: racing pollers may both collect)
         self._scatters = ScatterThread(self.kv_args, self.runtime, self.protocol, self.stats)
         self.runtime.watch(self._scatters.thread)
         self._health: HealthPoller | None = None
@@ -339,6 +344,22 @@ class DecodeManager(RankManager):
     def room_status(self, room: int) -> RoomStatus | None:
         """An open room's status (`DecodeProtocol.room_status`: read without the lock)."""
         return self.protocol.room_status(room)
+
+    def collect_notifications(self) -> None:
+        """Take the engine's notifications now, not at the channel's next tick (up to
+        `BUSY_POLL_MS` away): a receiver polled for a room its last write completed sees
+        it at once, as vLLM's connectors read NIXL's notifications when the scheduler asks.
+        An engine error here is left to the channel's tick, which reports it."""
+        now = time.monotonic()
+        if not self.engine.delivers_notifications or now < self._notifications_due:
+            return
+        self._notifications_due = now + NOTIFICATIONS_EVERY_S
+        try:
+            notifications = self.engine.notifications()
+        except EngineError:
+            return
+        if notifications:
+            self._handle(Tick(tuple(message for _, message in notifications)))
 
     def abort_room(self, room: int, reason: str, endpoints: Sequence[str] = ()) -> None:
         self._handle(RoomAborted(room, reason, tuple(endpoints)))

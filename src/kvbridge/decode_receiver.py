@@ -194,9 +194,14 @@ class KVReceiver:
         return self._status
 
     # A status's failure kind and reason are set before its state reads Failed: the reads
-    # below need no lock.
+    # below need no lock (`poll` of a room still waiting hands the engine's notifications to
+    # the protocol, under the manager's lock).
     def poll(self) -> KVPoll:
-        return self._current().poll
+        poll = self._current().poll
+        if self._open and poll in (KVPoll.WaitingForInput, KVPoll.Transferring):
+            self.manager.collect_notifications()  # the last write's may be in
+            poll = self._current().poll
+        return poll
 
     @property
     def failure_reason(self) -> str | None:

@@ -57,7 +57,7 @@ from kvbridge.core.prefill_events import (
 from kvbridge.core.prefill_protocol import PrefillProtocol
 from kvbridge.core.prefill_rooms import FINISHED_ROOMS_KEPT, MAX_UNCLAIMED_ROOMS
 from kvbridge.core.protocol import Tick
-from kvbridge.core.room import Chunk, Failure, RoomStatus
+from kvbridge.core.room import Chunk, Failure, Gate, RoomStatus
 from kvbridge.engines import EngineError, WriteFenced
 from kvbridge.runtime import RankManager, RankRuntime
 from kvbridge.wire import FailureKind, KVPoll, Message
@@ -252,11 +252,12 @@ class PrefillManager(RankManager):
         self._handle(message)
         write = self._last_handed
         # Only for a write that can go now: one that waits for its lease waits for the answer
-        # to a heartbeat, which this thread receives.
+        # to a heartbeat, which this thread receives; a gated one for its data.
         if (
             idle
             and write is not handed
             and write is not None
+            and (write.job.gate is None or write.job.gate.is_open)
             and self.lease_problem(write.job.peer_id) is None
         ):
             self.pipeline.posting.wait(FIRST_POST_WAIT_S)
@@ -287,6 +288,12 @@ class PrefillManager(RankManager):
         # before every post and poll round, and waiting there for a control thread's whole
         # event to end held the copies back.
         return self.protocol.lease_problem(peer_id, time.monotonic())
+
+    def completes_room(self, write: Write) -> bool:
+        with self._lock:
+            state = self.protocol.rooms.get(write.room)
+            going = state is not None and not state.status.finished
+            return going and self.protocol.jobs.alone_to_peer(write.job)
 
     def write_ended(self, write: Write, failure: Exception | None, completed: bool) -> None:
         """Report a write's end to the protocol, with the failure (or, written, whether its
@@ -331,6 +338,7 @@ class KVSender:
         aux_index: int | None = None,
         state_indices: Sequence[int] = (),
         layers: range | None = None,
+        gate: Gate | None = None,
     ) -> None:
         """Queue the next chunk of this room's pages (in order); `last` ends the room and
         carries the aux slot and the state slots.
@@ -338,12 +346,16 @@ class KVSender:
         Layer-wise: `layers` (positions in `KVArgs.layer_ids`, a step-1 range) sends only
         those layers of the pages, written while the forward computes the next ones; a
         chunk's ranges follow one another from layer 0 to the last on the same pages, and
-        `last` goes with the last chunk's last range. ValueError for a send out of order."""
+        `last` goes with the last chunk's last range. ValueError for a send out of order.
+
+        `gate`: the chunk's data is not computed yet; its writes are set up now and go once
+        `gate.open()` is called (`kvbridge.write_gate`): hand a forward's layers over before
+        it starts, open each gate as its layer is done, and only the copy is left after it."""
         pages = np.asarray(kv_pages, dtype=np.int64).ravel()
         if layers is not None and (layers.step != 1 or not layers):
             raise ValueError(f"layers must be a non-empty step-1 range, got {layers}")
         span = None if layers is None else (layers.start, layers.stop)
-        chunk = Chunk(pages, last, aux_index, tuple(state_indices), span)
+        chunk = Chunk(pages, last, aux_index, tuple(state_indices), span, gate)
         self.manager.queue_chunk(self.room, chunk)
 
     # A status's failure kind and reason are set before its state reads Failed: the reads

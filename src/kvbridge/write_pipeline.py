@@ -31,7 +31,7 @@ from collections import deque
 from kvbridge.cache import KVArgs, PlanError
 from kvbridge.core.prefill_events import Connect, Write
 from kvbridge.core.waits import WINDOW_S, EngineWaits
-from kvbridge.engines import EngineError, TransferEngine, WriteFenced
+from kvbridge.engines import EngineError, EngineTimeout, TransferEngine, WriteFenced
 from kvbridge.staging.buffer import StagingBuffer
 from kvbridge.write_transfers import (
     Clock,
@@ -92,6 +92,7 @@ class WritePipeline:
         self._lease_wait_s = lease_wait_s
         self._clock: Clock = clock or SystemClock()
         self._who = who  # named in its warnings
+        self._write_timeout_s = write_timeout_s
         self.transfers = EngineTransfers(
             engine, kv_args, staging, host, write_timeout_s, self._clock, self._before_post
         )
@@ -213,6 +214,9 @@ class WritePipeline:
             if ended:
                 self._to_report.put(ended)
             if starting is not None:
+                gate = starting.writes[0].write.job.gate
+                if gate is not None:  # its opening wakes the engine thread to post it
+                    gate.when_open(self._wake_engine_thread)
                 return starting
         return None
 
@@ -221,9 +225,19 @@ class WritePipeline:
     def _run_engine(self) -> None:
         posted: list[Posted] = []
         clock = self._clock
+        held = False  # the next transfer waits for its gate
+        # The held transfer looked at last, since when it is held, and when its room was
+        # last asked about.
+        looked_at: Starting | None = None
+        held_since = room_looked_at = 0.0
         while True:
-            # Block only when nothing is in flight; else take what arrived.
-            items = [] if posted else [self._to_engine.get()]
+            # Block only when nothing is in flight (a held write's room is looked at again
+            # every WRITE_WAIT_S: one that ended drops it); else take what arrived.
+            items: list[_Wake | None] = []
+            if held and not posted:
+                items += self._wait_engine_queue(WRITE_WAIT_S)
+            elif not posted:
+                items.append(self._to_engine.get())
             while True:
                 try:
                     items.append(self._to_engine.get_nowait())
@@ -240,6 +254,21 @@ class WritePipeline:
                 starting, self._next = self._next, None
                 if starting is None and self._ready:
                     starting = self._set_up_next()  # the preparing thread did not get to it
+                held = starting is not None and starting.held
+                if held:  # its data is not computed yet: it stays next
+                    self._next, starting = starting, None
+            # A held transfer's room is looked at when it becomes held (a room that ended
+            # drops its held writes one after another without a wait each), after a quiet
+            # wait, and every WRITE_WAIT_S while others move.
+            now = clock.monotonic()
+            waited = not items and not posted
+            if held and self._next is not looked_at:
+                looked_at, held_since, waited = self._next, now, True
+            if held and (waited or now - room_looked_at >= WRITE_WAIT_S):
+                room_looked_at = now
+                if self._drop_held(now - held_since):
+                    held = False
+                    continue  # the next one may go now
             if starting is not None:
                 # The preparing thread sets the one after up while this one moves (NIXL over
                 # CMA copies inside the post call, without the GIL).
@@ -256,6 +285,41 @@ class WritePipeline:
                     self._wait_for_engine()
                 else:
                     clock.sleep(WRITE_POLL_S)
+
+    def _wait_engine_queue(self, timeout_s: float) -> list[_Wake | None]:
+        try:
+            return [self._to_engine.get(timeout=timeout_s)]
+        except queue.Empty:
+            return []
+
+    def _drop_held(self, held_s: float) -> bool:
+        """The held transfer dropped if its room ended meanwhile (aborted or failed: a gate
+        that never opens holds nothing back then), its writes reported unwritten; or failed
+        if its gate stayed closed longer than a write may take (a forward that stopped
+        without opening it: the writes behind it go on)."""
+        with self._setting_up:
+            held = self._next
+        if held is None:
+            return False
+        failure: Exception | None = None
+        if self._host.room_going(held.writes[0].write.room):
+            if held_s < self._write_timeout_s:
+                return False
+            failure = EngineTimeout(
+                self.engine.name,
+                "write",
+                f"its data was not computed within {self._write_timeout_s:g} s (the gate it "
+                "was handed over with stayed closed)",
+            )
+        with self._setting_up:
+            if self._next is not held:
+                return False
+            self._next = None
+        held.pending.release()
+        self.transfers.release(held.writes, held.plan)
+        self._to_report.put([(prepared.write, failure, False) for prepared in held.writes])
+        self._to_prepare.put(_WAKE)
+        return True
 
     def _before_post(self) -> None:
         self._transfers_out += 1  # (before the post call: over CMA the copy is inside it)

@@ -69,6 +69,10 @@ class PipelineHost(Protocol):
         """A write ended: written (`completed`: its notification completed its room for
         the peer), or failed with `failure`."""
 
+    def completes_room(self, write: Write) -> bool:
+        """Whether the room is going and every other write of it to the write's peer ended,
+        written: `write`'s complete notification would now complete the room there."""
+
     def connected(self, peer_id: str, error: str | None) -> None:
         """A `Connect` ended (`error`: why it failed)."""
 
@@ -105,6 +109,12 @@ class Starting:
     pending: PendingWrite
     completing: Write | None  # the write whose room its notification completes, if any
 
+    @property
+    def held(self) -> bool:
+        """Whether it waits for its data: a gated write whose gate is closed."""
+        gate = self.writes[0].write.job.gate
+        return gate is not None and not gate.is_open
+
 
 # Writes that ended, each with what failed it (None: written) and whether it went with a
 # complete notification (`transfer_notification`), for the reporting thread.
@@ -128,13 +138,15 @@ def merged(ready: deque[Prepared]) -> list[Prepared]:
     """The writes at the head of `ready` that go as one transfer: in order, to one peer,
     within `MAX_MERGED_WRITES` and `MAX_MERGED_BLOCKS`, and ending with the first one that
     carries a notification (the room it completes does not wait for the next room's
-    chunks)."""
+    chunks). A gated write (`kvbridge.write_gate`) goes alone: it waits for its own gate."""
     group = [ready.popleft()]
     peer_id = group[0].write.job.peer_id
     blocks = len(group[0].plan)
+    if group[0].write.job.gate is not None:
+        return group
     while ready and len(group) < MAX_MERGED_WRITES and not group[-1].write.notify:
         following = ready[0]
-        if following.write.job.peer_id != peer_id:
+        if following.write.job.peer_id != peer_id or following.write.job.gate is not None:
             break
         if blocks + len(following.plan) > MAX_MERGED_BLOCKS:
             break
@@ -240,9 +252,10 @@ class EngineTransfers:
             if why is not None:
                 starting.pending.release()
                 raise WriteFenced(self.engine.name, "write", why)
+            notify = self._complete_now(starting)
             started = self._clock.monotonic()
             self.before_post()  # (over CMA the copy is inside the post call)
-            handle = starting.pending.start()
+            handle = starting.pending.start(notify)
         except EngineError as exc:
             self.release(starting.writes, starting.plan)
             return None, [(prepared.write, exc, False) for prepared in starting.writes]
@@ -255,6 +268,24 @@ class EngineTransfers:
             starting.completing,
         )
         return posted, []
+
+    def _complete_now(self, starting: Starting) -> bytes | None:
+        """The complete notification, for a transfer whose room's other writes were still
+        out when it was handed out and have all ended, written, since (a gated last layer,
+        handed out before the forward with the others: `kvbridge.write_gate`); None: the one
+        it was set up with. The transfer then completes the room (`completing`)."""
+        last = starting.writes[-1].write
+        if (
+            last.job.gate is None  # (handed out when the data was there: it knew then)
+            or starting.completing is not None
+            or len(starting.writes) > 1
+            or not last.notify_complete
+            or not starting.pending.renotifiable
+            or not self._host.completes_room(last)
+        ):
+            return None
+        starting.completing = last
+        return last.notify_complete
 
     def release(self, group: list[Prepared], plan: TransferPlan, reuse: bool = True) -> None:
         """These plans are done with: their memory may serve the next ones (unless a

@@ -4,7 +4,8 @@ A prefill rank and a decode rank, separate processes and a real engine, as `kvbr
 Each request goes twice over identical work, the order alternating: decode asks first (its
 request waits on prefill, as in a decode-first flow), then prefill runs a simulated forward
 (`layer_ms` of sleep per layer, the engine free to move bytes meanwhile) and either writes
-each layer as it is computed (layer-wise) or the whole request after the last layer
+each layer as it is computed (layer-wise: every layer handed over before the forward behind
+a `WriteGate`, opened as the layer is done) or the whole request after the last layer
 (whole-request). The tail is the time from the last layer computed to the room complete on
 decode (time.monotonic: one clock for every process of the host); the whole-request tail is
 the whole transfer. `tail_ratio` = layer-wise tail ÷ (whole-request tail / layers): 1 when
@@ -23,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from kvbridge.wire import KVPoll
+from kvbridge.write_gate import WriteGate
 from kvbridge_tools.demo import (
     DemoConfig,
     DemoConfigError,
@@ -36,7 +38,10 @@ from kvbridge_tools.demo import (
 )
 
 MODES = ("whole", "layerwise")
-POLL_S = 50e-6  # how often both sides poll a room: well below a layer's write
+POLL_S = 50e-6  # how often decode polls a room: well below a layer's write
+# Prefill's wait for the room's end, after the forward (a real prefill goes on with its next
+# batch meanwhile; polling as often as decode took a core's share from both copies).
+PREFILL_POLL_S = 1e-3
 
 
 @dataclass(frozen=True)
@@ -109,18 +114,23 @@ def run_prefill(
             deadline = time.monotonic() + demo.timeout_s
             while sender.poll() != KVPoll.WaitingForInput and time.monotonic() < deadline:
                 time.sleep(POLL_S)  # its request is in: the forward starts
+            gates = [WriteGate() for _ in range(layers)] if mode == "layerwise" else []
+            for layer, gate in enumerate(gates):  # handed over before the forward
+                last = layer == layers - 1
+                aux = request if last else None
+                sender.send(
+                    pages, layers=range(layer, layer + 1), last=last, aux_index=aux, gate=gate
+                )
             for layer in range(layers):
                 time.sleep(layer_s)  # the layer's compute
-                last = layer == layers - 1
-                if last:
+                if layer == layers - 1:
                     report.ended_at[room] = time.monotonic()
-                if mode == "layerwise":
-                    aux = request if last else None
-                    sender.send(pages, layers=range(layer, layer + 1), last=last, aux_index=aux)
+                if gates:
+                    gates[layer].open()
             if mode == "whole":
                 sender.send(pages, last=True, aux_index=request)
             while sender.poll() not in (KVPoll.Success, KVPoll.Failed):
-                time.sleep(POLL_S)
+                time.sleep(PREFILL_POLL_S)
             if sender.poll() == KVPoll.Failed:
                 report.failed[room] = str(sender.failure_reason)
     except Exception as exc:

@@ -5,8 +5,12 @@ layers stops the rest."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import numpy as np
-from kv_cache import rank_cache
+from kv_cache import RankCache, rank_cache
 from real_engine import ENGINE, require_engine
 from waiting import wait_for
 
@@ -14,6 +18,7 @@ from kvbridge.config import ManagerConfig
 from kvbridge.decode import DecodeManager
 from kvbridge.prefill import PrefillManager
 from kvbridge.wire import KVPoll
+from kvbridge.write_gate import WriteGate
 
 require_engine()
 LAYERS = 4
@@ -29,6 +34,20 @@ GEOMETRY = dict(
 )
 
 
+@contextmanager
+def managers(src: RankCache, dst: RankCache) -> Iterator[tuple[PrefillManager, DecodeManager]]:
+    """A prefill rank serving its bootstrap and a decode rank of it, closed after."""
+    prefill = PrefillManager(src.args, ManagerConfig(engine=ENGINE, run_bootstrap=True))
+    decode = DecodeManager(
+        dst.args, ManagerConfig(engine=ENGINE, bootstrap_url=prefill.bootstrap_url)
+    )
+    try:
+        yield prefill, decode
+    finally:
+        decode.close()
+        prefill.close()
+
+
 def kv_index(layer: int, part: int = 0) -> int:
     """The KV buffer of a layer position: K of every layer, then V."""
     return part * LAYERS + layer
@@ -37,11 +56,7 @@ def kv_index(layer: int, part: int = 0) -> int:
 def test_each_layer_range_lands_as_it_is_sent_and_the_room_waits_for_the_last() -> None:
     src = rank_cache(num_pages=16, seed=5, **GEOMETRY)
     dst = rank_cache(num_pages=16, seed=None, **GEOMETRY)
-    prefill = PrefillManager(src.args, ManagerConfig(engine=ENGINE, run_bootstrap=True))
-    decode = DecodeManager(
-        dst.args, ManagerConfig(engine=ENGINE, bootstrap_url=prefill.bootstrap_url)
-    )
-    try:
+    with managers(src, dst) as (prefill, decode):
         receiver, sender = decode.receiver(1), prefill.sender(1)
         dst_pages = np.array([9, 2, 14, 5, 0])
         receiver.init(dst_pages, aux_index=1, state_indices=[0])
@@ -69,9 +84,6 @@ def test_each_layer_range_lands_as_it_is_sent_and_the_room_waits_for_the_last() 
         wait_for(lambda: receiver.poll() in (KVPoll.Success, KVPoll.Failed))
         assert receiver.poll() == KVPoll.Success, receiver.failure_reason
         wait_for(lambda: sender.poll() == KVPoll.Success)
-    finally:
-        decode.close()
-        prefill.close()
     pages = np.concatenate([first, second])
     for got, want in zip(dst.kv, src.kv, strict=True):
         assert np.array_equal(got[dst_pages], want[pages])
@@ -112,11 +124,7 @@ def test_two_prefill_ranks_write_their_heads_layer_by_layer_into_one_decode_rank
 def test_an_abort_between_layers_ends_the_room_and_the_rest_is_never_written() -> None:
     src = rank_cache(num_pages=8, seed=7, **GEOMETRY)
     dst = rank_cache(num_pages=8, seed=None, **GEOMETRY)
-    prefill = PrefillManager(src.args, ManagerConfig(engine=ENGINE, run_bootstrap=True))
-    decode = DecodeManager(
-        dst.args, ManagerConfig(engine=ENGINE, bootstrap_url=prefill.bootstrap_url)
-    )
-    try:
+    with managers(src, dst) as (prefill, decode):
         receiver, sender = decode.receiver(2), prefill.sender(2)
         receiver.init([4, 5])
         sender.send([0, 1], layers=range(0, 2))
@@ -127,8 +135,85 @@ def test_an_abort_between_layers_ends_the_room_and_the_rest_is_never_written() -
         sender.send([0, 1], layers=range(2, 4), last=True)  # too late: nothing is written
         wait_for(lambda: receiver.pages_safe)
         assert receiver.poll() == KVPoll.Failed
-    finally:
-        decode.close()
-        prefill.close()
     assert not dst.kv[kv_index(2)][[4, 5]].any()
     assert not dst.kv[kv_index(3, part=1)][[4, 5]].any()
+
+
+def test_gated_layers_go_as_their_gates_open_and_the_last_completes_the_room_by_itself() -> None:
+    """Every layer handed over before the forward, each behind its gate: nothing is written
+    before a gate opens, each layer lands once its gate opened, and the last layer's write
+    (handed out while the others were still out) completes the room with its notification."""
+    src = rank_cache(num_pages=8, seed=9, **GEOMETRY)
+    dst = rank_cache(num_pages=8, seed=None, **GEOMETRY)
+    src_pages, dst_pages = np.array([2, 3, 6]), np.array([7, 0, 4])
+
+    def landed(layer: int) -> bool:
+        return all(
+            np.array_equal(
+                dst.kv[kv_index(layer, part)][dst_pages], src.kv[kv_index(layer, part)][src_pages]
+            )
+            for part in (0, 1)
+        )
+
+    with managers(src, dst) as (prefill, decode):
+        receiver, sender = decode.receiver(3), prefill.sender(3)
+        receiver.init(dst_pages, aux_index=0)
+        gates = [WriteGate() for _ in range(LAYERS)]
+        for layer, gate in enumerate(gates):
+            last = layer == LAYERS - 1
+            sender.send(
+                src_pages,
+                layers=range(layer, layer + 1),
+                last=last,
+                aux_index=1 if last else None,
+                gate=gate,
+            )
+        time.sleep(0.2)  # set up and held: nothing moves
+        assert not any(array[dst_pages].any() for array in dst.kv)
+        assert receiver.poll() in (KVPoll.WaitingForInput, KVPoll.Transferring)
+        gates[0].open()
+        wait_for(lambda: landed(0))
+        time.sleep(0.1)
+        assert not dst.kv[kv_index(1)][dst_pages].any()
+        for gate in gates[1:-1]:
+            gate.open()
+        # Their ends reported: the last layer's post finds nothing else of the room out.
+        wait_for(lambda: prefill.protocol.jobs.open_in(3) == 1)
+        gates[-1].open()
+        wait_for(lambda: receiver.poll() in (KVPoll.Success, KVPoll.Failed))
+        assert receiver.poll() == KVPoll.Success, receiver.failure_reason
+        wait_for(lambda: sender.poll() == KVPoll.Success)
+        assert prefill.protocol.rooms[3].completed_by_notification == {decode.peer_id}
+    assert all(landed(layer) for layer in range(LAYERS))
+    assert np.array_equal(dst.aux[0][0], src.aux[0][1])
+
+
+def test_an_abort_while_layers_wait_behind_their_gates_drops_them_unwritten() -> None:
+    """A prefill stopped mid-forward: its room is aborted with layers set up behind gates that
+    never open. They are dropped, nothing of them lands, both sides' pages are safe, and the
+    next room's writes (queued behind them) go."""
+    src = rank_cache(num_pages=8, seed=11, **GEOMETRY)
+    dst = rank_cache(num_pages=8, seed=None, **GEOMETRY)
+    with managers(src, dst) as (prefill, decode):
+        receiver, sender = decode.receiver(5), prefill.sender(5)
+        receiver.init([1, 2])
+        gates = [WriteGate() for _ in range(LAYERS)]
+        for layer, gate in enumerate(gates):
+            sender.send([0, 1], layers=range(layer, layer + 1), last=layer == LAYERS - 1, gate=gate)
+        gates[0].open()
+        wait_for(lambda: np.array_equal(dst.kv[kv_index(0)][[1, 2]], src.kv[kv_index(0)][[0, 1]]))
+        next_receiver, next_sender = decode.receiver(6), prefill.sender(6)
+        next_receiver.init([5])
+        next_sender.send([4], last=True)  # behind the held layers
+        sender.abort("the forward stopped")
+        wait_for(lambda: sender.pages_safe and receiver.pages_safe)
+        assert receiver.poll() == KVPoll.Failed
+        wait_for(lambda: next_receiver.poll() in (KVPoll.Success, KVPoll.Failed))
+        assert next_receiver.poll() == KVPoll.Success, next_receiver.failure_reason
+        for gate in gates[1:]:
+            gate.open()  # too late: nothing was kept to write
+        time.sleep(0.1)
+    for layer in range(1, LAYERS):
+        assert not dst.kv[kv_index(layer)][[1, 2]].any()
+        assert not dst.kv[kv_index(layer, part=1)][[1, 2]].any()
+    assert np.array_equal(dst.kv[kv_index(2)][5], src.kv[kv_index(2)][4])

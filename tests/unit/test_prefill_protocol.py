@@ -34,7 +34,7 @@ from kvbridge.core.prefill_protocol import PrefillProtocol
 from kvbridge.core.prefill_room import Phase
 from kvbridge.core.prefill_rooms import MAX_UNCLAIMED_ROOMS
 from kvbridge.core.protocol import Send, Tick
-from kvbridge.core.room import Chunk, Failure
+from kvbridge.core.room import Chunk, Failure, Gate
 from kvbridge.wire import (
     Abort,
     AbortAck,
@@ -50,6 +50,7 @@ from kvbridge.wire import (
     TransferStatus,
 )
 from kvbridge.wire.notifications import COMPLETING_NOTIFICATIONS
+from kvbridge.write_gate import WriteGate
 
 GEOMETRY = dict(layer_ids=(0, 1), page_size=4, total_kv_heads=2, head_dim=8)
 DECODE_ENDPOINT = "tcp://10.0.0.2:7100"
@@ -370,6 +371,31 @@ def test_rooms_toward_a_peer_are_written_in_arrival_order_not_interleaved() -> N
     assert next_write.room == 4  # room 4 arrived first
 
 
+def test_gated_layers_are_handed_out_as_submitted_outside_the_window() -> None:
+    """A forward's layers handed over layer by layer for two rooms, behind gates: each goes
+    out as submitted (layer 0 of both rooms, then layer 1 of both), none waits for the window
+    nor for an older room, and a room's ungated chunk still waits for the window."""
+    prefill = protocol(window=1)
+    leased(prefill)
+    for room in (1, 2, 3):
+        prefill.handle(SenderOpened(room), 0.0)
+        prefill.handle(request(room, [room * 2, room * 2 + 1]), 0.1)
+    (plain,) = writes(prefill.handle(ChunkSubmitted(3, Chunk(np.array([7]), last=False)), 0.1))
+    handed: list[tuple[int, tuple[int, int] | None]] = []
+    gates = [WriteGate(), WriteGate()]
+    for layer, gate in enumerate(gates):
+        for room in (1, 2):
+            chunk = Chunk(np.array([room]), layer == 1, layers=(layer, layer + 1), gate=gate)
+            (write,) = writes(prefill.handle(ChunkSubmitted(room, chunk), 0.2))
+            handed.append((write.room, write.job.layers))
+            assert write.job.gate is gate
+    assert handed == [(1, (0, 1)), (2, (0, 1)), (1, (1, 2)), (2, (1, 2))]
+    # Room 3's next chunk waits for its first one: the window counts ungated writes only.
+    assert writes(prefill.handle(ChunkSubmitted(3, Chunk(np.array([8]), last=True)), 0.3)) == []
+    (following,) = writes(prefill.handle(WriteEnded(plain), 0.4))
+    assert (following.room, following.job.chunk_idx) == (3, 1)
+
+
 def test_one_write_at_a_time_when_the_window_is_one() -> None:
     prefill = protocol(window=1)
     leased(prefill)
@@ -477,7 +503,9 @@ def test_a_room_lease_from_decode_starts_its_request_deadline_again() -> None:
     assert not messages(actions, TransferStatus)  # nobody asked: nobody to tell
 
 
-def staging_pair(direct: bool = False, window: int = 2) -> tuple[PrefillProtocol, Registration]:
+def staging_pair(
+    direct: bool = False, window: int = 2, gate: Gate | None = None
+) -> tuple[PrefillProtocol, Registration]:
     """Chunks of head slices: prefill rank 0 of TP 2 to a decode rank of TP 1 with a ring
     (decode's rows interleave both prefill ranks' heads), or — `direct` — prefill at TP 1 to
     decode rank 0 of TP 2, whose one head this rank alone holds (no ring needed)."""
@@ -493,7 +521,7 @@ def staging_pair(direct: bool = False, window: int = 2) -> tuple[PrefillProtocol
     prefill.handle(Connected(PEER), 0.0)
     prefill.handle(Heartbeat(DECODE_ENDPOINT, 1, 3000, beat.sequence), 0.0)
     prefill.handle(SenderOpened(1), 0.0)
-    prefill.handle(ChunkSubmitted(1, Chunk(np.array([3, 4]), last=True)), 0.0)
+    prefill.handle(ChunkSubmitted(1, Chunk(np.array([3, 4]), last=True, gate=gate)), 0.0)
     return prefill, reg
 
 
@@ -513,6 +541,21 @@ def test_a_staged_chunk_asks_for_ring_space_then_writes_there_and_says_it_landed
     assert isinstance(ready, ChunkReady)  # before the status: decode scatters, then succeeds
     assert isinstance(status, TransferStatus)
     assert prefill.stats.staged_chunks == 1
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_a_gated_chunk_is_never_gathered_its_data_is_not_computed_yet(direct: bool) -> None:
+    """Gathering copies the chunk when its write is handed out: a gated chunk's write is
+    handed out before its data exists, so it goes to decode's pages directly (head slices,
+    token by token), ring or not."""
+    gate = WriteGate()
+    prefill, _ = staging_pair(direct=direct, gate=gate)
+    actions = prefill.handle(request(1, [10, 11]), 0.1)
+    assert messages(actions, StagingRequest) == []
+    (write,) = writes(actions)
+    assert write.staged is None
+    assert write.job.gate is gate
+    assert prefill.stats.staged_chunks == 0
 
 
 def test_a_decode_rank_fed_by_this_rank_alone_gets_the_gathered_rows_in_its_pages() -> None:
@@ -662,7 +705,11 @@ def test_a_failure_is_never_reported_while_a_write_can_land(
         elif kind in ("chunk", "last") and room in prefill.rooms:
             state = prefill.rooms[room]
             if not state.last_queued and state.layer_chunk is None:
-                chunk = Chunk(np.array([room, room + 4]), last=kind == "last", aux_index=None)
+                chunk = Chunk(
+                    np.array([room, room + 4]),
+                    last=kind == "last",
+                    gate=WriteGate() if room == 2 else None,  # handed over before its data
+                )
                 actions = prefill.handle(ChunkSubmitted(room, chunk), now)
                 handed[room] = handed.get(room, 0) + (not state.status.finished)
         elif kind in ("layers", "layers_last") and room in prefill.rooms:
@@ -673,6 +720,7 @@ def test_a_failure_is_never_reported_while_a_write_can_land(
                     np.array([room, room + 4]),
                     last=kind == "layers_last" and not first,
                     layers=(0, 1) if first else (1, 2),
+                    gate=WriteGate() if room == 2 else None,  # handed over before its data
                 )
                 actions = prefill.handle(ChunkSubmitted(room, chunk), now)
                 handed[room] = handed.get(room, 0) + (not state.status.finished)
@@ -699,6 +747,7 @@ def test_a_failure_is_never_reported_while_a_write_can_land(
             actions = prefill.handle(answer, now)
         for action in actions:
             if isinstance(action, Write):
+                assert action.job.gate is None or action.staged is None, "gathered before computed"
                 out.setdefault(action.room, []).append(action)
             elif isinstance(action, Send) and isinstance(action.message, StagingRequest):
                 asked.setdefault(action.message.room, []).append(action.message)
@@ -723,10 +772,19 @@ def test_a_failure_is_never_reported_while_a_write_can_land(
             room: [a for a in asks if (room, a.chunk_idx) in awaited]
             for room, asks in asked.items()
         }
+        # What the write pipeline asks before posting a room's last write with the complete
+        # notification: never yes while another write of the room is out or asked for.
+        for room_id, out_now in out.items():
+            for write in out_now:
+                if prefill.jobs.alone_to_peer(write.job):
+                    assert out_now == [write], "completes with another write out"
+                    assert not asked.get(room_id), "completes with ring space asked for"
         indexed = {key for keys in prefill.jobs.of_room.values() for key in keys}
         assert indexed == set(prefill.jobs.by_key), "the per-room index of jobs drifted"
-        # The window: never more writes and ring requests out toward the peer than allowed.
-        assert sum(map(len, out.values())) + sum(map(len, asked.values())) <= window
+        # The window: never more writes and ring requests out toward the peer than allowed
+        # (gated writes go outside it, in the order handed over).
+        ungated = sum(1 for writes_out in out.values() for w in writes_out if w.job.gate is None)
+        assert ungated + sum(map(len, asked.values())) <= window
         for room_id in prefill.rooms:
             if prefill.pages_safe(room_id):
                 assert not out.get(room_id), "pages free while a write of them is out"

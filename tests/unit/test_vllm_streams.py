@@ -23,6 +23,7 @@ from kvbridge.integrations.vllm_scheduler import SchedulerConfig, SchedulerSide
 from kvbridge.integrations.vllm_stats import ConnectorCounters
 from kvbridge.integrations.vllm_streams import Streams
 from kvbridge.wire.messages import KVPoll
+from kvbridge.write_gate import WriteGate
 
 FULL = (Group(GroupKind.FULL, 4),)
 URL = "http://10.0.0.1:8998"
@@ -135,13 +136,26 @@ class FakeSender:
         self.room = room
         self.asked = False
         self.sent: list[tuple[list[int], range | None, bool]] = []
+        self.gates: list[WriteGate | None] = []  # each send's
         self.aborted: str | None = None
 
     def poll(self) -> KVPoll:
         return KVPoll.WaitingForInput if self.asked else KVPoll.Bootstrapping
 
-    def send(self, pages: Any, *, last: bool = False, layers: range | None = None) -> None:
+    def send(
+        self,
+        pages: Any,
+        *,
+        last: bool = False,
+        layers: range | None = None,
+        gate: WriteGate | None = None,
+    ) -> None:
         self.sent.append((list(pages), layers, last))
+        self.gates.append(gate)
+
+    def opened(self) -> list[bool | None]:
+        """Per send, whether its gate is open (None: it had none)."""
+        return [None if gate is None else gate.is_open for gate in self.gates]
 
     def abort(self, reason: str) -> None:
         self.aborted = reason
@@ -170,6 +184,8 @@ def streams(layers: int = 3) -> tuple[Streams, FakePrefill]:
 
 
 def test_each_layer_goes_out_as_the_forward_saves_it_once_decode_asked() -> None:
+    """Before the forward every layer of the step is handed over behind its layer's gate;
+    saving a layer opens its gate (and any before it)."""
     worker, prefill = streams()
     worker.begin([StreamSpec("r", 9, (1,), False)])  # decode has not asked: held back
     for layer in range(3):
@@ -179,16 +195,50 @@ def test_each_layer_goes_out_as_the_forward_saves_it_once_decode_asked() -> None
     assert sender.sent == []
     sender.asked = True
     worker.begin([StreamSpec("r", 9, (2,), True)])
-    assert sender.sent == [([2, 3], None, False)]  # the held pages, whole, first
+    assert sender.sent == [
+        ([2, 3], None, False),  # the held pages, whole, first
+        ([4, 5], range(0, 1), False),
+        ([4, 5], range(1, 2), False),
+        ([4, 5], range(2, 3), True),
+    ]
+    assert sender.opened() == [None, False, False, False]
     worker.layer_saved("model.layers.0.attn")
     worker.layer_saved("model.layers.0.attn.shared")  # no position of its own: nothing
-    assert sender.sent[-1] == ([4, 5], range(0, 1), False)
+    assert sender.opened() == [None, True, False, False]
     worker.layer_saved("model.layers.2.attn")  # layer 1 saved unseen: it goes along
+    assert sender.opened() == [None, True, True, True]
     worker.end()
-    assert sender.sent[1:] == [([4, 5], range(0, 1), False), ([4, 5], range(1, 3), True)]
+    assert len(sender.sent) == 4
     stream = worker.take("r")
     assert stream is not None
-    assert (stream.done, stream.layer_writes) == (True, 2)
+    assert (stream.done, stream.layer_writes) == (True, 3)
+
+
+def test_a_steps_rooms_are_handed_over_layer_by_layer_behind_one_gate_per_layer() -> None:
+    worker, prefill = streams(layers=2)
+    for room in (1, 2):
+        prefill.sender(room).asked = True
+    worker.begin([StreamSpec("a", 1, (0,), True), StreamSpec("b", 2, (1,), True)])
+    first, second = prefill.senders[1], prefill.senders[2]
+    assert first.gates[0] is second.gates[0]  # one gate for layer 0 of every room
+    assert first.gates[1] is second.gates[1]
+    assert first.gates[0] is not first.gates[1]
+    worker.end()
+    assert first.opened() == second.opened() == [True, True]
+
+
+def test_a_step_whose_forward_never_ended_fails_its_rooms_at_the_next_step() -> None:
+    """Its closed gates hold layers that were never computed: the rooms fail (their writes are
+    dropped unwritten) rather than the gates opening."""
+    worker, prefill = streams()
+    prefill.sender(3).asked = True
+    worker.begin([StreamSpec("r", 3, (1,), True)])
+    worker.layer_saved("model.layers.0.attn")
+    worker.begin([])  # no end() in between
+    sender = prefill.senders[3]
+    assert sender.aborted is not None
+    assert "never ended" in sender.aborted
+    assert sender.opened() == [True, False, False]
 
 
 def test_a_room_decode_asks_for_late_gets_the_whole_request_with_the_prompts_end() -> None:
@@ -218,8 +268,10 @@ def test_a_preempted_streamed_request_fails_its_room_and_streams_no_more() -> No
     assert [spec.blocks for spec in step.streams] == [(1,)]
     worker, fake = streams()
     fake.sender(8).asked = True
-    worker.begin([StreamSpec("r", 8, (1,), False)])
-    worker.abort("r", "preempted")
+    worker.begin([StreamSpec("r", 8, (1,), False)])  # its layers handed over, gated
+    assert len(fake.senders[8].sent) == 3
+    worker.abort("r", "preempted")  # its held writes are dropped unwritten
     worker.layer_saved("model.layers.0.attn")
     worker.end()
-    assert (fake.senders[8].sent, fake.senders[8].aborted) == ([], "preempted")
+    worker.begin([StreamSpec("r", 8, (2,), False)])
+    assert (len(fake.senders[8].sent), fake.senders[8].aborted) == (3, "preempted")

@@ -18,9 +18,17 @@ from kvbridge.cache.plan import pair
 from kvbridge.cache.regions import MemoryRegion
 from kvbridge.core.prefill_events import Connect, Write
 from kvbridge.core.room import ChunkJob
-from kvbridge.engines import EngineError, TransferEngine, TransferHandle, WriteFenced
+from kvbridge.engines import (
+    EngineError,
+    EngineTimeout,
+    PendingWrite,
+    TransferEngine,
+    TransferHandle,
+    WriteFenced,
+)
 from kvbridge.engines.base import TransferState
 from kvbridge.wire.notifications import notification_for
+from kvbridge.write_gate import WriteGate
 from kvbridge.write_pipeline import WritePipeline
 from kvbridge.write_transfers import MAX_MERGED_WRITES
 
@@ -86,6 +94,7 @@ class FakeEngine(TransferEngine):
         self.progresses_on_its_own = not polled
         self.posted: list[FakeHandle] = []
         self.posted_changed = threading.Condition()
+        self.set_ups = 0  # writes set up (`prepare_write`), posted or not
 
     @classmethod
     def open(cls, endpoint_name: str, host: str, options: object) -> FakeEngine:  # type: ignore[override]
@@ -106,6 +115,10 @@ class FakeEngine(TransferEngine):
 
     def _connect(self, peer_endpoint: bytes) -> str:
         return peer_endpoint.decode()
+
+    def _prepare_write(self, peer: str, plan: TransferPlan, notify: bytes) -> PendingWrite:
+        self.set_ups += 1
+        return super()._prepare_write(peer, plan, notify)
 
     def _write(self, peer: str, plan: TransferPlan, notify: bytes) -> TransferHandle:
         handle = FakeHandle(self, notify, len(plan))
@@ -135,10 +148,15 @@ class Host:
         self.gate = threading.Event()
         self.gate.set()
         self.changed = threading.Condition()
+        self.rooms_ended: set[int] = set()
+        self.alone: bool = True  # every other write of a room ended (`completes_room`)
 
     def room_going(self, room: int) -> bool:
         assert self.gate.wait(WAIT_S)
-        return True
+        return room not in self.rooms_ended
+
+    def completes_room(self, write: Write) -> bool:
+        return write.room not in self.rooms_ended and self.alone
 
     def lease_problem(self, peer_id: str) -> str | None:
         return self.leases.get(peer_id)
@@ -164,7 +182,14 @@ LOCAL = rank_cache(seed=1, page_size=4, total_kv_heads=2, head_dim=8)
 REMOTE = rank_cache(seed=None, page_size=4, total_kv_heads=2, head_dim=8)
 
 
-def write(room: int, chunk: int, last: bool, cache: RankCache = REMOTE) -> Write:
+def write(
+    room: int,
+    chunk: int,
+    last: bool,
+    cache: RankCache = REMOTE,
+    gate: WriteGate | None = None,
+    complete_with: frozenset[int] = frozenset(),
+) -> Write:
     job = ChunkJob(
         room=room,
         peer_id=PEER,
@@ -177,9 +202,12 @@ def write(room: int, chunk: int, last: bool, cache: RankCache = REMOTE) -> Write
         dst_aux_index=None,
         src_state_indices=(),
         dst_state_indices=(),
+        gate=gate,
     )
     notify = notification_for(room, 0) if last else b""
-    return Write(room, job, cache.args, pair(LOCAL.args, cache.args), notify)
+    complete = notification_for(room, 0, complete=True) if last and complete_with else b""
+    pairing = pair(LOCAL.args, cache.args)
+    return Write(room, job, cache.args, pairing, notify, None, complete, complete_with)
 
 
 @pytest.fixture
@@ -298,3 +326,101 @@ def test_a_failed_write_and_one_to_a_peer_never_connected_are_reported(
     (_, (_, failure, _)) = host.wait_ended(2)
     assert isinstance(failure, EngineError)
     assert "not connected" in str(failure)
+
+
+def test_a_gated_write_is_set_up_at_once_and_posted_when_its_gate_opens(
+    rig: tuple[WritePipeline, FakeEngine, Host],
+) -> None:
+    """Gated writes wait, in order, and never merge: the one behind a closed gate (gated or
+    not) waits for it."""
+    pipeline, engine, host = rig
+    gates = [WriteGate(), WriteGate()]
+    writes = [write(1, 0, False, gate=gates[0]), write(1, 1, False, gate=gates[1])]
+    writes.append(write(1, 2, True))
+    for item in writes:
+        pipeline.submit(item)
+    time.sleep(0.05)
+    assert engine.posted == []
+    assert engine.set_ups == 1  # the first is set up and held (one transfer ahead at most)
+    assert not pipeline.idle
+    gates[0].open()
+    (first,) = engine.wait_posted(1)
+    engine.finish(first)
+    assert [w for w, _, _ in host.wait_ended(1)] == writes[:1]  # alone: not merged
+    time.sleep(0.05)
+    assert len(engine.posted) == 1  # the next gate is closed: nothing behind it goes
+    gates[1].open()
+    second, third = engine.wait_posted(3)[1:]
+    assert third.notify == notification_for(1, 0)  # the ungated last one set up as it was
+    for handle in (second, third):
+        engine.finish(handle)
+    assert [w for w, _, _ in host.wait_ended(3)] == writes
+    assert pipeline.idle
+
+
+def test_a_held_write_whose_room_ended_is_dropped_unwritten_and_the_next_goes(
+    rig: tuple[WritePipeline, FakeEngine, Host],
+) -> None:
+    pipeline, engine, host = rig
+    held = [write(1, layer, layer == 2, gate=WriteGate()) for layer in range(3)]
+    for item in held:
+        pipeline.submit(item)
+    behind = write(2, 0, True)
+    pipeline.submit(behind)
+    time.sleep(0.05)
+    host.rooms_ended.add(1)  # aborted mid-forward: its gates never open
+    (posted,) = engine.wait_posted(1)
+    assert posted.notify == notification_for(2, 0)
+    engine.finish(posted)
+    ended = host.wait_ended(4)
+    assert [w for w, _, _ in ended] == [*held, behind]
+    assert all(failure is None and not completed for _, failure, completed in ended)
+    assert len(engine.posted) == 1  # nothing of room 1
+
+
+@pytest.mark.parametrize("alone", [True, False])
+def test_a_gated_last_write_completes_its_room_when_the_others_ended_before_its_post(
+    rig: tuple[WritePipeline, FakeEngine, Host], alone: bool
+) -> None:
+    """Handed out with the room's earlier layers still out, its complete notification was not
+    allowed then; asked again at the post, it is when they all ended, written."""
+    pipeline, engine, host = rig
+    host.alone = alone
+    gate = WriteGate()
+    pipeline.submit(write(1, 3, True, gate=gate, complete_with=frozenset({0, 1, 2})))
+    gate.open()
+    (handle,) = engine.wait_posted(1)
+    engine.finish(handle)
+    ((_, failure, completed),) = host.wait_ended(1)
+    assert failure is None
+    assert completed is alone
+    assert handle.notify == notification_for(1, 0, complete=alone)
+
+
+def test_a_write_gate_opens_once_and_tells_each_waiter() -> None:
+    gate, told = WriteGate(), []
+    gate.when_open(lambda: told.append("first"))
+    assert not gate.is_open
+    gate.open()
+    gate.open()
+    assert gate.is_open
+    gate.when_open(lambda: told.append("late"))  # open already: at once
+    assert told == ["first", "late"]
+
+
+def test_a_gate_that_stays_closed_longer_than_a_write_may_take_fails_its_write(
+    rig: tuple[WritePipeline, FakeEngine, Host],
+) -> None:
+    """A forward that stopped without opening its gate and without ending its room: the held
+    write fails (its room with it) and the writes behind it go on."""
+    pipeline, engine, host = rig
+    pipeline.submit(write(1, 0, False, gate=WriteGate()))
+    pipeline.submit(write(2, 0, True))
+    time.sleep(0.05)
+    assert engine.posted == []
+    pipeline._clock.now += 61.0  # type: ignore[attr-defined]  # past write_timeout_s (60)
+    ((_, failure, _),) = host.wait_ended(1)
+    assert isinstance(failure, EngineTimeout)
+    assert "stayed closed" in str(failure)
+    engine.finish(engine.wait_posted(1)[0])
+    assert host.wait_ended(2)[1][1] is None

@@ -22,13 +22,17 @@ if importlib.util.find_spec("vllm") is None:
     )
 
 from test_connector import complete_all
+from test_model_families import KV_BLOCKS, assert_blocks_arrived
 from vllm_harness import (
+    FAMILY_ENV,
+    LENGTHS,
     MAX_TOKENS,
     PROMPTS,
     Instance,
     Server,
     free_port,
     kvbridge_config,
+    make_model,
     stats_lines_at_every_level,
 )
 
@@ -128,6 +132,43 @@ def test_through_vllm_serve_and_the_proxy_in_decode_first_mode(
                 proxy.shutdown()
             assert tokens == [reference[tuple(p)] for p in PROMPTS]
             assert "KV load failed" not in decode.log(tail=None)
+        finally:
+            decode.close()
+    finally:
+        prefill.close()
+
+
+def test_mla_decode_first_writes_the_latent_layer_by_layer_byte_exact(tmp_path: Path) -> None:
+    """A DeepSeek-V2-shaped MLA model (one latent KV cache group, vLLM's CPU MLA with blocks
+    of 16): decode asks first and each layer's latent goes out during prefill's chunked
+    forward; every whole block decode holds equals prefill's, byte for byte. (Tokens: MLA's
+    CPU decode of the random model has near ties that batching flips, see
+    test_model_families.py.)"""
+    model = make_model(tmp_path / "mla", family="mla")
+    port = free_port()
+    bootstrap = f"http://127.0.0.1:{port}"
+    env = {**FAMILY_ENV["mla"], **KV_BLOCKS}
+    prefill = Instance(
+        model,
+        kvbridge_config("kv_producer", "nixl", bootstrap_port=port),
+        tmp_path / "mla-prefill.log",
+        env={**env, **CHUNKED},
+    )
+    try:
+        decode = Instance(
+            model, kvbridge_config("kv_consumer", "nixl"), tmp_path / "mla-d.log", env=env
+        )
+        try:
+            to_prefill, to_decode = params(bootstrap, len(PROMPTS))
+            decode.call("submit", prompts=PROMPTS, max_tokens=MAX_TOKENS, params=to_decode)
+            time.sleep(2.0)  # its requests reach prefill first
+            prefilled = prefill.generate(PROMPTS, 1, to_prefill)["outputs"]
+            outputs = decode.call("collect")["outputs"]
+            assert assert_blocks_arrived(prefilled, outputs) == sum((n - 1) // 16 for n in LENGTHS)
+            streamed = prefill.wait_for(lambda s: s["connector"]["requests_sent"] == len(PROMPTS))
+            assert streamed["connector"]["layer_writes"] >= 2 * len(PROMPTS)
+            assert counters(decode)["requests_loaded"] == len(PROMPTS)
+            assert "KV load failed" not in decode.log()
         finally:
             decode.close()
     finally:

@@ -277,6 +277,7 @@ class PrefillRoom:
                         else ()
                     ),
                     layers=chunk.layers,
+                    gate=chunk.gate,
                 )
             )
         if chunk.layers is None or chunk.layers[1] == self.num_layers:  # the chunk is complete

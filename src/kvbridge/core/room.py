@@ -8,7 +8,9 @@ prefill sends, the write jobs made of them and decode's page lists for them are 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -76,17 +78,29 @@ class RoomStatus:
         return self.poll.name, str(kind) if self.poll == KVPoll.Failed else ""
 
 
+class Gate(Protocol):
+    """What holds a chunk's writes back until its data is computed (`kvbridge.WriteGate`):
+    the writes are planned and set up at once and posted when it opens. Opaque to the core,
+    which hands the writes out as any other; the write pipeline waits on it."""
+
+    @property
+    def is_open(self) -> bool: ...
+
+    def when_open(self, callback: Callable[[], None]) -> None: ...
+
+
 @dataclass(frozen=True)
 class Chunk:
-    """A piece of a room's KV cache that prefill has computed and wants sent: its pages, of
-    every layer or (a layer-wise write) of the layers at positions `layers[0]..layers[1] - 1`
-    only."""
+    """A piece of a room's KV cache that prefill has computed, or (with a `gate`) will have
+    computed when the gate opens, and wants sent: its pages, of every layer or (a layer-wise
+    write) of the layers at positions `layers[0]..layers[1] - 1` only."""
 
     src_pages: npt.NDArray[np.int64]
     last: bool
     aux_index: int | None = None
     state_indices: tuple[int, ...] = ()
     layers: tuple[int, int] | None = None
+    gate: Gate | None = None
 
 
 @dataclass(frozen=True)
@@ -109,6 +123,7 @@ class ChunkJob:
     src_state_indices: tuple[int, ...]
     dst_state_indices: tuple[int, ...]
     layers: tuple[int, int] | None = None  # the layer positions it writes; None: every one
+    gate: Gate | None = None  # its chunk's: posted once it opens
 
 
 @dataclass(frozen=True)

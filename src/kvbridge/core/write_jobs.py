@@ -74,6 +74,15 @@ class JobTable:
         """The room's jobs not ended yet (queued or handed out)."""
         return len(self.of_room.get(room, ()))
 
+    def alone_to_peer(self, job: ChunkJob) -> bool:
+        """Whether every other job of `job`'s room to its decode rank ended (one that failed
+        failed the room): a complete notification of `job` would then complete the room
+        there. A gated write handed out with the room's earlier layers asks at its post."""
+        key = (job.room, job.chunk_idx, job.peer_id)
+        return all(
+            other == key or other[2] != job.peer_id for other in self.of_room.get(job.room, ())
+        )
+
     def in_flight(self, room: int) -> bool:
         """Whether a job of the room is handed out: the engine may still read its pages or
         land bytes in decode's."""

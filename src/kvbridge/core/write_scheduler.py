@@ -9,7 +9,7 @@ never fits. What a job's end means for its room is `PrefillRooms.job_ended`."""
 from __future__ import annotations
 
 import heapq
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterator
 
 import numpy as np
@@ -64,6 +64,12 @@ class WriteScheduler:
         # Per decode peer, the queued jobs by (room arrival, chunk, room): a heap, oldest first.
         self._queued: dict[str, list[tuple[int, int, int]]] = {}
         self._out: Counter[str] = Counter()  # jobs handed out, per decode peer
+        # Gated jobs in the order they were queued: each handed out at once, outside the
+        # window (it moves only when its gate opens, and the pipeline posts in hand-out
+        # order, so the owner's order — a forward's layers, each layer's rooms together —
+        # is the order they go in; held in the window, closed gates would hold back the
+        # rooms behind them until the forward's end).
+        self._gated: deque[JobKey] = deque()
         # Staging asks by when their deadline runs out (by when asked).
         self._staging_due: DueQueue[tuple[float, JobKey]] = DueQueue()
         # This rank's staging buffer, shared by the chunks gathered into it while they move.
@@ -71,17 +77,30 @@ class WriteScheduler:
         self._local = StagingRing(usable, RING_ALIGNMENT) if usable else None
 
     def queue(self, state: PrefillRoom, jobs: list[ChunkJob]) -> None:
-        """Queue a room's jobs behind those of older rooms toward the same peer."""
+        """Queue a room's jobs behind those of older rooms toward the same peer (a gated
+        job: behind every gated job queued before it)."""
         for job in jobs:
-            self.jobs.add(WriteJob(job))
+            entry = WriteJob(job)
+            self.jobs.add(entry)
+            if job.gate is not None:
+                self._gated.append(entry.key)
+                continue
             heapq.heappush(
                 self._queued.setdefault(job.peer_id, []), (state.sequence, job.chunk_idx, job.room)
             )
 
     def dispatch(self, now: float) -> list[Action]:
-        """Hand out queued jobs, oldest room first, while a peer has fewer than
-        `writes_in_flight` out (and a gathered chunk has room in the staging buffer)."""
+        """Hand out queued jobs: gated ones at once, in order; the others oldest room first,
+        while a peer has fewer than `writes_in_flight` of them out (and a gathered chunk has
+        room in the staging buffer)."""
         actions: list[Action] = []
+        while self._gated:
+            entry = self.jobs.get(self._gated.popleft())
+            state = self.rooms.get(entry.job.room) if entry is not None else None
+            if entry is not None and state is not None and not state.status.finished:
+                actions += self._start(state, entry, now) or []  # (never gathered: not None)
+            elif entry is not None:  # its room ended: nothing of it starts
+                actions += self.job_ended(entry)
         window = self.settings.writes_in_flight
         for peer_id in list(self._queued):
             queued = self._queued[peer_id]
@@ -105,7 +124,8 @@ class WriteScheduler:
 
     def _hand_out(self, state: PrefillRoom, entry: WriteJob) -> None:
         entry.handed_out = True
-        self._out[entry.job.peer_id] += 1
+        if entry.job.gate is None:
+            self._out[entry.job.peer_id] += 1
 
     def job_ended(self, entry: WriteJob) -> list[Action]:
         """A job ended (written, failed, its staging answered for a room that failed, or
@@ -115,7 +135,7 @@ class WriteScheduler:
         if entry.local is not None:
             assert self._local is not None
             self._local.free(entry.local)
-        if entry.handed_out:
+        if entry.handed_out and entry.job.gate is None:
             self._out[entry.job.peer_id] -= 1
         return self.rooms.job_ended(entry.job.room, entry.handed_out)
 
@@ -128,7 +148,8 @@ class WriteScheduler:
             why = peer.error.reason if peer is not None and peer.error else "not connected"
             failure = Failure(FailureKind.ENGINE, f"room {state.room}: {why}")
             return [*self.rooms.fail(state, failure), *self.job_ended(entry)]
-        if not peer.pairing.stageable or job.layers is not None:  # layer ranges: not gathered
+        # Layer ranges are not gathered, nor a gated chunk (its data is not computed yet).
+        if not peer.pairing.stageable or job.layers is not None or job.gate is not None:
             self._hand_out(state, entry)
             return [self._write(entry, peer, None)]
         gather = gathering(self.settings.kv_args, self._local, job, peer)

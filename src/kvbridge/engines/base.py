@@ -114,17 +114,31 @@ class PendingWrite:
     whatever runs after `start()` waits for the copy."""
 
     def __init__(
-        self, start: Callable[[], TransferHandle], release: Callable[[], None] | None = None
+        self,
+        start: Callable[[], TransferHandle],
+        release: Callable[[], None] | None = None,
+        start_notifying: Callable[[bytes], TransferHandle] | None = None,
     ) -> None:
         self._start: Callable[[], TransferHandle] | None = start
         self._release = release
+        self._start_notifying = start_notifying
 
-    def start(self) -> TransferHandle:
-        """Post the write (once)."""
+    @property
+    def renotifiable(self) -> bool:
+        """Whether `start` can send another notification than the one it was set up with."""
+        return self._start_notifying is not None
+
+    def start(self, notify: bytes | None = None) -> TransferHandle:
+        """Post the write (once); with `notify` (where `renotifiable`), that notification in
+        place of the one it was set up with."""
         if self._start is None:
             raise RuntimeError("this write was started or released already")
         start, self._start = self._start, None
-        return start()
+        if notify is None:
+            return start()
+        if self._start_notifying is None:
+            raise RuntimeError("this write's notification is fixed")
+        return self._start_notifying(notify)
 
     def release(self) -> None:
         """Drop the write without starting it (idempotent; nothing once started)."""
@@ -189,7 +203,10 @@ class TransferEngine(ABC):
         return self._prepare_write(peer, plan, notify)
 
     def _prepare_write(self, peer: str, plan: TransferPlan, notify: bytes) -> PendingWrite:
-        return PendingWrite(lambda: self._write(peer, plan, notify))
+        return PendingWrite(
+            lambda: self._write(peer, plan, notify),
+            start_notifying=lambda message: self._write(peer, plan, message),
+        )
 
     def check_bounds(self, peer: str, plan: TransferPlan) -> None:
         for side, regions, addresses in (

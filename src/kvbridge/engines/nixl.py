@@ -240,9 +240,9 @@ class NixlEngine(TransferEngine):
         except Exception as exc:
             raise EngineError(NAME, "write", str(exc)) from None
 
-        def start() -> TransferHandle:
+        def start(notify: bytes = b"") -> TransferHandle:
             try:
-                state = agent.transfer(handle)
+                state = agent.transfer(handle, notify)  # b"": the one it was set up with
             except Exception as exc:
                 with contextlib.suppress(Exception):  # the post's own error is the one to tell
                     agent.release_xfer_handle(handle)
@@ -252,7 +252,7 @@ class NixlEngine(TransferEngine):
                 raise EngineError(NAME, "write", "NIXL refused to post the transfer (state ERR)")
             return _NixlHandle(agent, handle)
 
-        return PendingWrite(start, lambda: agent.release_xfer_handle(handle))
+        return PendingWrite(start, lambda: agent.release_xfer_handle(handle), start)
 
     delivers_notifications = True
 

@@ -1,8 +1,10 @@
 """Prefill's worker side, decode first: each streamed request's room, written during the
 forward. Before a step's forward (`begin`), the blocks the step completes (`StreamSpec`) are
-this step's pages of each room; as the forward saves each attention layer (vLLM's
-`save_kv_layer`), the layer goes out for every room whose decode ranks have all asked; after
-the forward (`end`), what is left of the step. A room decode has not asked for yet keeps its
+this step's pages of each room, and every layer of them is handed over at once for each room
+whose decode ranks have all asked, layer by layer behind one `WriteGate` per layer (set up
+before the forward, so that only the copy is left after it); as the forward saves each
+attention layer (vLLM's `save_kv_layer`) its gate opens; after the forward (`end`), every
+gate of the step is open. A room decode has not asked for yet keeps its
 computed pages back and sends them whole once it has, or with the prompt's end: the
 whole-request write, done when decode's request comes. When the request ends, its send takes
 the room over (`take`). Runs on the engine's thread; no vLLM import."""
@@ -18,6 +20,7 @@ from kvbridge.integrations.vllm_requests import StreamSpec
 from kvbridge.integrations.vllm_stats import ConnectorCounters
 from kvbridge.prefill import KVSender, PrefillManager
 from kvbridge.wire.messages import KVPoll
+from kvbridge.write_gate import WriteGate
 
 log = logging.getLogger("kvbridge.vllm")
 
@@ -31,7 +34,6 @@ class Stream:
     sender: KVSender
     held: list[int] = field(default_factory=list)  # pages computed, not sent: decode not asked
     pages: tuple[int, ...] = ()  # this step's pages, going out layer by layer
-    layers_sent: int = 0  # of this step's pages
     final: bool = False  # this step ends the prompt
     done: bool = False  # the room's last chunk went
     layer_writes: int = 0  # chunks sent by layer range (the rest went whole)
@@ -46,12 +48,14 @@ class Streams:
         self._counters = counters
         self._layers = cache.kv_args.num_layers
         self._streams: dict[str, Stream] = {}
-        self._stepping: list[Stream] = []  # this step's rooms that go out by layer
+        self._gates: list[WriteGate] = []  # this step's, one per layer position
+        self._stepping: list[Stream] = []  # this step's rooms behind them
         self._lock = threading.Lock()  # `take` comes from the send inbox's thread
 
     def begin(self, specs: list[StreamSpec]) -> None:
-        """Before the forward: this step's pages of each streamed request."""
-        self._stepping = []
+        """Before the forward: this step's pages of each streamed request, handed over."""
+        self._abandon_step()
+        stepping: list[Stream] = []
         for spec in specs:
             stream = self._open(spec)
             if stream is None or stream.done:
@@ -62,27 +66,34 @@ class Streams:
                 if stream.held:  # computed before decode asked: complete, whole
                     self._send(stream, stream.held, None, last=False)
                     stream.held = []
-                stream.pages, stream.layers_sent = tuple(pages), 0
-                self._stepping.append(stream)
+                stream.pages = tuple(pages)
+                stepping.append(stream)
             else:
                 stream.held += pages
                 stream.pages = ()
+        if not stepping:
+            return
+        # Layer-major: writes go in the order handed over, and the gates open in layer order.
+        self._gates, self._stepping = [WriteGate() for _ in range(self._layers)], stepping
+        for layer, gate in enumerate(self._gates):
+            for stream in stepping:
+                last = stream.final and layer == self._layers - 1
+                self._send(stream, list(stream.pages), range(layer, layer + 1), last, gate)
+        for stream in stepping:
+            stream.pages = ()
 
     def layer_saved(self, name: str) -> None:
-        """The forward saved a layer: it goes out, with any before it that did not."""
+        """The forward saved a layer: its writes go, with any before it that did not."""
         position = self._cache.layer_positions.get(name)
         if position is None:
             return  # a layer that shares another's KV: written with it
-        for stream in self._stepping:
-            if stream.pages and stream.layers_sent <= position:
-                self._send_layers(stream, position + 1)
+        for gate in self._gates[: position + 1]:
+            gate.open()
 
     def end(self) -> None:
-        """After the forward: what is left of this step's layers; a room decode has not
-        asked for sends its pages whole with the prompt's end."""
-        for stream in self._stepping:
-            if stream.pages and stream.layers_sent < self._layers:
-                self._send_layers(stream, self._layers)
+        """After the forward: every layer of this step goes; a room decode has not asked for
+        sends its pages whole with the prompt's end."""
+        self._open_gates()
         with self._lock:
             streams = list(self._streams.values())
         for stream in streams:
@@ -90,18 +101,36 @@ class Streams:
                 continue
             self._send(stream, stream.held, None, last=True)  # written when decode asks
             stream.held = []
-        self._stepping = []
+
+    def _open_gates(self) -> None:
+        for gate in self._gates:
+            gate.open()
+        self._gates, self._stepping = [], []
+
+    def _abandon_step(self) -> None:
+        """A step whose forward never ended (no `end`): its closed gates hold layers never
+        computed, so its rooms fail (their held writes are dropped) rather than the gates
+        opening."""
+        if not any(not gate.is_open for gate in self._gates):
+            self._gates, self._stepping = [], []
+            return
+        for stream in self._stepping:  # (done too: its last layer never went)
+            self._abort(stream, "the forward that computed its layers never ended")
+        self._gates, self._stepping = [], []
 
     def abort(self, request_id: str, reason: str) -> None:
         """The request's room fails; nothing more of it goes out."""
         with self._lock:
             stream = self._streams.get(request_id)
         if stream is not None and not stream.done:
-            stream.done = True
-            try:
-                stream.sender.abort(reason)
-            except Exception as exc:  # never into vLLM's step
-                log.error("room %d: %r", stream.sender.room, exc)
+            self._abort(stream, reason)
+
+    def _abort(self, stream: Stream, reason: str) -> None:
+        stream.done = True
+        try:
+            stream.sender.abort(reason)
+        except Exception as exc:  # never into vLLM's step
+            log.error("room %d: %r", stream.sender.room, exc)
 
     def take(self, request_id: str) -> Stream | None:
         """The request's stream, handed to its send (None: it was never streamed here)."""
@@ -123,21 +152,20 @@ class Streams:
             self._streams[spec.request_id] = stream
         return stream
 
-    def _send_layers(self, stream: Stream, stop: int) -> None:
-        start = stream.layers_sent
-        stream.layers_sent = stop
-        last = stream.final and stop == self._layers
-        self._send(stream, list(stream.pages), range(start, stop), last)
-        if stop == self._layers:
-            stream.pages = ()
-
-    def _send(self, stream: Stream, pages: list[int], layers: range | None, last: bool) -> None:
+    def _send(
+        self,
+        stream: Stream,
+        pages: list[int],
+        layers: range | None,
+        last: bool,
+        gate: WriteGate | None = None,
+    ) -> None:
         """One chunk (or layer range of one); `last`: the room's last. A send that fails
         fails the room, never the forward."""
         if stream.done:
             return
         try:
-            stream.sender.send(pages, last=last, layers=layers)
+            stream.sender.send(pages, last=last, layers=layers, gate=gate)
         except Exception as exc:
             log.error("room %d: streaming stopped: %r", stream.sender.room, exc)
             stream.done = True

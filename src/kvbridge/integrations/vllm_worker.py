@@ -212,8 +212,7 @@ class WorkerSide:
             return
         for request_id in aborts:
             self._streams.abort(request_id, "vLLM preempted the prefill request")
-        if streams:
-            self._streams.begin(streams)
+        self._streams.begin(streams)  # (with none, it still ends a step that never ended)
 
     def layer_saved(self, name: str) -> None:
         if self._streams is not None:
