@@ -8,6 +8,7 @@ from kvbridge_tools.bench_tables import Document, table, tokens
 
 CONNECTOR_NAMES = {
     "kvbridge-nixl": "kvbridge, NIXL",
+    "kvbridge-nixl-stream": "kvbridge, NIXL, decode first (layer-wise)",
     "kvbridge-mooncake": "kvbridge, Mooncake (TCP)",
     "vllm-nixl": "vLLM NixlConnector",
     "vllm-nixl-push": "vLLM NixlPushConnector",
