@@ -235,7 +235,7 @@ class WritePipeline:
             # every WRITE_WAIT_S: one that ended drops it); else take what arrived.
             items: list[_Wake | None] = []
             if held and not posted:
-                items += self._wait_engine_queue(WRITE_WAIT_S)
+                self._wait_for_engine()  # (what woke it stays on the queue: taken below)
             elif not posted:
                 items.append(self._to_engine.get())
             while True:
@@ -285,12 +285,6 @@ class WritePipeline:
                     self._wait_for_engine()
                 else:
                     clock.sleep(WRITE_POLL_S)
-
-    def _wait_engine_queue(self, timeout_s: float) -> list[_Wake | None]:
-        try:
-            return [self._to_engine.get(timeout=timeout_s)]
-        except queue.Empty:
-            return []
 
     def _drop_held(self, held_s: float) -> bool:
         """The held transfer dropped if its room ended meanwhile (aborted or failed: a gate

@@ -111,11 +111,9 @@ class Streams:
         """A step whose forward never ended (no `end`): its closed gates hold layers never
         computed, so its rooms fail (their held writes are dropped) rather than the gates
         opening."""
-        if not any(not gate.is_open for gate in self._gates):
-            self._gates, self._stepping = [], []
-            return
-        for stream in self._stepping:  # (done too: its last layer never went)
-            self._abort(stream, "the forward that computed its layers never ended")
+        if not all(gate.is_open for gate in self._gates):
+            for stream in self._stepping:  # (done too: its last layer never went)
+                self._abort(stream, "the forward that computed its layers never ended")
         self._gates, self._stepping = [], []
 
     def abort(self, request_id: str, reason: str) -> None:
