@@ -341,7 +341,9 @@ class KVSender:
         gate: Gate | None = None,
     ) -> None:
         """Queue the next chunk of this room's pages (in order); `last` ends the room and
-        carries the aux slot and the state slots.
+        carries the aux slot and the state slots. A page index -1 (`SKIPPED_PAGE`) is a
+        position this rank does not hold (a sliding window dropped it): nothing is written
+        there, and the room fails (incompatible) if decode needs that position.
 
         Layer-wise: `layers` (positions in `KVArgs.layer_ids`, a step-1 range) sends only
         those layers of the pages, written while the forward computes the next ones; a

@@ -209,6 +209,26 @@ def test_a_peer_that_cannot_be_served_fails_its_rooms_with_the_kind() -> None:
     assert "uses engine mooncake" in failed.reason
 
 
+def test_a_room_whose_decode_needs_a_page_prefill_dropped_fails_as_incompatible() -> None:
+    """A sliding-window group's dropped blocks (-1 in prefill's pages) are fine where decode
+    skips them; where decode needs one, the room fails with the position, its earlier
+    write drains first."""
+    prefill = protocol()
+    leased(prefill)
+    prefill.handle(SenderOpened(1), 0.0)
+    prefill.handle(ChunkSubmitted(1, Chunk(np.array([-1, 4]), last=False)), 0.0)
+    (first,) = writes(prefill.handle(request(1, [-1, 11, 12, 13]), 0.1))
+    assert first.job.src_pages.tolist() == [4]
+    actions = prefill.handle(ChunkSubmitted(1, Chunk(np.array([5, -1]), True, 0)), 0.2)
+    assert writes(actions) == []
+    assert messages(actions, TransferStatus) == []  # it fails once its write ended
+    (failed,) = messages(prefill.handle(WriteEnded(first), 0.3), TransferStatus)
+    assert isinstance(failed, TransferStatus)
+    assert (failed.status, failed.failure_kind) == (KVPoll.Failed, FailureKind.INCOMPATIBLE)
+    assert "decode needs the page at position 3 of the room" in failed.reason
+    assert prefill.pages_safe(1)
+
+
 def test_a_rooms_chunks_go_out_together_and_success_waits_for_every_write() -> None:
     prefill = protocol()
     leased(prefill)

@@ -10,7 +10,7 @@ import pytest
 
 from kvbridge.core.decode_room import DecodeRoom
 from kvbridge.core.prefill_room import TRANSITIONS, LifecycleError, Phase, PrefillRoom, Step
-from kvbridge.core.room import Chunk, Failure, RoomStatus
+from kvbridge.core.room import Chunk, Failure, NotHeld, RoomStatus
 from kvbridge.wire import FailureKind, KVPoll, TransferRequest
 from kvbridge.wire.notifications import notification_for, parse_notification
 
@@ -220,6 +220,43 @@ def test_skipped_positions_need_one_page_size_and_no_dcp() -> None:
     assert room.request_problem(negative, dst_page_size=4) == (
         "room 1: decode page index -2 (only -1 skips a page)"
     )
+
+
+def test_pages_prefill_does_not_hold_go_nowhere_where_decode_needs_nothing() -> None:
+    # A sliding window: prefill dropped the blocks of room pages 0 and 1 (-1), decode needs
+    # only pages 2-4 of its window; a page past decode's list may be missing too.
+    room = PrefillRoom(1, page_size=4)
+    room.on_request(request("d0", [-1, -1, 20, 21, 22]))
+    room.add_chunk(Chunk(np.array([-1, -1, 5, 6, 7, -1]), last=True, aux_index=0))
+    (job,) = room.next_jobs()
+    assert (job.src_pages.tolist(), job.page_offset, job.dst_pages.tolist()) == (
+        [5, 6, 7],
+        0,
+        [20, 21, 22],
+    )
+    # Decode without gaps, whose list ends before the missing page: nothing is missed.
+    room = PrefillRoom(1, page_size=4)
+    room.on_request(request("d0", [20, 21]))
+    room.add_chunk(Chunk(np.array([5, 6, -1]), last=True, aux_index=0))
+    (job,) = room.next_jobs()
+    assert (job.src_pages.tolist(), job.page_offset) == ([5, 6], 0)
+
+
+@pytest.mark.parametrize("pages", [[-1, 20, 21], [20, 21, 22]])
+def test_a_page_decode_needs_and_prefill_does_not_hold_is_refused(pages: list[int]) -> None:
+    room = PrefillRoom(1, page_size=4)
+    room.on_request(request("d0", pages))
+    room.add_chunk(Chunk(np.array([5, -1, 7]), last=True, aux_index=0))
+    with pytest.raises(NotHeld, match="room 1: decode needs the page at position 1 of the room"):
+        room.next_jobs()
+
+
+def test_pages_prefill_does_not_hold_need_aligned_pages() -> None:
+    room = PrefillRoom(1, page_size=4)
+    room.on_request(request("d0", [20, 21]), aligned=False)  # decode's pages hold 8 tokens
+    room.add_chunk(Chunk(np.array([-1, 5, 6, 7]), last=True, aux_index=0))
+    with pytest.raises(NotHeld, match="need pages of one size on both sides and no DCP"):
+        room.next_jobs()
 
 
 def test_a_prefill_room_moves_only_through_its_transition_table() -> None:

@@ -16,6 +16,7 @@ from kv_cache import rank_cache
 from kvbridge.cache import GeometryError, PlanError
 from kvbridge.cache.plan import pair, plan_slots, plan_state_slices
 from kvbridge.cache.topology import rank_heads, topology
+from kvbridge.core.room import Destination, NotHeld
 from kvbridge.integrations.vllm_blocks import (
     NULL_BLOCK,
     Group,
@@ -24,6 +25,8 @@ from kvbridge.integrations.vllm_blocks import (
     LoadPlanError,
     blocks_to_load,
     blocks_to_send,
+    decode_first_layout,
+    from_position_zero,
     state_block,
 )
 from kvbridge.integrations.vllm_cache import (
@@ -33,7 +36,7 @@ from kvbridge.integrations.vllm_cache import (
     describe_kv_caches,
     layer_index,
 )
-from kvbridge.wire import KVLayout
+from kvbridge.wire import KVLayout, TransferRequest
 
 torch_missing = importlib.util.find_spec("torch") is None
 DEVICES = [
@@ -76,6 +79,55 @@ def test_one_room_moves_every_group_and_decode_skips_what_it_has() -> None:
     # The last group's positions past decode's blocks are not marked (decode's last block is
     # prefill's last: blocks_to_load).
     assert cache.load_contents([[20]], [0], [3], set()) == RoomContents([40, 41], [])
+
+
+@pytest.mark.parametrize("prefill_window_first", [0, 1, 2, 3])
+def test_decode_first_pairs_a_sliding_windows_blocks_by_position_or_refuses(
+    prefill_window_first: int,
+) -> None:
+    """Decode first, full attention and a sliding window (blocks of 4 tokens, 14 tokens):
+    both sides lay the room out from position 0; prefill marks the window blocks it dropped
+    (its window moved with its chunks), decode skips the ones before its own window. Every
+    page decode needs comes from the block at its position, or the room is refused: never
+    a null block's bytes."""
+    groups, tokens = (Group(GroupKind.FULL, 4), Group(GroupKind.SLIDING, 4)), 14
+    args = rank_cache(
+        num_pages=64, seed=None, layer_ids=(0,), page_size=4, total_kv_heads=1, head_dim=4
+    ).args
+    cache = VLLMCache(args)
+    prefill_ids = (
+        [10, 11, 12, 13],
+        [0] * prefill_window_first + [20, 21, 22, 23][prefill_window_first:],
+    )
+    sent = blocks_to_send(groups, prefill_ids, tokens)
+    moving = from_position_zero(groups, sent, tokens)
+    src = np.array(cache.send_contents(moving, set()).pages)
+    decode_window_first = 2  # decode's window: its last two blocks
+    decode_ids = ([30, 31, 32, 33], [0, 0, 42, 43])
+    layout = decode_first_layout(groups, tokens)
+    loads = blocks_to_load(groups, decode_ids, 0, tokens, layout)
+    contents = cache.load_contents(
+        [load.blocks for load in loads],
+        [load.skip for load in loads],
+        [c for _, c in layout],
+        set(),
+    )
+    request = TransferRequest(1, "d", False, np.array(contents.pages, np.int32), 0, [], 1)
+    destination = Destination.of(request)
+    if prefill_window_first > decode_window_first:
+        with pytest.raises(NotHeld, match="position 6 of the room"):
+            destination.pair(0, src)
+        return
+    pages, first = destination.pair(0, src)
+    assert first == 0
+    assert dict(zip(destination.pages.tolist(), pages.tolist(), strict=True)) == {
+        30: 10,
+        31: 11,
+        32: 12,
+        33: 13,
+        42: 22,
+        43: 23,
+    }
 
 
 def test_layer_numbers_come_from_vllm_layer_names() -> None:

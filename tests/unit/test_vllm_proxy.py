@@ -347,3 +347,37 @@ def test_decode_first_cuts_decode_off_when_prefill_fails() -> None:
         decode.close()
     with pytest.raises(ValueError, match="not an http://host:port URL"):
         PDProxy(["http://a:1"], ["http://c:1"], prefill_bootstrap=["http://d"])
+
+
+def test_decode_first_with_a_data_parallel_prefill_sends_each_request_to_one_rank() -> None:
+    """`--prefill-data-parallel-size 2`: each request goes to one DP rank of the prefill
+    instance (vLLM's X-data-parallel-rank header), fewest in flight first, and decode asks
+    that rank's bootstrap service (the instance's port + the rank's index) for the room."""
+    prefill = StandIn(lambda body: (200, {"kv_transfer_params": {}}))
+    decode = StandIn(lambda body: (200, {"choices": [{"token_ids": [4]}]}))
+    proxy = PDProxy(
+        [prefill.url],
+        [decode.url],
+        prefill_bootstrap=["http://10.0.0.1:8998"],
+        prefill_dp_size=2,
+    )
+    threading.Thread(target=proxy.serve_forever, daemon=True).start()
+    try:
+        for _ in range(4):
+            status, _ = post(proxy.url, "/v1/completions", {"prompt": [5], "max_tokens": 8})
+            assert status == 200
+        ranks = [headers["X-data-parallel-rank"] for headers in prefill.headers]
+        assert sorted(ranks) == ["0", "0", "1", "1"]
+        for rank, to_prefill, to_decode in zip(ranks, prefill.bodies, decode.bodies, strict=True):
+            loading = to_decode["kv_transfer_params"]
+            assert loading["kvbridge_bootstrap_url"] == f"http://10.0.0.1:{8998 + int(rank)}"
+            assert loading["kvbridge_room"] == to_prefill["kv_transfer_params"]["kvbridge_room"]
+        assert all("X-data-parallel-rank" not in headers for headers in decode.headers)
+    finally:
+        proxy.shutdown()
+        prefill.close()
+        decode.close()
+    with pytest.raises(ValueError, match="is for decode first"):
+        PDProxy(["http://a:1"], ["http://c:1"], prefill_dp_size=2)
+    with pytest.raises(ValueError, match="give 1 or more"):
+        PDProxy(["http://a:1"], ["http://c:1"], prefill_bootstrap=["http://d:1"], prefill_dp_size=0)

@@ -7,8 +7,9 @@ from types import SimpleNamespace
 from typing import Any
 
 from kvbridge.integrations.vllm_blocks import Group, GroupKind
+from kvbridge.integrations.vllm_load_plan import SchedulerConfig
 from kvbridge.integrations.vllm_requests import SendSpec
-from kvbridge.integrations.vllm_scheduler import SchedulerConfig, SchedulerSide
+from kvbridge.integrations.vllm_scheduler import SchedulerSide
 
 HYBRID = (Group(GroupKind.STATE, 64), Group(GroupKind.FULL, 4))
 

@@ -12,6 +12,7 @@ import pytest
 
 from kvbridge.integrations.vllm_blocks import Group, GroupKind, blocks_to_stream
 from kvbridge.integrations.vllm_cache import VLLMCache
+from kvbridge.integrations.vllm_load_plan import SchedulerConfig
 from kvbridge.integrations.vllm_requests import (
     RemotePrefill,
     SendSpec,
@@ -19,7 +20,7 @@ from kvbridge.integrations.vllm_requests import (
     decode_first_request,
     stream_prefill_request,
 )
-from kvbridge.integrations.vllm_scheduler import SchedulerConfig, SchedulerSide
+from kvbridge.integrations.vllm_scheduler import SchedulerSide
 from kvbridge.integrations.vllm_stats import ConnectorCounters
 from kvbridge.integrations.vllm_streams import Streams
 from kvbridge.wire.messages import KVPoll
@@ -123,12 +124,51 @@ def test_decode_plans_a_decode_first_load_as_if_prefill_had_answered() -> None:
         ((0, 3),),
         (4,),
     )
-    # Several KV cache groups are not planned unanswered: computed here, the room released.
+    # A hybrid's groups are planned from position 0 as well: the state group's one block,
+    # and with a recurrent state prefill stops a token short (decode computes it).
     hybrid = SchedulerSide(SchedulerConfig("d", False, (*FULL, Group(GroupKind.STATE, 64))))
     other = request(10, decode_first_request({}, URL, 77)["kv_transfer_params"])
-    assert hybrid.matched_tokens(other, 0) == (0, False)
-    hybrid.after_alloc(other, ([1], [2]), 0)
-    assert hybrid.take_step(idle=False).releases == [remote]
+    assert hybrid.matched_tokens(other, 0) == (9, True)
+    hybrid.after_alloc(other, ([30, 31, 32], [7]), 9)
+    (load,) = hybrid.take_step(idle=False).loads
+    assert load.error is None
+    assert (load.remote.num_tokens, load.remote.blocks, load.remote.block_sizes) == (
+        9,
+        ((0, 3), (0, 1)),
+        (4, 64),
+    )
+    assert (load.blocks, load.skips) == (((30, 31, 32), (7,)), (0, 0))
+
+
+def test_a_sliding_window_hybrid_is_sent_decode_first_from_position_0() -> None:
+    """Prefill of a sliding-window hybrid (no layer-wise stream: several groups) sends a
+    decode-first request whole after its forward into the proxy's room, its window's
+    dropped blocks marked null at their positions; decode's load of the same request pairs
+    each block it needs by position."""
+    groups = (Group(GroupKind.FULL, 4), Group(GroupKind.SLIDING, 4))
+    handed: list[SendSpec] = []
+    prefill = SchedulerSide(SchedulerConfig("p", True, groups), lambda s: handed.append(s) or None)
+    prefill.bootstrap_urls[0] = URL
+    ask = request(10, stream_prefill_request({}, 77)["kv_transfer_params"])
+    prefill.on_new_request(ask)
+    assert not prefill.streams.active  # several groups: the whole request after the forward
+    ask.status.name, ask.num_computed_tokens = "FINISHED_LENGTH_CAPPED", 10
+    keep, _ = prefill.finished(ask, ([20, 21, 22], [0, 31, 32]))
+    assert keep
+    (send,) = handed
+    assert (send.room, send.blocks, send.streamed) == (77, ((20, 21, 22), (0, 31, 32)), False)
+    decode = SchedulerSide(SchedulerConfig("d", False, groups))
+    load_ask = request(10, decode_first_request({}, URL, 77)["kv_transfer_params"])
+    assert decode.matched_tokens(load_ask, 0) == (10, True)
+    decode.after_alloc(load_ask, ([40, 41, 42], [0, 0, 52]), 10)  # its window: the last block
+    (load,) = decode.take_step(idle=False).loads
+    assert (load.blocks, load.skips) == (((40, 41, 42), (52,)), (0, 2))
+    # A window that held less than decode's first block would shift the groups after it.
+    prefill.on_new_request(
+        short := request(10, stream_prefill_request({}, 78)["kv_transfer_params"], "s")
+    )
+    short.status.name, short.num_computed_tokens = "FINISHED_LENGTH_CAPPED", 10
+    assert prefill.finished(short, ([20, 21, 22], [0, 31])) == (False, None)
 
 
 class FakeSender:

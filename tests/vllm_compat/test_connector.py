@@ -17,7 +17,7 @@ import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -339,17 +339,17 @@ def complete(url: str, model: Path, prompt_ids: list[int]) -> dict[str, Any]:
 
 @contextmanager
 def behind_proxy(
-    prefill: Callable[[], Server], decode: Callable[[], Server]
+    prefill: Callable[[], Server], decode: Callable[[], Server], **proxy_options: Any
 ) -> Iterator[tuple[Server, Server, PDProxy]]:
     """A prefill and a decode server (started in that order) with kvbridge's PD proxy in
-    front, all stopped at the end."""
+    front (`proxy_options`: PDProxy's), all stopped at the end."""
     first = prefill()
     try:
         second = decode()
     except BaseException:
         first.close()
         raise
-    proxy = PDProxy([first.url], [second.url])
+    proxy = PDProxy([first.url], [second.url], **proxy_options)
     threading.Thread(target=proxy.serve_forever, daemon=True).start()
     try:
         yield first, second, proxy
@@ -481,17 +481,16 @@ def test_a_pipeline_parallel_decode_is_refused_at_start(model: Path, tmp_path: P
         )
 
 
-def test_a_data_parallel_prefill_serves_each_request_from_its_own_rank(
-    model: Path, tmp_path: Path, reference: dict[Any, Any]
-) -> None:
+def data_parallel_prefill_behind_proxy(
+    model: Path, tmp_path: Path, port: int, **proxy_options: Any
+) -> AbstractContextManager[tuple[Server, Server, PDProxy]]:
     """`vllm serve --data-parallel-size 2` for prefill (two engine cores behind one API
-    server): each DP rank runs its own kvbridge bootstrap service at bootstrap_port + its DP
-    index, and decode loads each request from the rank that served it."""
-    port = free_port()
-    # Three engines on this machine's two cores: liveness and look-ups get time to spare
-    # (what this test checks is the routing; the fault tests check liveness).
-    patient = {"peer_timeout_s": 10.0, "bootstrap_timeout_s": 30.0}
-    with behind_proxy(
+    server, each DP rank's bootstrap service at `port` + its index) and a decode server, with
+    kvbridge's proxy in front. Three engines on this machine's two cores: liveness, look-ups
+    and prefill's lease on a request's blocks get time to spare (these tests check the
+    routing; the fault tests check liveness)."""
+    patient = {"peer_timeout_s": 10.0, "bootstrap_timeout_s": 30.0, "request_timeout_s": 60.0}
+    return behind_proxy(
         lambda: Server(
             model,
             kvbridge_config("kv_producer", "nixl", bootstrap_port=port, **patient),
@@ -502,7 +501,18 @@ def test_a_data_parallel_prefill_serves_each_request_from_its_own_rank(
         lambda: Server(
             model, kvbridge_config("kv_consumer", "nixl", **patient), tmp_path / "decode.log"
         ),
-    ) as (prefill, decode, proxy):
+        **proxy_options,
+    )
+
+
+def test_a_data_parallel_prefill_serves_each_request_from_its_own_rank(
+    model: Path, tmp_path: Path, reference: dict[Any, Any]
+) -> None:
+    """Each DP rank of a prefill instance runs its own kvbridge bootstrap service at
+    bootstrap_port + its DP index, and decode loads each request from the rank that served
+    it (named in prefill's answer)."""
+    port = free_port()
+    with data_parallel_prefill_behind_proxy(model, tmp_path, port) as (prefill, decode, proxy):
         prompts = PROMPTS * 2
         assert complete_all(proxy.url, model, prompts) == [reference[tuple(p)] for p in prompts]
         log = prefill.log(tail=None)

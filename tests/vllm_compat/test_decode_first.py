@@ -21,8 +21,13 @@ if importlib.util.find_spec("vllm") is None:
         "vLLM is not installed here (make test runs this in .venv-vllm)", allow_module_level=True
     )
 
-from test_connector import complete_all
-from test_model_families import KV_BLOCKS, assert_blocks_arrived
+from test_connector import complete_all, data_parallel_prefill_behind_proxy
+from test_model_families import (
+    KV_BLOCKS,
+    assert_blocks_arrived,
+    assert_states_arrived,
+    plain_tokens,
+)
 from vllm_harness import (
     FAMILY_ENV,
     LENGTHS,
@@ -138,6 +143,27 @@ def test_through_vllm_serve_and_the_proxy_in_decode_first_mode(
         prefill.close()
 
 
+def test_decode_first_with_a_data_parallel_prefill_through_the_proxy(
+    model: Path, tmp_path: Path, reference: dict[Any, Any]
+) -> None:
+    """`vllm serve --data-parallel-size 2` for prefill behind `kvbridge vllm-proxy
+    --prefill-bootstrap URL --prefill-data-parallel-size 2`: the proxy sends each request to
+    one DP rank (vLLM's X-data-parallel-rank) and decode asks that rank's bootstrap service,
+    at the same time; tokens equal a plain run's. A request sent to the other rank than the
+    one decode asks would leave both rooms waiting for the other side until the request
+    timeout (60 s here): decode's load would fail."""
+    port = free_port()
+    with data_parallel_prefill_behind_proxy(
+        model, tmp_path, port, prefill_bootstrap=[f"http://127.0.0.1:{port}"], prefill_dp_size=2
+    ) as (prefill, decode, proxy):
+        prompts = PROMPTS * 2
+        assert complete_all(proxy.url, model, prompts) == [reference[tuple(p)] for p in prompts]
+        assert "KV load failed" not in decode.log(tail=None)
+        log = prefill.log(tail=None)
+        for rank in (0, 1):
+            assert f"bootstrap http://127.0.0.1:{port + rank}" in log, log[-3000:]
+
+
 def test_mla_decode_first_writes_the_latent_layer_by_layer_byte_exact(tmp_path: Path) -> None:
     """A DeepSeek-V2-shaped MLA model (one latent KV cache group, vLLM's CPU MLA with blocks
     of 16): decode asks first and each layer's latent goes out during prefill's chunked
@@ -168,6 +194,49 @@ def test_mla_decode_first_writes_the_latent_layer_by_layer_byte_exact(tmp_path: 
             streamed = prefill.wait_for(lambda s: s["connector"]["requests_sent"] == len(PROMPTS))
             assert streamed["connector"]["layer_writes"] >= 2 * len(PROMPTS)
             assert counters(decode)["requests_loaded"] == len(PROMPTS)
+            assert "KV load failed" not in decode.log()
+        finally:
+            decode.close()
+    finally:
+        prefill.close()
+
+
+@pytest.mark.parametrize("family", ["sliding", "mamba"])
+def test_a_hybrid_decode_first_gets_the_whole_request_into_the_proxys_room(
+    family: str, tmp_path: Path
+) -> None:
+    """Hybrids (Gemma-3-shaped: sliding-window groups beside a full one; Granite-4-hybrid-
+    shaped: a Mamba-2 state) through decode first: decode plans the room before prefill
+    computes, every group from block position 0; prefill, chunked (its windows drop blocks
+    as they move), writes the whole request into the proxy's room after its forward, the
+    dropped blocks marked and never written. Tokens equal a plain run's; every block (and
+    state unit) decode holds equals prefill's."""
+    model = make_model(tmp_path / family, family=family)
+    expected = plain_tokens(model, tmp_path, family)
+    port = free_port()
+    env = {**FAMILY_ENV[family], **KV_BLOCKS}
+    prefill = Instance(
+        model,
+        kvbridge_config("kv_producer", "nixl", bootstrap_port=port),
+        tmp_path / f"{family}-p.log",
+        env={**env, **CHUNKED},
+    )
+    try:
+        decode = Instance(
+            model, kvbridge_config("kv_consumer", "nixl"), tmp_path / f"{family}-d.log", env=env
+        )
+        try:
+            to_prefill, to_decode = params(f"http://127.0.0.1:{port}", len(PROMPTS))
+            decode.call("submit", prompts=PROMPTS, max_tokens=MAX_TOKENS, params=to_decode)
+            time.sleep(2.0)  # its requests reach prefill first
+            prefilled = prefill.generate(PROMPTS, 1, to_prefill)["outputs"]
+            outputs = decode.call("collect")["outputs"]
+            assert [o["tokens"] for o in outputs] == expected
+            assert assert_blocks_arrived(prefilled, outputs) > 0
+            if family == "mamba":  # each layer's state: 8 heads of x and SSM, B and C's group
+                assert assert_states_arrived(prefilled, outputs) == len(PROMPTS) * 2 * 18
+            connector = counters(decode)
+            assert (connector["requests_loaded"], connector["loads_failed"]) == (len(PROMPTS), 0)
             assert "KV load failed" not in decode.log()
         finally:
             decode.close()

@@ -688,6 +688,16 @@ def _print_demo(result: DemoResult) -> None:
     "(its bootstrap_port); requests go to both instances at once and prefill writes each layer "
     "as it computes it (KVBridgeConnector only).",
 )
+@click.option(
+    "--prefill-data-parallel-size",
+    "prefill_dp_size",
+    type=click.IntRange(1),
+    default=1,
+    show_default=True,
+    help="Decode first: data-parallel ranks per --prefill instance (vllm serve "
+    "--data-parallel-size); each request goes to one rank (X-data-parallel-rank) and decode "
+    "asks that rank's bootstrap service (the instance's bootstrap port + the rank's index).",
+)
 def vllm_proxy_command(
     prefill: tuple[str, ...],
     decode: tuple[str, ...],
@@ -695,6 +705,7 @@ def vllm_proxy_command(
     port: int,
     upstream_timeout_s: float,
     prefill_bootstrap: tuple[str, ...],
+    prefill_dp_size: int,
 ) -> None:
     """A PD proxy for vLLM instances: each OpenAI completion or chat request goes to a
     prefill instance (max_tokens 1, do_remote_decode), then to a decode instance with the
@@ -709,7 +720,9 @@ def vllm_proxy_command(
     from kvbridge.integrations.vllm_proxy import PDProxy
 
     try:
-        proxy = PDProxy(prefill, decode, host, port, upstream_timeout_s, prefill_bootstrap)
+        proxy = PDProxy(
+            prefill, decode, host, port, upstream_timeout_s, prefill_bootstrap, prefill_dp_size
+        )
     except (ValueError, OSError) as exc:
         raise _fail(str(exc)) from None
     console.print(

@@ -19,7 +19,15 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
-from kvbridge.core.room import SKIPPED_PAGE, Chunk, ChunkJob, Destination, Failure, RoomStatus
+from kvbridge.core.room import (
+    SKIPPED_PAGE,
+    Chunk,
+    ChunkJob,
+    Destination,
+    Failure,
+    NotHeld,
+    RoomStatus,
+)
 from kvbridge.wire.layout import Message
 from kvbridge.wire.messages import KVPoll
 from kvbridge.wire.native import TransferRequest
@@ -177,11 +185,12 @@ class PrefillRoom:
             )
         return None
 
-    def on_request(self, request: TransferRequest) -> None:
+    def on_request(self, request: TransferRequest, aligned: bool = True) -> None:
+        """Decode's request (`aligned`: its pages and this rank's hold the same tokens)."""
         if self.status.finished:
             return
         self.requests[request.peer_id] = request
-        self.destinations[request.peer_id] = Destination.of(request)
+        self.destinations[request.peer_id] = Destination.of(request, aligned)
         self.required_requests = request.required_dst_info_num
         if self.ready:
             self.status.advance(KVPoll.WaitingForInput)
@@ -253,10 +262,10 @@ class PrefillRoom:
             cut = min(chunk.src_pages.size, max(0, skip - self.pages_sent))
             src_pages = chunk.src_pages[cut:]
             destination = self.destinations[peer_id]
-            start = max(0, self.pages_sent - skip)
-            if destination.has_gaps:  # only the positions decode fills, in a row
-                kept, start = destination.place(start, src_pages.size)
-                src_pages = src_pages[kept]
+            try:  # only the positions decode fills, in a row
+                src_pages, start = destination.pair(max(0, self.pages_sent - skip), src_pages)
+            except NotHeld as exc:
+                raise NotHeld(f"room {self.room}: {exc}") from None
             if src_pages.size == 0 and not chunk.last:
                 continue
             jobs.append(

@@ -131,19 +131,21 @@ class Destination:
     """Where one decode rank's request puts the room's pages: the positions after its
     prefix go, in order, to decode's pages `positions` (SKIPPED_PAGE: nowhere). Writes name
     decode's pages by their place in `pages`, the positions that go somewhere, so that a
-    chunk's pages stay one run on both sides."""
+    chunk's pages stay one run on both sides. `aligned`: a position is one page on both
+    sides (pages of one size, no DCP)."""
 
     positions: npt.NDArray[np.int32]
     pages: npt.NDArray[np.int32]
     # Per position, how many before it go somewhere (one more entry: all of them).
     kept_before: npt.NDArray[np.int64]
+    aligned: bool = True
 
     @staticmethod
-    def of(request: TransferRequest) -> Destination:
+    def of(request: TransferRequest, aligned: bool = True) -> Destination:
         positions = np.asarray(request.dst_kv_indices, dtype=np.int32)
         kept = positions != SKIPPED_PAGE
         before = np.concatenate(([0], np.cumsum(kept, dtype=np.int64)))
-        return Destination(positions, positions[kept], before)
+        return Destination(positions, positions[kept], before, aligned)
 
     @property
     def has_gaps(self) -> bool:
@@ -157,3 +159,31 @@ class Destination:
         if end > start:
             kept[: end - start] = self.positions[start:end] != SKIPPED_PAGE
         return kept, int(self.kept_before[min(start, self.positions.size)])
+
+    def pair(
+        self, start: int, src_pages: npt.NDArray[np.int64]
+    ) -> tuple[npt.NDArray[np.int64], int]:
+        """A chunk's pages from position `start` that go somewhere, and the place of the
+        first of them in `pages`. A source page may be SKIPPED_PAGE, a position the prefill
+        rank does not hold (a sliding window dropped its block): only where decode needs
+        nothing, else `NotHeld`."""
+        held = src_pages != SKIPPED_PAGE
+        if not self.has_gaps and held.all():
+            return src_pages, start
+        if not held.all() and not self.aligned:
+            raise NotHeld(
+                "pages this prefill rank does not hold (page index -1) need pages of one size "
+                "on both sides and no DCP"
+            )
+        kept, first = self.place(start, src_pages.size)
+        needed = np.flatnonzero(kept & ~held)
+        if needed.size:
+            raise NotHeld(
+                f"decode needs the page at position {start + int(needed[0])} of the room, which "
+                "this prefill rank does not hold (page index -1: its sliding window dropped it?)"
+            )
+        return src_pages[kept], first
+
+
+class NotHeld(ValueError):
+    """Decode needs a page the prefill rank does not hold: the room cannot be written."""

@@ -37,14 +37,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvbridge.integrations.vllm_blocks import GroupKind
 from kvbridge.integrations.vllm_cache import REQUIRED_LAYOUT
 from kvbridge.integrations.vllm_handoff import SendOutbox
+from kvbridge.integrations.vllm_load_plan import SchedulerConfig
 from kvbridge.integrations.vllm_metrics import KVBridgePromMetrics, KVBridgeStats
 from kvbridge.integrations.vllm_options import (
     ConnectorOptions,
     check_vllm_version,
     log_through_vllm,
+    rank_bootstrap_port,
 )
 from kvbridge.integrations.vllm_requests import SendSpec, StepMetadata
-from kvbridge.integrations.vllm_scheduler import SchedulerConfig, SchedulerSide
+from kvbridge.integrations.vllm_scheduler import SchedulerSide
 from kvbridge.integrations.vllm_specs import attention_block_size, mamba_state, transfer_groups
 from kvbridge.integrations.vllm_stats import ConnectorCounters
 from kvbridge.integrations.vllm_worker import WorkerConfig, WorkerSide
@@ -117,7 +119,7 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         stage = int(get_pp_group().rank_in_group)
         port = self.options.manager.bootstrap_port
         if port:
-            port += int(parallel.data_parallel_index) * stages + stage
+            port = rank_bootstrap_port(port, int(parallel.data_parallel_index), stages, stage)
         vllm_groups = kv_cache_config.kv_cache_groups if kv_cache_config is not None else [None]
         self._worker = WorkerSide(
             WorkerConfig(

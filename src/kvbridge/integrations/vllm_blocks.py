@@ -82,6 +82,39 @@ def blocks_to_send(
     return sent
 
 
+def decode_first_layout(groups: Sequence[Group], num_tokens: int) -> tuple[tuple[int, int], ...]:
+    """Decode first: per group, the block positions a room holds as (first, count), known to
+    both sides before prefill computes: every block of the `num_tokens` from position 0
+    (attention groups; a sliding window's dropped blocks are marked, `from_position_zero`),
+    the state block (state groups)."""
+    return tuple(
+        (0, 1) if group.kind == GroupKind.STATE else (0, math.ceil(num_tokens / group.block_size))
+        for group in groups
+    )
+
+
+def from_position_zero(
+    groups: Sequence[Group], sent: Sequence[GroupBlocks], num_tokens: int
+) -> tuple[tuple[int, ...], ...]:
+    """Prefill, decode first: the blocks that move laid out as `decode_first_layout` says,
+    NULL_BLOCK at the positions this instance no longer holds (decode needs nothing there,
+    or the room fails: kvbridge never writes a null block). ValueError where a group holds
+    another count of blocks than decode expects (the groups after it would shift)."""
+    laid_out = []
+    layout = decode_first_layout(groups, num_tokens)
+    for index, (group, moving, (_, count)) in enumerate(zip(groups, sent, layout, strict=True)):
+        blocks = moving.blocks
+        if group.kind != GroupKind.STATE:
+            blocks = (NULL_BLOCK,) * moving.first + blocks
+        if len(blocks) != count:
+            raise ValueError(
+                f"group {index} ({group.kind.value}) holds {len(blocks)} block(s) of {num_tokens} "
+                f"tokens, decode first lays out {count}"
+            )
+        laid_out.append(blocks)
+    return tuple(laid_out)
+
+
 @dataclass(frozen=True)
 class GroupLoad:
     """Decode: the blocks one group loads, and how many of the blocks prefill sends for it

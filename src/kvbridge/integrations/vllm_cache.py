@@ -33,6 +33,7 @@ from kvbridge.cache.spec import (
 )
 from kvbridge.cache.topology import TopologyError, rank_heads
 from kvbridge.core.room import SKIPPED_PAGE
+from kvbridge.integrations.vllm_blocks import NULL_BLOCK
 from kvbridge.wire.messages import KVLayout, MemoryKind
 
 # The KV cache layout the connector asks vLLM for (`get_required_kvcache_layout`): every
@@ -93,8 +94,10 @@ class VLLMCache:
         for group, ids in enumerate(blocks):
             if self._slots(group, state_groups):
                 slots += ids
-            else:
-                pages += self.pages_of(ids)
+                continue
+            for block in ids:  # vLLM's null block: a position no longer held, never data
+                held = block != NULL_BLOCK
+                pages += self.pages_of((block,)) if held else [SKIPPED_PAGE] * self.pages_per_block
         return RoomContents(pages, slots)
 
     def load_contents(

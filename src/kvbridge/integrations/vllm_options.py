@@ -65,6 +65,12 @@ def _connector_manager_config() -> ManagerConfig:
     return ManagerConfig(**CONNECTOR_DEFAULTS)
 
 
+def rank_bootstrap_port(base: int, dp_rank: int, stages: int = 1, stage: int = 0) -> int:
+    """The port of the bootstrap service of one data-parallel rank and pipeline stage of a
+    prefill instance whose bootstrap_port is `base`: each serves its own, one after another."""
+    return base + dp_rank * stages + stage
+
+
 @dataclass(frozen=True)
 class ConnectorOptions:
     """kvbridge's options inside vLLM, from ``kv_connector_extra_config``.

@@ -35,7 +35,7 @@ import aiohttp
 from aiohttp import web
 
 from kvbridge.integrations.vllm_options import OptionsError
-from kvbridge.integrations.vllm_proxy_pool import Pool
+from kvbridge.integrations.vllm_proxy_pool import Pool, prefill_targets
 from kvbridge.integrations.vllm_requests import (
     decode_first_request,
     decode_request,
@@ -89,23 +89,22 @@ class PDProxy:
         port: int = 0,
         upstream_timeout_s: float = UPSTREAM_TIMEOUT_S,
         prefill_bootstrap: Sequence[str] = (),
+        prefill_dp_size: int = 1,
     ) -> None:
         if not prefill or not decode:
             raise ValueError("a PD proxy needs at least one prefill and one decode instance")
-        if prefill_bootstrap and len(prefill_bootstrap) != len(prefill):
-            raise ValueError(
-                f"decode first needs each prefill instance's bootstrap service: "
-                f"{len(prefill)} prefill instance(s), {len(prefill_bootstrap)} bootstrap URL(s)"
-            )
-        # Decode first: each prefill instance's bootstrap service, by its URL.
-        self._bootstraps = {
-            _check_url(url): _check_url(bootstrap, port=True)
-            for url, bootstrap in zip(prefill, prefill_bootstrap, strict=False)
-        }
+        # Decode first: each prefill instance's bootstrap service (or, with data parallelism,
+        # each rank's), by target name.
+        self._targets = prefill_targets(
+            [_check_url(url) for url in prefill],
+            [_check_url(bootstrap, port=True) for bootstrap in prefill_bootstrap],
+            prefill_dp_size,
+        )
+        self._decode_first = bool(prefill_bootstrap)
         if not upstream_timeout_s > 0:
             raise ValueError(f"upstream timeout {upstream_timeout_s!r} s: give a positive time")
         self.upstream_timeout_s = upstream_timeout_s
-        self._prefill = Pool([_check_url(url) for url in prefill])
+        self._prefill = Pool(list(self._targets))
         self._decode = Pool([_check_url(url) for url in decode])
         # The proxy's own time per request (parsing, rewriting, choosing, relaying), without
         # the time spent waiting on the instances: in all, and before the client's first byte
@@ -217,12 +216,12 @@ class PDProxy:
         except ValueError as exc:
             return web.json_response({"error": f"bad request body: {exc}"}, status=400)
         headers = _forwarded(request)
-        if self._bootstraps:
+        if self._decode_first:
             return await self._post_decode_first(request, body, headers, clock)
         try:
             # The prefill instance is held while it works, not while decode does.
-            with self._prefill.take() as prefill:
-                sent = _json(prefill_request(body))
+            with self._prefill.take() as name:
+                prefill, sent = self._targets[name].url, _json(prefill_request(body))
                 with clock.waiting():
                     data = await self._prefill_answer(prefill, request.path, sent, headers)
             forward = _json(decode_request(body, _answer_object(prefill, data)))
@@ -246,18 +245,19 @@ class PDProxy:
         waiting for KV that will not come, or a prefill holding KV nobody will ask for."""
         room = secrets.randbits(63)
         taken = self._prefill.take()
-        prefill = taken.__enter__()
+        prefill = self._targets[taken.__enter__()]
 
         async def prefill_leg() -> bytes:
             try:
                 sent = _json(stream_prefill_request(body, room))
-                return await self._prefill_answer(prefill, request.path, sent, headers)
+                to_rank = {**headers, **prefill.headers}
+                return await self._prefill_answer(prefill.url, request.path, sent, to_rank)
             finally:
                 taken.__exit__(None, None, None)
 
         async def decode_leg() -> web.StreamResponse:
-            forward = _json(decode_first_request(body, self._bootstraps[prefill], room))
-            with self._decode.take(prefill) as decode:
+            forward = _json(decode_first_request(body, prefill.bootstrap, room))
+            with self._decode.take(prefill.name) as decode:
                 with clock.waiting():
                     upstream = await self._send(decode, request.path, forward, headers, "decode")
                 return await self._relay(request, upstream, decode, clock)

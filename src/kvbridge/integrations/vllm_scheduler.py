@@ -5,19 +5,17 @@ request objects but imports nothing from vLLM; `kvbridge.integrations.vllm` buil
 from __future__ import annotations
 
 import logging
-import math
 import secrets
 from collections.abc import Callable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass, replace
 from typing import Any
 
-from kvbridge.integrations.vllm_blocks import (
-    Group,
-    GroupKind,
-    LoadPlanError,
-    blocks_to_load,
-    blocks_to_send,
+from kvbridge.integrations.vllm_blocks import LoadPlanError, blocks_to_send, from_position_zero
+from kvbridge.integrations.vllm_load_plan import (
+    SchedulerConfig,
+    decode_first_remote,
+    plan_load,
+    unloaded_blocks,
 )
 from kvbridge.integrations.vllm_options import OptionsError
 from kvbridge.integrations.vllm_requests import (
@@ -35,34 +33,6 @@ log = logging.getLogger("kvbridge.vllm")
 # The request states after which a prefill request's KV is complete (vLLM's
 # FINISHED_LENGTH_CAPPED and FINISHED_STOPPED, by name: no vLLM import here).
 SENDABLE = frozenset({"FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED"})
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    """What the scheduler side knows of its instance: its role, its KV cache groups (those
-    that take part in transfers) and its engine id."""
-
-    engine_id: str
-    produces: bool
-    groups: tuple[Group, ...]
-    pipeline_stages: int = 1
-    # Prefill's lease on a finished request's blocks (its request_timeout_s), named in the
-    # request's parameters for decode to renew.
-    lease_s: float = 0.0
-
-    @property
-    def streams(self) -> bool:
-        """Whether a request's KV can go layer by layer, decode first: one full-attention
-        group, one pipeline stage (what a forward's layers fill, block by block)."""
-        one_full = len(self.groups) == 1 and self.groups[0].kind == GroupKind.FULL
-        return one_full and self.pipeline_stages == 1
-
-    @property
-    def backoff(self) -> int:
-        """Prompt tokens prefill leaves for decode to compute: with a recurrent state, decode
-        must compute the last token on the state after the others, not on a state that
-        already holds it."""
-        return 1 if any(group.kind == GroupKind.STATE for group in self.groups) else 0
 
 
 def _no_hand_off(send: SendSpec) -> str | None:
@@ -138,7 +108,7 @@ class SchedulerSide:
             or request.num_prompt_tokens <= backoff
             or request.prompt_token_ids is None
         ):
-            return  # decode refuses a load whose prefill did not stop short (_plan_load)
+            return  # decode refuses a load whose prefill did not stop short (plan_load)
         del request.prompt_token_ids[-backoff:]
         del request._all_token_ids[-backoff:]
         request.num_prompt_tokens -= backoff
@@ -151,9 +121,7 @@ class SchedulerSide:
         if remote is None or not params.get("do_remote_prefill"):
             return 0, False
         if remote.decode_first:
-            if not self.config.streams:  # only a full-attention group is planned unanswered
-                return 0, False
-            remote = self._decode_first(remote, request)
+            remote = decode_first_remote(self.config, remote, request.num_prompt_tokens)
         count = tokens_to_load(remote, request.num_prompt_tokens, num_computed)
         if request.num_prompt_tokens <= self.config.backoff:
             count = 0  # too short for prefill to stop short: computed here
@@ -176,25 +144,19 @@ class SchedulerSide:
             self._step.releases.append(remote)
             return
         if remote.decode_first:
-            remote = self._decode_first(remote, request)
+            remote = decode_first_remote(self.config, remote, request.num_prompt_tokens)
         try:
-            load = self._plan_load(request, remote, block_ids, prefix, num_external_tokens)
+            load = plan_load(self.config, request, remote, block_ids, prefix, num_external_tokens)
         except LoadPlanError as exc:  # a load that cannot be right fails at once
             load = LoadSpec(
-                request.request_id, remote, self._unloaded(block_ids, prefix), (), str(exc)
+                request.request_id,
+                remote,
+                unloaded_blocks(self.config.groups, block_ids, prefix),
+                (),
+                str(exc),
             )
         self._step.loads.append(load)
         self._loading.add(request.request_id)
-
-    def _decode_first(self, remote: RemotePrefill, request: Any) -> RemotePrefill:
-        """A decode-first load's remote as if prefill had answered: the whole prompt, in the
-        one full-attention group's blocks of this instance's size (prefill's may differ:
-        tokens map either way)."""
-        tokens = request.num_prompt_tokens
-        size = self.config.groups[0].block_size
-        return replace(
-            remote, num_tokens=tokens, blocks=((0, math.ceil(tokens / size)),), block_sizes=(size,)
-        )
 
     def stream_step(
         self,
@@ -207,59 +169,6 @@ class SchedulerSide:
         rooms of preempted ones fail."""
         self._step.stream_aborts += self.streams.preempted(preempted)
         self._step.streams += self.streams.step(scheduled, block_ids_of)
-
-    def _unloaded(
-        self, block_ids: Sequence[Sequence[int]], prefix: int
-    ) -> tuple[tuple[int, ...], ...]:
-        """The blocks a failed load leaves unfilled: past the local prefix (those stay valid,
-        and other requests may share them)."""
-        return tuple(
-            tuple(
-                b
-                for b in ids[prefix // group.block_size if group.kind == GroupKind.FULL else 0 :]
-                if b
-            )
-            for group, ids in zip(self.config.groups, block_ids, strict=False)
-        )
-
-    def _plan_load(
-        self,
-        request: Any,
-        remote: RemotePrefill,
-        block_ids: Sequence[Sequence[int]],
-        prefix: int,
-        count: int,
-    ) -> LoadSpec:
-        groups = self.config.groups
-        backoff = self.config.backoff
-        if backoff and remote.num_tokens != request.num_prompt_tokens - backoff:
-            raise LoadPlanError(
-                f"prefill computed {remote.num_tokens} of {request.num_prompt_tokens} prompt "
-                f"tokens; with a recurrent state it must stop {backoff} short (the state would "
-                "take a token twice)"
-            )
-        if len(remote.blocks) != len(groups):
-            raise LoadPlanError(
-                f"prefill sends {len(remote.blocks)} KV cache group(s), this instance has "
-                f"{len(groups)}: both must run the same model"
-            )
-        theirs = tuple(remote.block_sizes)
-        ours = tuple(group.block_size for group in groups)
-        one_full = len(groups) == 1 and groups[0].kind == GroupKind.FULL
-        if theirs != ours and not one_full:
-            raise LoadPlanError(
-                f"block sizes differ: prefill {list(theirs)}, decode {list(ours)}; a model "
-                "with several KV cache groups needs the same block size on both instances"
-            )
-        loads = blocks_to_load(
-            groups, block_ids, prefix, count, remote.blocks, same_block_size=theirs == ours
-        )
-        return LoadSpec(
-            request.request_id,
-            remote,
-            tuple(load.blocks for load in loads),
-            tuple(load.skip for load in loads),
-        )
 
     def finished(
         self, request: Any, block_ids: Sequence[Sequence[int]]
@@ -291,16 +200,24 @@ class SchedulerSide:
             log.error("request %s: no bootstrap service on this instance", request_id)
             return self._stream_stopped(streamed, request_id, "no bootstrap service")
         urls = tuple(url for url in stages if url is not None)
+        chosen = streamed_room(params)  # decode first: the proxy's room, decode asks there
+        groups, tokens = self.config.groups, request.num_computed_tokens
         try:
-            sent = blocks_to_send(self.config.groups, block_ids, request.num_computed_tokens)
+            sent = blocks_to_send(groups, block_ids, tokens)
+            # Decode first: decode planned the room before prefill's sliding windows dropped
+            # any block, so positions count from 0 (dropped ones marked, never written).
+            moving = (
+                tuple(g.blocks for g in sent)
+                if chosen is None
+                else from_position_zero(groups, sent, tokens)
+            )
         except ValueError as exc:  # vLLM's block table is not what kvbridge expects
             log.error("request %s: not sent: %s", request_id, exc)
             return self._stream_stopped(streamed, request_id, str(exc))
         if not any(group.blocks for group in sent):
             return self._stream_stopped(streamed, request_id, "no blocks")
-        chosen = streamed_room(params)  # decode first: the proxy's room, decode asks there
         room = chosen if chosen is not None else secrets.randbits(63)
-        spec = SendSpec(request_id, room, tuple(g.blocks for g in sent), streamed is not None)
+        spec = SendSpec(request_id, room, moving, streamed is not None)
         problem = self._hand_off(spec)
         if problem is not None:
             log.error("request %s: not sent: %s", request_id, problem)
