@@ -57,7 +57,7 @@ from kvbridge.core.prefill_events import (
 from kvbridge.core.prefill_protocol import PrefillProtocol
 from kvbridge.core.prefill_rooms import FINISHED_ROOMS_KEPT, MAX_UNCLAIMED_ROOMS
 from kvbridge.core.protocol import Tick
-from kvbridge.core.room import Chunk, Failure, Gate, RoomStatus
+from kvbridge.core.room import SKIPPED_PAGE, Chunk, Failure, Gate, RoomStatus
 from kvbridge.engines import EngineError, WriteFenced
 from kvbridge.runtime import RankManager, RankRuntime
 from kvbridge.wire import FailureKind, KVPoll, Message
@@ -339,11 +339,15 @@ class KVSender:
         state_indices: Sequence[int] = (),
         layers: range | None = None,
         gate: Gate | None = None,
+        positional: bool = False,
     ) -> None:
         """Queue the next chunk of this room's pages (in order); `last` ends the room and
         carries the aux slot and the state slots. A page index -1 (`SKIPPED_PAGE`) is a
         position this rank does not hold (a sliding window dropped it): nothing is written
         there, and the room fails (incompatible) if decode needs that position.
+        `positional`: the pages pair with decode's page for page, not by tokens (several
+        page lists laid end to end, such as a model's KV cache groups): a decode rank whose
+        pages hold another number of tokens fails the room rather than shift the lists.
 
         Layer-wise: `layers` (positions in `KVArgs.layer_ids`, a step-1 range) sends only
         those layers of the pages, written while the forward computes the next ones; a
@@ -354,10 +358,12 @@ class KVSender:
         `gate.open()` is called (`kvbridge.write_gate`): hand a forward's layers over before
         it starts, open each gate as its layer is done, and only the copy is left after it."""
         pages = np.asarray(kv_pages, dtype=np.int64).ravel()
+        if pages.size and pages.min() < SKIPPED_PAGE:
+            raise ValueError(f"page index {pages.min()} (only -1 marks a page not held)")
         if layers is not None and (layers.step != 1 or not layers):
             raise ValueError(f"layers must be a non-empty step-1 range, got {layers}")
         span = None if layers is None else (layers.start, layers.stop)
-        chunk = Chunk(pages, last, aux_index, tuple(state_indices), span, gate)
+        chunk = Chunk(pages, last, aux_index, tuple(state_indices), span, gate, positional)
         self.manager.queue_chunk(self.room, chunk)
 
     # A status's failure kind and reason are set before its state reads Failed: the reads

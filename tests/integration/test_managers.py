@@ -235,6 +235,14 @@ def test_late_request_for_a_cleared_room_does_not_recreate_it() -> None:
             prefill.sender(4)
 
 
+def test_a_page_index_below_minus_one_is_refused_at_send() -> None:
+    src, dst = rank_cache(seed=1, **GEOMETRY), rank_cache(seed=None, **GEOMETRY)
+    with pair(src, dst) as (prefill, _):
+        sender = prefill.sender(6)
+        with pytest.raises(ValueError, match="page index -2 \\(only -1 marks a page not held\\)"):
+            sender.send([-2, 3], last=True)
+
+
 def test_two_prefill_groups_feed_one_decode_rank() -> None:
     """xPyD: rooms of one decode rank come from different prefill groups (bootstraps)."""
     sources = [rank_cache(num_pages=16, seed=seed, **GEOMETRY) for seed in (21, 22)]

@@ -107,10 +107,14 @@ def registration(
 
 
 def leased(
-    prefill: PrefillProtocol, now: float = 0.0, capabilities: frozenset[str] = frozenset()
+    prefill: PrefillProtocol,
+    now: float = 0.0,
+    capabilities: frozenset[str] = frozenset(),
+    args: KVArgs | None = None,
 ) -> list[Action]:
-    """Register the decode peer, connect, and echo the first heartbeat (the write lease)."""
-    actions = prefill.handle(registration(capabilities=capabilities), now)
+    """Register the decode peer (its cache `args`), connect, and echo the first heartbeat
+    (the write lease)."""
+    actions = prefill.handle(registration(args, capabilities=capabilities), now)
     (beat,) = [a.message for a in actions if isinstance(a, Send)]
     assert isinstance(beat, Heartbeat)
     assert beat.session_token == TOKEN
@@ -225,8 +229,30 @@ def test_a_room_whose_decode_needs_a_page_prefill_dropped_fails_as_incompatible(
     (failed,) = messages(prefill.handle(WriteEnded(first), 0.3), TransferStatus)
     assert isinstance(failed, TransferStatus)
     assert (failed.status, failed.failure_kind) == (KVPoll.Failed, FailureKind.INCOMPATIBLE)
-    assert "decode needs the page at position 3 of the room" in failed.reason
+    assert "decode needs the page at position 3 of its pages" in failed.reason
     assert prefill.pages_safe(1)
+
+
+@pytest.mark.parametrize(
+    "chunk",
+    [Chunk(np.array([3, -1]), True, 0), Chunk(np.array([3, 4]), True, 0, positional=True)],
+    ids=["page-not-held", "positional"],
+)
+def test_pages_that_pair_by_position_refuse_a_decode_of_another_page_size(chunk: Chunk) -> None:
+    """Pages not held, or several page lists laid end to end, pair with decode's page for
+    page: a decode rank whose pages hold 8 tokens against this rank's 4 fails the room as
+    incompatible before anything is written (mapping tokens would shift the lists)."""
+    prefill = protocol()
+    larger = rank_cache(seed=None, **{**GEOMETRY, "page_size": 8}).args
+    leased(prefill, args=larger)
+    prefill.handle(SenderOpened(1), 0.0)
+    prefill.handle(ChunkSubmitted(1, chunk), 0.0)
+    actions = prefill.handle(request(1, [10]), 0.1)
+    assert writes(actions) == []
+    (failed,) = messages(actions, TransferStatus)
+    assert isinstance(failed, TransferStatus)
+    assert failed.failure_kind == FailureKind.INCOMPATIBLE
+    assert "need pages of one size on both sides and no DCP" in failed.reason
 
 
 def test_a_rooms_chunks_go_out_together_and_success_waits_for_every_write() -> None:

@@ -10,7 +10,7 @@ import pytest
 
 from kvbridge.core.decode_room import DecodeRoom
 from kvbridge.core.prefill_room import TRANSITIONS, LifecycleError, Phase, PrefillRoom, Step
-from kvbridge.core.room import Chunk, Failure, NotHeld, RoomStatus
+from kvbridge.core.room import Chunk, Failure, RoomStatus, Unpaired
 from kvbridge.wire import FailureKind, KVPoll, TransferRequest
 from kvbridge.wire.notifications import notification_for, parse_notification
 
@@ -43,7 +43,7 @@ def test_prefill_room_slices_destination_pages_per_chunk() -> None:
     room = PrefillRoom(1)
     room.add_chunk(Chunk(np.array([7, 8]), last=False))
     assert room.next_jobs() == []  # no request yet
-    room.on_request(request("d0", [10, 11, 12]))
+    room.on_request(request("d0", [10, 11, 12]), aligned=True)
     assert room.status.poll == KVPoll.WaitingForInput
     (first,) = room.next_jobs()
     assert (first.page_offset, first.dst_pages.tolist()) == (0, [10, 11, 12])
@@ -66,7 +66,7 @@ def test_decode_prefix_pages_are_skipped_and_offsets_count_from_the_prefix() -> 
     room = PrefillRoom(1, page_size=4)
     with_prefix = TransferRequest(1, "d0", False, np.array([30, 31, 32], np.int32), 0, [], 1, 8)
     assert room.request_problem(with_prefix, dst_page_size=8) is None
-    room.on_request(with_prefix)
+    room.on_request(with_prefix, aligned=True)
     room.add_chunk(Chunk(np.array([1]), last=False))  # room page 0: inside the prefix
     room.add_chunk(Chunk(np.array([2, 3]), last=False))  # pages 1 (prefix) and 2
     room.add_chunk(Chunk(np.array([4, 5]), last=True, aux_index=7))  # pages 3 and 4
@@ -79,7 +79,9 @@ def test_decode_prefix_pages_are_skipped_and_offsets_count_from_the_prefix() -> 
 
 def test_a_prefix_covering_the_whole_room_still_sends_the_last_chunk() -> None:
     room = PrefillRoom(1, page_size=4)
-    room.on_request(TransferRequest(1, "d0", False, np.array([], np.int32), 2, [], 1, 8))
+    room.on_request(
+        TransferRequest(1, "d0", False, np.array([], np.int32), 2, [], 1, 8), aligned=True
+    )
     room.add_chunk(Chunk(np.array([1, 2]), last=True, aux_index=0))
     (job,) = room.next_jobs()  # no pages, but the aux slot and the room's end
     assert (job.src_pages.size, job.last, job.dst_aux_index) == (0, True, 2)
@@ -103,7 +105,9 @@ def test_dummy_requests_get_no_write_and_finish_with_the_last_chunk() -> None:
     room = PrefillRoom(1)
     room.add_chunk(Chunk(np.array([1, 2]), last=False))  # chunks queued before the request
     room.add_chunk(Chunk(np.array([3]), last=True))
-    room.on_request(TransferRequest(1, "d0", True, np.array([], np.int32), None, [], 1))
+    room.on_request(
+        TransferRequest(1, "d0", True, np.array([], np.int32), None, [], 1), aligned=True
+    )
     assert room.next_jobs() == []
     room.maybe_succeed(open_jobs=0)
     assert room.status.poll == KVPoll.Success
@@ -188,7 +192,7 @@ def test_skipped_positions_are_not_written_and_the_rest_stay_one_run() -> None:
         1, "d0", False, np.array([-1, 40, 41, -1, -1, 42], np.int32), 3, [], 1
     )
     assert room.request_problem(request, dst_page_size=4) is None
-    room.on_request(request)
+    room.on_request(request, aligned=True)
     room.add_chunk(Chunk(np.array([10, 11, 12]), last=False))  # room pages 0-2
     room.add_chunk(Chunk(np.array([13, 14, 15]), last=True, aux_index=0))  # 3-5
     first, last = room.next_jobs()
@@ -201,7 +205,7 @@ def test_skipped_positions_with_a_prefix_and_past_decodes_list() -> None:
     room = PrefillRoom(1, page_size=2)
     # The first 4 tokens (2 pages) are decode's; of the rest it needs the 2nd and the 3rd.
     request = TransferRequest(1, "d0", False, np.array([-1, 7, 8], np.int32), None, [], 1, 4)
-    room.on_request(request)
+    room.on_request(request, aligned=True)
     room.add_chunk(Chunk(np.arange(6), last=True))  # a page more than decode's list covers
     (job,) = room.next_jobs()
     assert (job.src_pages.tolist(), job.page_offset, job.dst_pages.tolist()) == ([3, 4], 0, [7, 8])
@@ -226,7 +230,7 @@ def test_pages_prefill_does_not_hold_go_nowhere_where_decode_needs_nothing() -> 
     # A sliding window: prefill dropped the blocks of room pages 0 and 1 (-1), decode needs
     # only pages 2-4 of its window; a page past decode's list may be missing too.
     room = PrefillRoom(1, page_size=4)
-    room.on_request(request("d0", [-1, -1, 20, 21, 22]))
+    room.on_request(request("d0", [-1, -1, 20, 21, 22]), aligned=True)
     room.add_chunk(Chunk(np.array([-1, -1, 5, 6, 7, -1]), last=True, aux_index=0))
     (job,) = room.next_jobs()
     assert (job.src_pages.tolist(), job.page_offset, job.dst_pages.tolist()) == (
@@ -236,7 +240,7 @@ def test_pages_prefill_does_not_hold_go_nowhere_where_decode_needs_nothing() -> 
     )
     # Decode without gaps, whose list ends before the missing page: nothing is missed.
     room = PrefillRoom(1, page_size=4)
-    room.on_request(request("d0", [20, 21]))
+    room.on_request(request("d0", [20, 21]), aligned=True)
     room.add_chunk(Chunk(np.array([5, 6, -1]), last=True, aux_index=0))
     (job,) = room.next_jobs()
     assert (job.src_pages.tolist(), job.page_offset) == ([5, 6], 0)
@@ -245,9 +249,9 @@ def test_pages_prefill_does_not_hold_go_nowhere_where_decode_needs_nothing() -> 
 @pytest.mark.parametrize("pages", [[-1, 20, 21], [20, 21, 22]])
 def test_a_page_decode_needs_and_prefill_does_not_hold_is_refused(pages: list[int]) -> None:
     room = PrefillRoom(1, page_size=4)
-    room.on_request(request("d0", pages))
+    room.on_request(request("d0", pages), aligned=True)
     room.add_chunk(Chunk(np.array([5, -1, 7]), last=True, aux_index=0))
-    with pytest.raises(NotHeld, match="room 1: decode needs the page at position 1 of the room"):
+    with pytest.raises(Unpaired, match="room 1: decode needs the page at position 1 of its pages"):
         room.next_jobs()
 
 
@@ -255,8 +259,45 @@ def test_pages_prefill_does_not_hold_need_aligned_pages() -> None:
     room = PrefillRoom(1, page_size=4)
     room.on_request(request("d0", [20, 21]), aligned=False)  # decode's pages hold 8 tokens
     room.add_chunk(Chunk(np.array([-1, 5, 6, 7]), last=True, aux_index=0))
-    with pytest.raises(NotHeld, match="need pages of one size on both sides and no DCP"):
+    with pytest.raises(Unpaired, match="need pages of one size on both sides and no DCP"):
         room.next_jobs()
+
+
+def test_pages_not_held_in_decodes_prefix_and_in_layer_ranges() -> None:
+    # Decode holds the first 8 tokens (2 pages of 4) and needs the next 3 pages but the 2nd.
+    room = PrefillRoom(1, page_size=4, num_layers=2)
+    with_prefix = TransferRequest(1, "d0", False, np.array([30, -1, 32], np.int32), 0, [], 1, 8)
+    room.on_request(with_prefix, aligned=True)
+    room.add_chunk(Chunk(np.array([-1, 1]), last=False))  # inside the prefix: nothing needed
+    assert room.next_jobs() == []
+    room.add_chunk(Chunk(np.array([2, -1, 4]), last=False, layers=(0, 1)))
+    (layer0,) = room.next_jobs()
+    assert (layer0.src_pages.tolist(), layer0.page_offset) == ([2, 4], 0)
+    room.add_chunk(Chunk(np.array([2, -1, 4]), last=True, aux_index=0, layers=(1, 2)))
+    (layer1,) = room.next_jobs()
+    assert (layer1.src_pages.tolist(), layer1.layers) == ([2, 4], (1, 2))
+    # One decode needs: the first layer range fails, no job for any of them.
+    room = PrefillRoom(1, page_size=4, num_layers=2)
+    room.on_request(request("d0", [30, 31]), aligned=True)
+    room.add_chunk(Chunk(np.array([2, -1]), last=False, layers=(0, 1)))
+    with pytest.raises(Unpaired, match="position 1 of its pages"):
+        room.next_jobs()
+
+
+def test_pages_laid_out_by_position_need_aligned_pages_and_pair_page_for_page() -> None:
+    room = PrefillRoom(1, page_size=4)
+    room.on_request(request("d0", [20, 21, 22]), aligned=True)
+    room.add_chunk(Chunk(np.array([5, 6, 7]), last=True, aux_index=0, positional=True))
+    (job,) = room.next_jobs()
+    assert (job.src_pages.tolist(), job.page_offset) == ([5, 6, 7], 0)
+    room = PrefillRoom(1, page_size=4)
+    room.on_request(request("d0", [20, 21]), aligned=False)
+    room.add_chunk(Chunk(np.array([5, 6, 7]), last=True, aux_index=0, positional=True))
+    with pytest.raises(Unpaired, match="pair with decode's page for page"):
+        room.next_jobs()
+    assert room.aligns_with(4)
+    assert not room.aligns_with(8)
+    assert not room.aligns_with(4, 2)  # DCP
 
 
 def test_a_prefill_room_moves_only_through_its_transition_table() -> None:
@@ -284,7 +325,7 @@ def test_a_prefill_room_moves_only_through_its_transition_table() -> None:
 
 def test_a_room_that_fails_with_a_write_out_drains_before_it_settles() -> None:
     room = PrefillRoom(1)
-    room.on_request(request("d0", [10, 11]))
+    room.on_request(request("d0", [10, 11]), aligned=True)
     room.add_chunk(Chunk(np.array([7, 8]), last=True))
     room.next_jobs()  # its job is out
     assert room.fail(Failure(FailureKind.ABORTED, "aborted"))

@@ -16,7 +16,7 @@ from kv_cache import rank_cache
 from kvbridge.cache import GeometryError, PlanError
 from kvbridge.cache.plan import pair, plan_slots, plan_state_slices
 from kvbridge.cache.topology import rank_heads, topology
-from kvbridge.core.room import Destination, NotHeld
+from kvbridge.core.room import Destination, Unpaired
 from kvbridge.integrations.vllm_blocks import (
     NULL_BLOCK,
     Group,
@@ -68,8 +68,9 @@ def test_one_room_moves_every_group_and_decode_skips_what_it_has() -> None:
     cache = VLLMCache(args, pages_per_block=2, state_slots=True)
     # Prefill: the groups' blocks one after another; a state group's block is a slot.
     sent = cache.send_contents([[5], [7, 8], [9]], {0})
-    assert sent == RoomContents([14, 15, 16, 17, 18, 19], [5])
-    assert cache.send_contents([[1], [7]], set()) == RoomContents([2, 3, 14, 15], [])
+    assert sent == RoomContents([14, 15, 16, 17, 18, 19], [5], positional=True)
+    assert cache.send_contents([[1], [7]], set()) == RoomContents([2, 3, 14, 15], [], 0, True)
+    assert not cache.send_contents([[1], [7]], {1}).positional  # one group of pages
     # Decode pairs its blocks with prefill's positions: a group's blocks before decode's
     # (skips) and past them (prefill sends more) are skipped; leading ones are the prefix.
     load = cache.load_contents([[5], [20], [30]], [0, 1, 0], [1, 2, 1], {0})
@@ -113,9 +114,9 @@ def test_decode_first_pairs_a_sliding_windows_blocks_by_position_or_refuses(
         set(),
     )
     request = TransferRequest(1, "d", False, np.array(contents.pages, np.int32), 0, [], 1)
-    destination = Destination.of(request)
+    destination = Destination.of(request, aligned=True)
     if prefill_window_first > decode_window_first:
-        with pytest.raises(NotHeld, match="position 6 of the room"):
+        with pytest.raises(Unpaired, match="position 6 of its pages"):
             destination.pair(0, src)
         return
     pages, first = destination.pair(0, src)

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from kvbridge.integrations.vllm_proxy import PDProxy
+from kvbridge.integrations.vllm_proxy_pool import prefill_targets
 from kvbridge.integrations.vllm_requests import PREFILL_PARAMS, decode_request, prefill_request
 
 REMOTE = {"do_remote_prefill": True, "kvbridge_room": 7, "kvbridge_bootstrap_url": "http://x:1"}
@@ -377,6 +378,11 @@ def test_decode_first_with_a_data_parallel_prefill_sends_each_request_to_one_ran
         proxy.shutdown()
         prefill.close()
         decode.close()
+    ipv6 = prefill_targets(["http://a:1"], ["http://[::1]:8998"], 2)
+    assert [(t.name, t.bootstrap, t.headers) for t in ipv6.values()] == [
+        ("http://a:1 (DP rank 0)", "http://[::1]:8998", {"X-data-parallel-rank": "0"}),
+        ("http://a:1 (DP rank 1)", "http://[::1]:8999", {"X-data-parallel-rank": "1"}),
+    ]
     with pytest.raises(ValueError, match="is for decode first"):
         PDProxy(["http://a:1"], ["http://c:1"], prefill_dp_size=2)
     with pytest.raises(ValueError, match="give 1 or more"):

@@ -163,12 +163,23 @@ def test_a_sliding_window_hybrid_is_sent_decode_first_from_position_0() -> None:
     decode.after_alloc(load_ask, ([40, 41, 42], [0, 0, 52]), 10)  # its window: the last block
     (load,) = decode.take_step(idle=False).loads
     assert (load.blocks, load.skips) == (((40, 41, 42), (52,)), (0, 2))
-    # A window that held less than decode's first block would shift the groups after it.
+    # A group holding fewer blocks than decode lays out would shift the groups after it:
+    # not sent, and the proxy's room fails at once (decode is waiting on it).
     prefill.on_new_request(
         short := request(10, stream_prefill_request({}, 78)["kv_transfer_params"], "s")
     )
     short.status.name, short.num_computed_tokens = "FINISHED_LENGTH_CAPPED", 10
-    assert prefill.finished(short, ([20, 21, 22], [0, 31])) == (False, None)
+    assert prefill.finished(short, ([20, 21, 22], [0, 31])) == (True, None)
+    assert (handed[-1].room, handed[-1].streamed) == (78, False)
+    assert "holds 2 block(s) of 10 tokens, decode first lays out 3" in handed[-1].aborted
+    # So does one that ends before it is sent (here: aborted in prefill's queue).
+    prefill.on_new_request(
+        gone := request(10, stream_prefill_request({}, 79)["kv_transfer_params"], "g")
+    )
+    gone.status.name = "FINISHED_ABORTED"
+    assert prefill.finished(gone, ([], [])) == (True, None)
+    assert handed[-1].room == 79
+    assert "ended FINISHED_ABORTED" in handed[-1].aborted
 
 
 class FakeSender:

@@ -45,7 +45,7 @@ from kvbridge.core.prefill_room import PrefillRoom
 from kvbridge.core.prefill_rooms import PrefillRooms
 from kvbridge.core.prefill_sglang import SGLangDecodeMessages
 from kvbridge.core.protocol import ProtocolCore, RoomsChanged, Send, Tick
-from kvbridge.core.room import Failure, NotHeld
+from kvbridge.core.room import Failure, Unpaired
 from kvbridge.core.write_jobs import JobTable
 from kvbridge.core.write_scheduler import WriteScheduler
 from kvbridge.wire import (
@@ -133,7 +133,7 @@ class PrefillProtocol(ProtocolCore):
         was = state.status.poll
         try:
             jobs = state.next_jobs()
-        except NotHeld as exc:  # decode needs a page this rank dropped
+        except Unpaired as exc:  # decode needs a page this rank cannot pair with it
             return self.room_table.fail(state, Failure(FailureKind.INCOMPATIBLE, str(exc)))
         except ValueError as exc:
             return self.room_table.fail(state, Failure(FailureKind.INTERNAL, str(exc)))
@@ -176,7 +176,7 @@ class PrefillProtocol(ProtocolCore):
         if problem is not None:
             failure = Failure(FailureKind.INCOMPATIBLE, problem)
             return self.room_table.fail(state, failure, message.peer_id)
-        state.on_request(message, aligned=sizes == (state.page_size, 1))
+        state.on_request(message, aligned=state.aligns_with(*sizes))
         log.debug(
             "room %d: %s from decode %s, %d page(s)",
             message.room,

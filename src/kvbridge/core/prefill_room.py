@@ -25,8 +25,8 @@ from kvbridge.core.room import (
     ChunkJob,
     Destination,
     Failure,
-    NotHeld,
     RoomStatus,
+    Unpaired,
 )
 from kvbridge.wire.layout import Message
 from kvbridge.wire.messages import KVPoll
@@ -177,7 +177,7 @@ class PrefillRoom:
         if pages.size and pages.min() < SKIPPED_PAGE:
             return f"room {self.room}: decode page index {pages.min()} (only -1 skips a page)"
         gaps = pages.size and pages.min() == SKIPPED_PAGE
-        if gaps and (dst_page_size != self.page_size or dst_dcp_size != 1):
+        if gaps and not self.aligns_with(dst_page_size, dst_dcp_size):
             return (
                 f"room {self.room}: decode skips pages inside the room (page index -1), which "
                 f"needs pages of one size on both sides and no DCP: this prefill rank's pages "
@@ -185,8 +185,12 @@ class PrefillRoom:
             )
         return None
 
-    def on_request(self, request: TransferRequest, aligned: bool = True) -> None:
-        """Decode's request (`aligned`: its pages and this rank's hold the same tokens)."""
+    def aligns_with(self, dst_page_size: int, dst_dcp_size: int = 1) -> bool:
+        """Whether a decode rank's pages hold the same tokens as this rank's, page for page."""
+        return dst_page_size == self.page_size and dst_dcp_size == 1
+
+    def on_request(self, request: TransferRequest, aligned: bool) -> None:
+        """Decode's request (`aligned`: `aligns_with` its rank)."""
         if self.status.finished:
             return
         self.requests[request.peer_id] = request
@@ -262,10 +266,11 @@ class PrefillRoom:
             cut = min(chunk.src_pages.size, max(0, skip - self.pages_sent))
             src_pages = chunk.src_pages[cut:]
             destination = self.destinations[peer_id]
+            start = max(0, self.pages_sent - skip)
             try:  # only the positions decode fills, in a row
-                src_pages, start = destination.pair(max(0, self.pages_sent - skip), src_pages)
-            except NotHeld as exc:
-                raise NotHeld(f"room {self.room}: {exc}") from None
+                src_pages, start = destination.pair(start, src_pages, chunk.positional)
+            except Unpaired as exc:
+                raise Unpaired(f"room {self.room}: {exc}") from None
             if src_pages.size == 0 and not chunk.last:
                 continue
             jobs.append(

@@ -101,6 +101,8 @@ class Chunk:
     state_indices: tuple[int, ...] = ()
     layers: tuple[int, int] | None = None
     gate: Gate | None = None
+    # Its pages pair with decode's by position (several page lists laid end to end).
+    positional: bool = False
 
 
 @dataclass(frozen=True)
@@ -138,10 +140,10 @@ class Destination:
     pages: npt.NDArray[np.int32]
     # Per position, how many before it go somewhere (one more entry: all of them).
     kept_before: npt.NDArray[np.int64]
-    aligned: bool = True
+    aligned: bool
 
     @staticmethod
-    def of(request: TransferRequest, aligned: bool = True) -> Destination:
+    def of(request: TransferRequest, aligned: bool) -> Destination:
         positions = np.asarray(request.dst_kv_indices, dtype=np.int32)
         kept = positions != SKIPPED_PAGE
         before = np.concatenate(([0], np.cumsum(kept, dtype=np.int64)))
@@ -161,29 +163,35 @@ class Destination:
         return kept, int(self.kept_before[min(start, self.positions.size)])
 
     def pair(
-        self, start: int, src_pages: npt.NDArray[np.int64]
+        self, start: int, src_pages: npt.NDArray[np.int64], positional: bool = False
     ) -> tuple[npt.NDArray[np.int64], int]:
         """A chunk's pages from position `start` that go somewhere, and the place of the
         first of them in `pages`. A source page may be SKIPPED_PAGE, a position the prefill
         rank does not hold (a sliding window dropped its block): only where decode needs
-        nothing, else `NotHeld`."""
+        nothing, else `Unpaired`. `positional`: the chunk's pages pair with decode's by
+        position, not by tokens (several page lists laid end to end), which, as pages not
+        held, needs pages of one size on both sides and no DCP."""
         held = src_pages != SKIPPED_PAGE
+        if (positional or not held.all()) and not self.aligned:
+            what = (
+                "pages that pair with decode's page for page (several page lists laid end to end)"
+                if positional
+                else "pages this prefill rank does not hold (page index -1)"
+            )
+            raise Unpaired(f"{what} need pages of one size on both sides and no DCP")
         if not self.has_gaps and held.all():
             return src_pages, start
-        if not held.all() and not self.aligned:
-            raise NotHeld(
-                "pages this prefill rank does not hold (page index -1) need pages of one size "
-                "on both sides and no DCP"
-            )
         kept, first = self.place(start, src_pages.size)
         needed = np.flatnonzero(kept & ~held)
         if needed.size:
-            raise NotHeld(
-                f"decode needs the page at position {start + int(needed[0])} of the room, which "
-                "this prefill rank does not hold (page index -1: its sliding window dropped it?)"
+            raise Unpaired(
+                f"decode needs the page at position {start + int(needed[0])} of its pages, "
+                "which this prefill rank does not hold (page index -1: its sliding window "
+                "dropped it?)"
             )
         return src_pages[kept], first
 
 
-class NotHeld(ValueError):
-    """Decode needs a page the prefill rank does not hold: the room cannot be written."""
+class Unpaired(ValueError):
+    """Decode needs a page the prefill rank cannot pair with it (one it does not hold, or
+    pages of another size where pages pair by position): the room cannot be written."""

@@ -59,6 +59,8 @@ class RoomContents:
     pages: list[int]
     slots: list[int]
     prefix_tokens: int = 0
+    # Prefill: several groups' pages laid end to end (they pair with decode's page for page).
+    positional: bool = False
 
 
 @dataclass(frozen=True)
@@ -91,14 +93,16 @@ class VLLMCache:
         (`state_groups`: those that keep a recurrent state)."""
         pages: list[int] = []
         slots: list[int] = []
+        page_groups = 0
         for group, ids in enumerate(blocks):
             if self._slots(group, state_groups):
                 slots += ids
                 continue
+            page_groups += 1
             for block in ids:  # vLLM's null block: a position no longer held, never data
                 held = block != NULL_BLOCK
                 pages += self.pages_of((block,)) if held else [SKIPPED_PAGE] * self.pages_per_block
-        return RoomContents(pages, slots)
+        return RoomContents(pages, slots, positional=page_groups > 1)
 
     def load_contents(
         self,

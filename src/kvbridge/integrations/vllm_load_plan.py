@@ -51,8 +51,10 @@ def decode_first_remote(
 ) -> RemotePrefill:
     """A decode-first load's remote as if prefill had answered: the prompt (less the
     `backoff`), each group's blocks from position 0 (`decode_first_layout`), in this
-    instance's block sizes (one full-attention group's may differ on prefill: tokens map;
-    several groups need one size on both sides, `plan_load`)."""
+    instance's block sizes. One full-attention group's may differ on prefill (tokens map);
+    several groups need one size on both sides, which only prefill can check here: it sends
+    their pages positional (`KVSender.send`), and a decode rank of another page size fails
+    the room as incompatible."""
     groups = config.groups
     tokens = num_prompt_tokens - config.backoff
     return replace(

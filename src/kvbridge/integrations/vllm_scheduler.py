@@ -193,14 +193,14 @@ class SchedulerSide:
         if not params.get("do_remote_decode") or not self.config.produces:
             return False, None
         streamed = self.streams.ended(request_id)
+        chosen = streamed_room(params)  # decode first: the proxy's room, decode asks there
         if request.status.name not in SENDABLE:
-            return self._stream_stopped(streamed, request_id, f"ended {request.status.name}")
+            return self._not_sent(streamed, chosen, request_id, f"ended {request.status.name}")
         stages = [self.bootstrap_urls.get(stage) for stage in range(self.config.pipeline_stages)]
         if None in stages:
             log.error("request %s: no bootstrap service on this instance", request_id)
-            return self._stream_stopped(streamed, request_id, "no bootstrap service")
+            return self._not_sent(streamed, chosen, request_id, "no bootstrap service")
         urls = tuple(url for url in stages if url is not None)
-        chosen = streamed_room(params)  # decode first: the proxy's room, decode asks there
         groups, tokens = self.config.groups, request.num_computed_tokens
         try:
             sent = blocks_to_send(groups, block_ids, tokens)
@@ -213,9 +213,9 @@ class SchedulerSide:
             )
         except ValueError as exc:  # vLLM's block table is not what kvbridge expects
             log.error("request %s: not sent: %s", request_id, exc)
-            return self._stream_stopped(streamed, request_id, str(exc))
+            return self._not_sent(streamed, chosen, request_id, str(exc))
         if not any(group.blocks for group in sent):
-            return self._stream_stopped(streamed, request_id, "no blocks")
+            return self._not_sent(streamed, chosen, request_id, "no blocks")
         room = chosen if chosen is not None else secrets.randbits(63)
         spec = SendSpec(request_id, room, moving, streamed is not None)
         problem = self._hand_off(spec)
@@ -238,19 +238,24 @@ class SchedulerSide:
         )
         return True, remote.to_params()
 
-    def _stream_stopped(
-        self, streamed: Streamed | None, request_id: str, why: str
+    def _not_sent(
+        self, streamed: Streamed | None, chosen: int | None, request_id: str, why: str
     ) -> tuple[bool, dict[str, Any] | None]:
-        """A request that will not be sent: a stream written in part while it ran keeps its
-        blocks until no write of it reads them (its send fails with `why`)."""
-        if streamed is None:
+        """A request that will not be sent. Decode first (`chosen`: the proxy's room, decode
+        may be waiting on it) the worker fails the room, so decode hears at once rather than
+        at prefill's claim deadline; a stream written in part while it ran keeps its blocks
+        until no write of it reads them."""
+        if streamed is not None:
+            room = streamed.room
+        elif chosen is not None:
+            room = chosen
+        else:
             return False, None
-        # Its room may have been opened with writes going: the worker fails it (decode hears
-        # at once) and reports the blocks free once no write of them is out.
         aborted = f"the prefill request {why}"
-        spec = SendSpec(request_id, streamed.room, ((),), streamed=True, aborted=aborted)
+        spec = SendSpec(request_id, room, ((),), streamed=streamed is not None, aborted=aborted)
         if self._hand_off(spec) is not None:  # the worker's inbox is gone: so is its engine
-            self._step.stream_aborts.append(request_id)
+            if streamed is not None:
+                self._step.stream_aborts.append(request_id)
             return False, None
         self._sending.add(request_id)
         return True, None

@@ -55,7 +55,12 @@ class Sends:
         try:
             contents = cache.send_contents(send.blocks, self._state_groups)
             sender = prefill.sender(stage_room(send.room, self._stage))
-            sender.send(contents.pages, last=True, state_indices=contents.slots)
+            sender.send(
+                contents.pages,
+                last=True,
+                state_indices=contents.slots,
+                positional=contents.positional,
+            )
         except Exception as exc:  # (a room id that ended here before): the blocks are freed
             log.error("request %s: not sent: %r", send.request_id, exc)
             if sender is not None:
