@@ -10,6 +10,7 @@ would between two hosts (there is no bandwidth limit; what it costs is the stack
 from __future__ import annotations
 
 import ctypes
+import ipaddress
 import os
 import shutil
 import subprocess
@@ -85,11 +86,42 @@ class HostAway:
         _ip("-n", self.namespace, "link", "set", LINK, "up")
 
 
+# Where `host_away` looks for a /30 of its own in this namespace.
+AWAY_NETWORK = ipaddress.IPv4Network("192.168.232.0/24")
+
+
+def free_subnet(
+    addresses: str, network: ipaddress.IPv4Network = AWAY_NETWORK
+) -> ipaddress.IPv4Network:
+    """The first /30 of `network` that none of `addresses` (`ip -o -4 addr show`'s listing)
+    falls in: a link left by a run that was killed keeps its address and route, and a second
+    link on the same /30 would lose its traffic to it."""
+    taken = [ipaddress.IPv4Interface(word).network for word in _inet_words(addresses)]
+    for subnet in network.subnets(new_prefix=30):
+        if not any(subnet.overlaps(other) for other in taken):
+            return subnet
+    raise NetnsUnavailable(f"every /30 of {network} is in use here (links left by earlier runs?)")
+
+
+def _inet_words(listing: str) -> Iterator[str]:
+    """The address/prefix after each `inet` of `ip -o addr show`."""
+    words = listing.split()
+    for index, word in enumerate(words[:-1]):
+        if word == "inet":
+            yield words[index + 1]
+
+
 @contextmanager
-def host_away(ip: str = "192.168.232.1", local_ip: str = "192.168.232.2") -> Iterator[HostAway]:
-    """A namespace linked to the calling process's own (a /30 between the two addresses):
-    processes started in it are another host to this one, which can still start, reach and
-    cut them. Removed on exit; `NetnsUnavailable` if it cannot be made."""
+def host_away() -> Iterator[HostAway]:
+    """A namespace linked to the calling process's own (a /30 no link here uses, `ip` there
+    and `local_ip` here): processes started in it are another host to this one, which can
+    still start, reach and cut them. Removed on exit; `NetnsUnavailable` if it cannot be
+    made."""
+    reason = unavailable_reason()
+    if reason is not None:
+        raise NetnsUnavailable(reason)
+    listed = subprocess.run(["ip", "-o", "-4", "addr", "show"], capture_output=True, text=True)
+    ip, local_ip = (str(host) for host in free_subnet(listed.stdout).hosts())
     tag = uuid.uuid4().hex[:6]
     away = HostAway(f"kvb-a-{tag}", ip, local_ip, f"kvl{tag}")
     try:

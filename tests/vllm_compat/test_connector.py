@@ -488,7 +488,11 @@ def data_parallel_prefill_behind_proxy(
     server, each DP rank's bootstrap service at `port` + its index) and a decode server, with
     kvbridge's proxy in front. Three engines on this machine's two cores: liveness, look-ups
     and prefill's lease on a request's blocks get time to spare (these tests check the
-    routing; the fault tests check liveness)."""
+    routing; the fault tests check liveness). Both prefill ranks run on core 0 and decode
+    unpinned: vLLM steps an engine without pause while its finished requests' KV waits to be
+    sent, and with one prefill rank spinning on each core, decode and this process (the
+    proxy) got so little CPU that they stalled for up to a minute, until prefill's lease on
+    those requests ran out and they failed."""
     patient = {"peer_timeout_s": 10.0, "bootstrap_timeout_s": 30.0, "request_timeout_s": 60.0}
     return behind_proxy(
         lambda: Server(
@@ -496,10 +500,13 @@ def data_parallel_prefill_behind_proxy(
             kvbridge_config("kv_producer", "nixl", bootstrap_port=port, **patient),
             tmp_path / "prefill-dp2.log",
             arguments=("--skip-tokenizer-init", "--data-parallel-size", "2"),
-            environment={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+            environment={"VLLM_CPU_OMP_THREADS_BIND": "0|0"},
         ),
         lambda: Server(
-            model, kvbridge_config("kv_consumer", "nixl", **patient), tmp_path / "decode.log"
+            model,
+            kvbridge_config("kv_consumer", "nixl", **patient),
+            tmp_path / "decode.log",
+            environment={"VLLM_CPU_OMP_THREADS_BIND": "nobind"},
         ),
         **proxy_options,
     )

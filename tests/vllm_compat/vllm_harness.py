@@ -353,12 +353,17 @@ class Server:
             ),
             start_new_session=True,
         )
-        deadline = time.monotonic() + startup_timeout_s
+        try:
+            self._wait_until_healthy(startup_timeout_s)
+        except BaseException:  # an interrupted wait too (pytest-timeout): no server left
+            self.close()
+            raise
+
+    def _wait_until_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
         while not self._healthy():
             if self.process.poll() is not None or time.monotonic() > deadline:
-                log = self.log()
-                self.close()
-                raise InstanceError(f"vllm serve did not start; log:\n{log}")
+                raise InstanceError(f"vllm serve did not start; log:\n{self.log()}")
             time.sleep(0.5)
 
     def _healthy(self) -> bool:

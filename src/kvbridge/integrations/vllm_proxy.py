@@ -24,10 +24,8 @@ import logging
 import secrets
 import socket
 import threading
-import time
-import uuid
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -36,6 +34,15 @@ from aiohttp import web
 
 from kvbridge.integrations.vllm_options import OptionsError
 from kvbridge.integrations.vllm_proxy_pool import Pool, prefill_targets
+from kvbridge.integrations.vllm_proxy_upstream import (
+    UPSTREAM_ERRORS,
+    OwnTime,
+    Upstream,
+    UpstreamError,
+    answer_object,
+    forwarded_headers,
+    json_body,
+)
 from kvbridge.integrations.vllm_requests import (
     decode_first_request,
     decode_request,
@@ -51,21 +58,7 @@ UPSTREAM_TIMEOUT_S = 600.0
 CONNECT_TIMEOUT_S = 30.0
 KEEPALIVE_S = 4.0
 SHUTDOWN_S = 5.0  # how long a shutdown lets answers in flight finish
-# The client's headers both instances get (credentials: servers started with --api-key want
-# them); the request id is always set, the client's or a new one.
-FORWARDED_HEADERS = ("Authorization",)
-REQUEST_ID = "X-Request-Id"
 MAX_TIMINGS = 100_000
-UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
-JSON_BODY = {"Content-Type": "application/json"}
-
-
-class UpstreamError(Exception):
-    """An instance that could not be reached or refused the request."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
 
 
 def _check_url(url: str, port: bool = False) -> str:
@@ -122,7 +115,7 @@ class PDProxy:
         self._lock = threading.Lock()  # serve_forever and shutdown agree on who closes
         self._shut = False
         self._done = threading.Event()  # set once the listener is closed
-        self._session: aiohttp.ClientSession | None = None
+        self._upstream: Upstream | None = None
 
     def timings(self) -> tuple[list[float], list[float]]:
         """The proxy's own seconds per answered request, oldest first: in all, and before the
@@ -176,7 +169,7 @@ class PDProxy:
         )
         runner = web.AppRunner(app, access_log=None, shutdown_timeout=SHUTDOWN_S)
         async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-            self._session = session
+            self._upstream = Upstream(session, self.upstream_timeout_s)
             await runner.setup()
             try:
                 await web.SockSite(runner, self._socket).start()
@@ -199,10 +192,10 @@ class PDProxy:
         decode = self._decode.urls[0]
         try:
             try:
-                upstream = await self._client.get(decode + "/v1/models")
+                upstream = await self._up.session.get(decode + "/v1/models")
             except UPSTREAM_ERRORS as exc:
-                raise self._failure("decode", decode, exc, "failed") from None
-            response = await self._relay(request, upstream, decode)
+                raise self._up.failure("decode", decode, exc, "failed") from None
+            response = await self._up.relay(request, upstream, decode)
         except UpstreamError as exc:
             return web.json_response({"error": str(exc)}, status=exc.status)
         return response
@@ -215,20 +208,20 @@ class PDProxy:
                 raise ValueError("the request body is not a JSON object")
         except ValueError as exc:
             return web.json_response({"error": f"bad request body: {exc}"}, status=400)
-        headers = _forwarded(request)
+        headers = forwarded_headers(request)
         if self._decode_first:
             return await self._post_decode_first(request, body, headers, clock)
         try:
             # The prefill instance is held while it works, not while decode does.
             with self._prefill.take() as name:
-                prefill, sent = self._targets[name].url, _json(prefill_request(body))
+                prefill, sent = self._targets[name].url, json_body(prefill_request(body))
                 with clock.waiting():
-                    data = await self._prefill_answer(prefill, request.path, sent, headers)
-            forward = _json(decode_request(body, _answer_object(prefill, data)))
+                    data = await self._up.prefill_answer(prefill, request.path, sent, headers)
+            forward = json_body(decode_request(body, answer_object(prefill, data)))
             with self._decode.take(prefill) as decode:
                 with clock.waiting():
-                    upstream = await self._send(decode, request.path, forward, headers, "decode")
-                response = await self._relay(request, upstream, decode, clock)
+                    upstream = await self._up.send(decode, request.path, forward, headers, "decode")
+                response = await self._up.relay(request, upstream, decode, clock)
         except (UpstreamError, OptionsError) as exc:
             status = exc.status if isinstance(exc, UpstreamError) else 502
             log.warning("request failed: %s", exc)
@@ -249,18 +242,18 @@ class PDProxy:
 
         async def prefill_leg() -> bytes:
             try:
-                sent = _json(stream_prefill_request(body, room))
+                sent = json_body(stream_prefill_request(body, room))
                 to_rank = {**headers, **prefill.headers}
-                return await self._prefill_answer(prefill.url, request.path, sent, to_rank)
+                return await self._up.prefill_answer(prefill.url, request.path, sent, to_rank)
             finally:
                 taken.__exit__(None, None, None)
 
         async def decode_leg() -> web.StreamResponse:
-            forward = _json(decode_first_request(body, prefill.bootstrap, room))
+            forward = json_body(decode_first_request(body, prefill.bootstrap, room))
             with self._decode.take(prefill.name) as decode:
                 with clock.waiting():
-                    upstream = await self._send(decode, request.path, forward, headers, "decode")
-                return await self._relay(request, upstream, decode, clock)
+                    upstream = await self._up.send(decode, request.path, forward, headers, "decode")
+                return await self._up.relay(request, upstream, decode, clock)
 
         prefilled = asyncio.ensure_future(prefill_leg())
         decoding = asyncio.ensure_future(decode_leg())
@@ -293,152 +286,14 @@ class PDProxy:
         self._timed(clock)
         return response
 
+    @property
+    def _up(self) -> Upstream:
+        assert self._upstream is not None, "serving"
+        return self._upstream
+
     def _timed(self, clock: OwnTime) -> None:
         own = clock.own()
         first = clock.own_before_first_byte
         with self._timings_lock:
             self._own_seconds.append(own)
             self._own_first_byte_seconds.append(own if first is None else first)  # whole: at end
-
-    # --- upstream --------------------------------------------------------------------------
-
-    @property
-    def _client(self) -> aiohttp.ClientSession:
-        assert self._session is not None
-        return self._session
-
-    async def _send(
-        self, url: str, path: str, body: bytes, headers: dict[str, str], role: str
-    ) -> aiohttp.ClientResponse:
-        try:
-            return await self._client.post(url + path, data=body, headers={**headers, **JSON_BODY})
-        except UPSTREAM_ERRORS as exc:
-            raise self._failure(role, url, exc, "failed") from None
-
-    def _failure(self, role: str, url: str, exc: BaseException, doing: str) -> UpstreamError:
-        """An upstream exception as the client's error, the instance named: 502 for one that
-        cannot be reached or broke off, 504 for one that sent nothing within the timeout."""
-        if isinstance(exc, (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)):
-            return UpstreamError(502, f"{role} {url} unreachable: {_reason(exc)}")
-        # asyncio's, which aiohttp's read timeouts derive from (the builtin from 3.11 only).
-        if isinstance(exc, asyncio.TimeoutError):
-            silent = f"{role} {url} sent nothing for {self.upstream_timeout_s:g} s"
-            return UpstreamError(504, silent)
-        return UpstreamError(502, f"{role} {url} {doing}: {_reason(exc)}")
-
-    async def _prefill_answer(
-        self, url: str, path: str, body: bytes, headers: dict[str, str]
-    ) -> bytes:
-        async with await self._send(url, path, body, headers, "prefill") as got:
-            try:
-                data = await got.read()
-            except UPSTREAM_ERRORS as exc:
-                raise self._failure("prefill", url, exc, "answered in part") from None
-            if got.status != 200:
-                raise UpstreamError(got.status, f"prefill {url}: {data[:2000]!r}")
-        return data
-
-    async def _relay(
-        self,
-        request: web.Request,
-        upstream: aiohttp.ClientResponse,
-        url: str,
-        clock: OwnTime | None = None,
-    ) -> web.StreamResponse:
-        """Decode's answer (from `url`) to the client, whole or chunk by chunk as it streams
-        (the waits for it on `clock`). A streamed answer cut off upstream cuts the client's
-        connection: its status is already sent."""
-        clock = clock or OwnTime()
-        async with upstream:
-            content_type = upstream.headers.get("Content-Type", "application/json")
-            if upstream.headers.get("Content-Length") is not None:
-                try:
-                    with clock.waiting():
-                        data = await upstream.read()
-                except UPSTREAM_ERRORS as exc:
-                    raise self._failure("decode", url, exc, "answered in part") from None
-                return web.Response(
-                    status=upstream.status, body=data, headers={"Content-Type": content_type}
-                )
-            response = web.StreamResponse(
-                status=upstream.status, headers={"Content-Type": content_type}
-            )
-            response.enable_chunked_encoding()
-            await response.prepare(request)
-            chunks = upstream.content.iter_any()
-            while True:
-                try:
-                    with clock.waiting():
-                        chunk = await chunks.__anext__()
-                except StopAsyncIteration:
-                    break
-                except UPSTREAM_ERRORS as exc:
-                    # The instance went away mid-answer: the client's connection is cut, so
-                    # that it sees an error rather than a short answer that looks whole.
-                    log.warning("answer from upstream ended early: %r", exc)
-                    if request.transport is not None:
-                        request.transport.abort()
-                    return response
-                try:
-                    await response.write(chunk)
-                except ConnectionError:  # the client went away: nobody to answer
-                    return response
-                clock.first_byte()
-            with contextlib.suppress(ConnectionError):
-                await response.write_eof()
-            return response
-
-
-class OwnTime:
-    """A request's time in the proxy less its waits on the instances: in all, and until the
-    client's first byte was handed to the socket."""
-
-    def __init__(self) -> None:
-        self.began = time.perf_counter()
-        self.waited = 0.0
-        self.own_before_first_byte: float | None = None
-
-    @contextlib.contextmanager
-    def waiting(self) -> Iterator[None]:
-        asked = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.waited += time.perf_counter() - asked
-
-    def first_byte(self) -> None:
-        if self.own_before_first_byte is None:
-            self.own_before_first_byte = self.own()
-
-    def own(self) -> float:
-        return time.perf_counter() - self.began - self.waited
-
-
-def _json(body: dict[str, Any]) -> bytes:
-    return json.dumps(body).encode()
-
-
-def _answer_object(url: str, data: bytes) -> dict[str, Any]:
-    """Prefill's answer as a JSON object, or the client's error naming the instance."""
-    try:
-        answer = json.loads(data)
-    except ValueError as exc:
-        raise UpstreamError(502, f"prefill {url} answered no JSON: {exc}") from None
-    if not isinstance(answer, dict):
-        raise UpstreamError(502, f"prefill {url} answered no JSON object")
-    return answer
-
-
-def _reason(exc: BaseException) -> str:
-    """An upstream error for the client, without aiohttp's connection-key repr."""
-    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-
-
-def _forwarded(request: web.Request) -> dict[str, str]:
-    """The headers both instances get: the client's credentials and one request id (vLLM
-    names the request by it on both sides, as NixlPushConnector needs to pair them)."""
-    headers = {REQUEST_ID: request.headers.get(REQUEST_ID) or uuid.uuid4().hex}
-    for name in FORWARDED_HEADERS:
-        if (value := request.headers.get(name)) is not None:
-            headers[name] = value
-    return headers
