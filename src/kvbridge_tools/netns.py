@@ -42,8 +42,9 @@ class TwoHosts:
         return ["ip", "netns", "exec", namespace, *argv]
 
 
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True)
+def _ip(*args: str) -> str:
+    """`ip` with these arguments; its output."""
+    return subprocess.run(["ip", *args], check=True, capture_output=True, text=True).stdout
 
 
 def unavailable_reason() -> str | None:
@@ -120,8 +121,7 @@ def host_away() -> Iterator[HostAway]:
     reason = unavailable_reason()
     if reason is not None:
         raise NetnsUnavailable(reason)
-    listed = subprocess.run(["ip", "-o", "-4", "addr", "show"], capture_output=True, text=True)
-    ip, local_ip = (str(host) for host in free_subnet(listed.stdout).hosts())
+    ip, local_ip = (str(host) for host in free_subnet(_checked("-o", "-4", "addr", "show")).hosts())
     tag = uuid.uuid4().hex[:6]
     away = HostAway(f"kvb-a-{tag}", ip, local_ip, f"kvl{tag}")
     try:
@@ -175,13 +175,12 @@ def _link(tag: str, *ends: tuple[str | None, str], local_name: str = LINK) -> No
         raise
 
 
-def _checked(*args: str) -> None:
+def _checked(*args: str) -> str:
     try:
-        _ip(*args)
+        return _ip(*args)
     except subprocess.CalledProcessError as exc:
         raise NetnsUnavailable(
-            f"cannot create network namespaces here: ip {' '.join(args)}: "
-            f"{exc.stderr.decode().strip()}"
+            f"cannot create network namespaces here: ip {' '.join(args)}: {exc.stderr.strip()}"
         ) from None
 
 
