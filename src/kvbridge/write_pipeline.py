@@ -1,23 +1,25 @@
 """Prefill's write pipeline: the writes and engine connections prefill's protocol hands out,
 carried through the engine in the order it handed them out.
 
-Three threads. The preparing thread connects the engine to new decode peers, waits for a write
-lease, gathers a staged chunk into the staging buffer, plans each write and sets the next
-engine transfer up (descriptors) while the current one moves. The engine thread posts the
-set-up transfers in order (setting one up itself when the preparing thread has not got to it),
-merging prepared writes to one peer that wait together into one transfer, and polls every
-transfer in flight, the lease checked before each post and each poll round of an engine that
-moves writes only when polled. The reporting thread tells the host each write that ended.
+Three threads. The preparing thread (`kvbridge.write_preparer`) connects the engine to new
+decode peers, waits for a write lease, gathers a staged chunk into the staging buffer, plans
+each write and sets the next engine transfer up (descriptors) while the current one moves.
+The engine thread posts the set-up transfers in order (setting one up itself when the
+preparing thread has not got to it), merging prepared writes to one peer that wait together
+into one transfer (a room's last gated write is posted by the thread that opens its gate:
+`_gate_opened`), and polls every transfer in flight, the lease checked before each post and
+each poll round of an engine that moves writes only when polled. The reporting thread tells
+the host each write that ended.
 
 The engine calls themselves are `kvbridge.write_transfers.EngineTransfers`. What the pipeline
 needs of its manager is `PipelineHost`; the engine and the clock are given, so that tests drive
 it with a fake engine and a fake clock.
 
 The lock rule: every field belongs to one of the threads (said where it is made), except the
-prepared writes and the next set-up transfer, which `_setting_up` guards. The channel's
-thread reads two things without a lock, each a hint whose wrong answer costs one short wait
-(`idle`, `posting`); the host's `lease_problem` is safe without the manager's lock (a lease
-only grows).
+prepared writes and the next set-up transfer (`kvbridge.write_slot.NextTransfer`, under its
+own lock). The channel's thread reads two things without a lock, each a hint whose wrong
+answer costs one short wait (`idle`, `posting`); the host's `lease_problem` is safe without
+the manager's lock (a lease only grows).
 """
 
 from __future__ import annotations
@@ -26,25 +28,24 @@ import logging
 import queue
 import sys
 import threading
-from collections import deque
 
-from kvbridge.cache import KVArgs, PlanError
+from kvbridge.cache import KVArgs
 from kvbridge.core.prefill_events import Connect, Write
 from kvbridge.core.waits import WINDOW_S, EngineWaits
-from kvbridge.engines import EngineError, EngineTimeout, TransferEngine, WriteFenced
+from kvbridge.engines import EngineTimeout, TransferEngine
 from kvbridge.staging.buffer import StagingBuffer
+from kvbridge.write_preparer import WAKE, Preparer, Wake
+from kvbridge.write_slot import NextTransfer
 from kvbridge.write_transfers import (
     Clock,
     Ended,
     EngineTransfers,
     PipelineHost,
     Posted,
-    Prepared,
     Starting,
     SystemClock,
     WriteObserver,
     WriteStats,
-    merged,
 )
 
 log = logging.getLogger("kvbridge.prefill")
@@ -57,15 +58,6 @@ WRITE_POLL_S = 0.0001
 # With an engine that moves writes on its own threads and says when one ended, the engine
 # thread sleeps until then instead, looking at the writes' deadlines at least this often.
 WRITE_WAIT_S = 0.01
-# How often the preparing thread looks for a write lease it waits for.
-LEASE_POLL_S = 0.002
-
-
-class _Wake:
-    """Put on a thread's queue to make it look again (the set-up transfer slot changed)."""
-
-
-_WAKE = _Wake()
 
 
 class WritePipeline:
@@ -89,7 +81,6 @@ class WritePipeline:
     ) -> None:
         self.engine = engine
         self._host = host
-        self._lease_wait_s = lease_wait_s
         self._clock: Clock = clock or SystemClock()
         self._who = who  # named in its warnings
         self._write_timeout_s = write_timeout_s
@@ -99,25 +90,28 @@ class WritePipeline:
         self.stats: WriteStats = self.transfers.stats
         # Time the engine thread spent in engine calls, and off a CPU in them (engine thread).
         self.engine_waits = EngineWaits()
-        self._to_prepare: queue.SimpleQueue[Write | Connect | _Wake | None] = queue.SimpleQueue()
-        self._to_engine: queue.SimpleQueue[_Wake | None] = queue.SimpleQueue()
+        self._to_engine: queue.SimpleQueue[Wake | Posted | None] = queue.SimpleQueue()
         self._to_report: queue.SimpleQueue[Ended | None] = queue.SimpleQueue()
         engine.add_write_end_listener(self._wake_engine_thread)
         self._closed = False
-        # Prepared writes in the order the protocol handed them out, and the next transfer set
-        # up from them (at most one ahead of the engine, so that what waits together merges):
-        # the preparing thread sets it up while the engine copies, the engine thread itself
-        # when it needs one before the preparing thread got to it. `_setting_up` guards both.
-        self._setting_up = threading.Lock()
-        self._ready: deque[Prepared] = deque()
-        self._next: Starting | None = None
+        self._slot = NextTransfer(self.transfers, self._to_report.put, self._gate_opened)
+        self._preparer = Preparer(
+            self.transfers,
+            host,
+            self._slot,
+            lease_wait_s,
+            self._clock,
+            self._wake_engine_thread,
+            lambda: self._to_engine.put(None),
+        )
+        self._to_prepare = self._preparer.inbox
         # Transfers the engine thread has posted and not yet seen end (engine thread), and set
         # when a copy starts (the channel's thread may wait for the first copy of a burst).
         self._transfers_out = 0
         self.posting = threading.Event()
         self.threads = [
             threading.Thread(
-                target=self._run_preparer, name=f"kvbridge-{name}-prepare", daemon=True
+                target=self._preparer.run, name=f"kvbridge-{name}-prepare", daemon=True
             ),
             threading.Thread(target=self._run_engine, name=f"kvbridge-{name}-engine", daemon=True),
             threading.Thread(
@@ -137,12 +131,7 @@ class WritePipeline:
     def idle(self) -> bool:
         """Whether nothing is on its way to the engine or moving (read without the locks that
         guard these: a wrong answer costs the caller at most one short wait)."""
-        return (
-            self._transfers_out == 0
-            and self._next is None
-            and not self._ready
-            and self._to_prepare.empty()
-        )
+        return self._transfers_out == 0 and self._slot.empty and self._to_prepare.empty()
 
     def observe_writes(self, observer: WriteObserver) -> None:
         """Tell `observer` the plan of every write that ends from now on. An observed plan's
@@ -159,73 +148,32 @@ class WritePipeline:
             self._closed = True
             self.engine.remove_write_end_listener(self._wake_engine_thread)
 
-    # --- preparing thread: connect, lease, gather, plan, set up -------------------------------
+    # --- the thread that opens a held transfer's gate ---------------------------------------
 
-    def _run_preparer(self) -> None:
-        while (item := self._to_prepare.get()) is not None:
-            if isinstance(item, Connect):
-                self.transfers.connect(item)
-            elif isinstance(item, Write):
-                try:
-                    prepared = self._prepare(item)
-                except (EngineError, PlanError, ValueError) as exc:
-                    self._host.write_ended(item, exc, False)
-                    prepared = None
-                else:
-                    if prepared is None:  # its room ended meanwhile: nothing was written
-                        self._host.write_ended(item, None, False)
-                if prepared is not None:
-                    with self._setting_up:
-                        self._ready.append(prepared)
-                    if not prepared.write.notify and not self._to_prepare.empty():
-                        continue  # the room's next chunk may go in the same transfer
-            with self._setting_up:
-                set_up = self._next is None and bool(self._ready)
-                if set_up:
-                    self._next = self._set_up_next()
-            if set_up:  # an engine thread idle in its queue is woken for it
-                self._to_engine.put(_WAKE)
-        self._to_engine.put(None)
-
-    def _await_lease(self, peer_id: str) -> str | None:
-        """Wait (up to `lease_wait_s`) for a valid write lease; why there is none, or None."""
-        deadline = self._clock.monotonic() + self._lease_wait_s
-        while (why := self._host.lease_problem(peer_id)) is not None:
-            if self._clock.monotonic() >= deadline:
-                return why
-            self._clock.sleep(LEASE_POLL_S)
-        return None
-
-    def _prepare(self, write: Write) -> Prepared | None:
-        """The write's blocks; None if its room ended meanwhile."""
-        if not self._host.room_going(write.room):
-            return None
-        why = self._await_lease(write.job.peer_id)
-        if why is not None:
-            raise WriteFenced(self.engine.name, "write", why)
-        return self.transfers.plan(write)
-
-    def _set_up_next(self) -> Starting | None:
-        """The next transfer set up from the prepared writes (under `_setting_up`); writes
-        that end before one could be (failed, or nothing to move) are reported."""
-        while self._ready:
-            ended: Ended = []
-            starting = self.transfers.set_up(merged(self._ready), ended)
-            if ended:
-                self._to_report.put(ended)
-            if starting is not None:
-                gate = starting.writes[0].write.job.gate
-                if gate is not None:  # its opening wakes the engine thread to post it
-                    gate.when_open(self._wake_engine_thread)
-                return starting
-        return None
+    def _gate_opened(self, starting: Starting) -> None:
+        """A held transfer's gate opened (on the opener's thread). The write of a room's last
+        job is posted right here: after the forward its copy is all that is left of the
+        room's transfer, and the engine thread's wake and its turn at the GIL (which the
+        opener holds) added ~0.1 ms to that; an earlier layer's copy leaves the opener's
+        thread to the forward. A transfer this thread cannot take at once (another thread
+        holds the slot's lock, or this one does: set up with its gate open already) goes the
+        engine thread's way, as one the engine thread took or dropped meanwhile."""
+        last = starting.writes[-1].write.job.last
+        if not last or not self._slot.take_held(starting, wait=False):
+            self._wake_engine_thread()
+            return
+        self._to_prepare.put(WAKE)  # the one after it is set up meanwhile
+        moving, failed = self.transfers.start(starting)
+        if failed:
+            self._to_report.put(failed)
+        self._to_engine.put(moving if moving is not None else WAKE)  # polled from there
 
     # --- engine thread: post and poll ---------------------------------------------------------
 
     def _run_engine(self) -> None:
         posted: list[Posted] = []
         clock = self._clock
-        held = False  # the next transfer waits for its gate
+        held: Starting | None = None  # the next transfer, waiting for its gate
         # The held transfer looked at last, since when it is held, and when its room was
         # last asked about.
         looked_at: Starting | None = None
@@ -233,7 +181,7 @@ class WritePipeline:
         while True:
             # Block only when nothing is in flight (a held write's room is looked at again
             # every WRITE_WAIT_S: one that ended drops it); else take what arrived.
-            items: list[_Wake | None] = []
+            items: list[Wake | Posted | None] = []
             if held and not posted:
                 self._wait_for_engine()  # (what woke it stays on the queue: taken below)
             elif not posted:
@@ -243,6 +191,7 @@ class WritePipeline:
                     items.append(self._to_engine.get_nowait())
                 except queue.Empty:
                     break
+            posted += [item for item in items if isinstance(item, Posted)]  # (opener-posted)
             if None in items:
                 self._close_engine_loop(posted)
                 return
@@ -250,29 +199,23 @@ class WritePipeline:
             posted, ended = self.transfers.progress(posted)
             if ended:
                 self._to_report.put(ended)
-            with self._setting_up:
-                starting, self._next = self._next, None
-                if starting is None and self._ready:
-                    starting = self._set_up_next()  # the preparing thread did not get to it
-                held = starting is not None and starting.held
-                if held:  # its data is not computed yet: it stays next
-                    self._next, starting = starting, None
+            starting, held = self._slot.take()  # (held: its data is not computed yet)
             # A held transfer's room is looked at when it becomes held (a room that ended
             # drops its held writes one after another without a wait each), after a quiet
             # wait, and every WRITE_WAIT_S while others move.
             now = clock.monotonic()
             waited = not items and not posted
-            if held and self._next is not looked_at:
-                looked_at, held_since, waited = self._next, now, True
-            if held and (waited or now - room_looked_at >= WRITE_WAIT_S):
+            if held is not None and held is not looked_at:
+                looked_at, held_since, waited = held, now, True
+            if held is not None and (waited or now - room_looked_at >= WRITE_WAIT_S):
                 room_looked_at = now
-                if self._drop_held(now - held_since):
-                    held = False
+                if self._drop_held(held, now - held_since):
+                    held = None
                     continue  # the next one may go now
             if starting is not None:
                 # The preparing thread sets the one after up while this one moves (NIXL over
                 # CMA copies inside the post call, without the GIL).
-                self._to_prepare.put(_WAKE)
+                self._to_prepare.put(WAKE)
                 moving, failed = self.transfers.start(starting)
                 if moving is not None:
                     posted.append(moving)
@@ -286,15 +229,11 @@ class WritePipeline:
                 else:
                     clock.sleep(WRITE_POLL_S)
 
-    def _drop_held(self, held_s: float) -> bool:
+    def _drop_held(self, held: Starting, held_s: float) -> bool:
         """The held transfer dropped if its room ended meanwhile (aborted or failed: a gate
         that never opens holds nothing back then), its writes reported unwritten; or failed
         if its gate stayed closed longer than a write may take (a forward that stopped
-        without opening it: the writes behind it go on)."""
-        with self._setting_up:
-            held = self._next
-        if held is None:
-            return False
+        without opening it: the writes behind it go on). Not if another thread took it."""
         failure: Exception | None = None
         if self._host.room_going(held.writes[0].write.room):
             if held_s < self._write_timeout_s:
@@ -305,14 +244,12 @@ class WritePipeline:
                 f"its data was not computed within {self._write_timeout_s:g} s (the gate it "
                 "was handed over with stayed closed)",
             )
-        with self._setting_up:
-            if self._next is not held:
-                return False
-            self._next = None
+        if not self._slot.take_held(held):
+            return False
         held.pending.release()
         self.transfers.release(held.writes, held.plan)
         self._to_report.put([(prepared.write, failure, False) for prepared in held.writes])
-        self._to_prepare.put(_WAKE)
+        self._to_prepare.put(WAKE)
         return True
 
     def _before_post(self) -> None:
@@ -322,7 +259,7 @@ class WritePipeline:
 
     def _wake_engine_thread(self) -> None:
         """A write ended (called on the engine's own thread)."""
-        self._to_engine.put(_WAKE)
+        self._to_engine.put(WAKE)
 
     def _wait_for_engine(self) -> None:
         """Sleep until the engine's threads end a write or new work comes (each puts a wake
@@ -340,10 +277,7 @@ class WritePipeline:
         """Closing: nothing more moves."""
         for left in posted:
             left.handle.release()
-        with self._setting_up:
-            if self._next is not None:
-                self._next.pending.release()
-                self._next = None
+        self._slot.close()
         self._to_report.put(None)
 
     def _note_waits(self, wall_started: float, cpu_started: float) -> None:

@@ -549,6 +549,40 @@ def test_a_room_lease_from_decode_starts_its_request_deadline_again() -> None:
     assert not messages(actions, TransferStatus)  # nobody asked: nobody to tell
 
 
+def test_a_room_lease_keeps_a_room_decode_asked_for_until_a_sender_claims_it() -> None:
+    # Decode first: decode's request arrives while prefill's scheduler still queues the
+    # request; decode renews while it waits, so the room outlives its 30 s in that queue.
+    prefill = protocol()  # request deadline 30 s
+    leased(prefill)
+    for room in (1, 2, 3):
+        prefill.handle(request(room, [room]), float(room))  # nobody claimed them yet
+    prefill.handle(RoomLease(DECODE_ENDPOINT, [1, 3]), 20.0)  # the oldest renewed: due at 50
+    prefill.handle(RoomLease(DECODE_ENDPOINT, [3]), 25.0)  # renewed again: due at 55
+    assert prefill.stats.leases_renewed == 3
+    for now in (29.0, 32.5):
+        prefill.handle(Heartbeat(DECODE_ENDPOINT, int(now), 3000, None), now)
+        actions = prefill.handle(Tick(), now)
+    assert 2 not in prefill.rooms  # not renewed: failed at 32 behind a renewed one, cleared
+    (told,) = messages(actions, TransferStatus)
+    assert isinstance(told, TransferStatus)
+    assert "within 30 s of decode's request" in told.reason
+    assert {1, 3} <= prefill.rooms.keys()
+    prefill.handle(SenderOpened(1), 45.0)  # the scheduler reaches it: claimed, written
+    prefill.handle(Heartbeat(DECODE_ENDPOINT, 45, 3000, None), 45.0)
+    assert writes(prefill.handle(ChunkSubmitted(1, Chunk(np.array([3]), last=True)), 45.0))
+    prefill.handle(RoomLease(DECODE_ENDPOINT, [1]), 46.0)  # asked and claimed: nothing to renew
+    assert prefill.stats.leases_renewed == 3
+    for now in (50.5, 54.0):  # room 1, due at 50 had it not been claimed, stays
+        prefill.handle(Heartbeat(DECODE_ENDPOINT, int(now), 3000, None), now)
+        prefill.handle(Tick(), now)
+    assert prefill.rooms[1].status.failure_kind is None
+    actions = prefill.handle(Tick(), 55.5)  # room 3 never claimed: due 30 s after its renewal
+    assert 3 not in prefill.rooms
+    (told,) = messages(actions, TransferStatus)
+    assert isinstance(told, TransferStatus)
+    assert "within 30 s of decode's last lease renewal" in told.reason
+
+
 def staging_pair(
     direct: bool = False, window: int = 2, gate: Gate | None = None
 ) -> tuple[PrefillProtocol, Registration]:

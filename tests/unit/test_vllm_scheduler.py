@@ -8,9 +8,10 @@ from typing import Any
 
 from kvbridge.integrations.vllm_blocks import Group, GroupKind
 from kvbridge.integrations.vllm_load_plan import SchedulerConfig
-from kvbridge.integrations.vllm_requests import SendSpec
+from kvbridge.integrations.vllm_requests import SendSpec, decode_first_request
 from kvbridge.integrations.vllm_scheduler import SchedulerSide
 
+PARAMS = "kv_transfer_params"
 HYBRID = (Group(GroupKind.STATE, 64), Group(GroupKind.FULL, 4))
 
 
@@ -96,6 +97,19 @@ def test_decode_renews_the_lease_of_a_waiting_request_every_third_of_it() -> Non
     assert decode.matched_tokens(waiting, 0) == (100, True)
     decode.after_alloc(waiting, ([1, 2, 3, 4],), 100)  # it asks now: no lease to renew
     assert not decode.take_step(False, now=20.0).renewals
+    # Decode first: the load goes out before prefill's scheduler reached the request, and
+    # decode renews the room until the load ends.
+    first = request(100, decode_first_request({}, "http://127.0.0.1:9", 77)[PARAMS], "d3")
+    decode.on_new_request(first, now=30.0)
+    assert decode.matched_tokens(first, 0)[1]
+    decode.after_alloc(first, (list(range(25)),), 100)
+    step = decode.take_step(False, now=30.0)
+    assert step.loads
+    assert not step.renewals
+    (renewed,) = decode.take_step(False, now=31.0).renewals  # every second
+    assert renewed.decode_first
+    decode.on_output(set(), {"d3"})  # loaded: nothing more to renew
+    assert not decode.take_step(False, now=60.0).renewals
     # A prefill without leases (0, or a release before them): nothing to renew.
     old = request(100, {**params, "kvbridge_lease_s": 0}, "d2")
     decode.on_new_request(old, now=0.0)

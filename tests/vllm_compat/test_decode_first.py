@@ -38,6 +38,7 @@ from vllm_harness import (
     free_port,
     kvbridge_config,
     make_model,
+    prompt,
     stats_lines_at_every_level,
 )
 
@@ -97,6 +98,48 @@ def test_decode_first_writes_each_layer_during_the_forward_and_falls_back_when_l
             assert after["connector"]["requests_sent"] == 2 * len(PROMPTS)
             assert after["connector"]["layer_writes"] == before
             assert "KV load failed" not in decode.log()
+        finally:
+            decode.close()
+    finally:
+        prefill.close()
+
+
+QUEUED_TIMEOUT_S = 2.0
+
+
+def test_a_request_queued_on_prefill_past_its_request_timeout_is_still_streamed(
+    model: Path, tmp_path: Path, reference: dict[Any, Any]
+) -> None:
+    """Decode's request reaches prefill while prefill's one sequence slot runs another
+    request: the room waits for prefill's scheduler three request timeouts long, decode renewing
+    it, and is then written; no load fails."""
+    port = free_port()
+    prefill = Instance(
+        model,
+        kvbridge_config(
+            "kv_producer", "nixl", bootstrap_port=port, request_timeout_s=QUEUED_TIMEOUT_S
+        ),
+        tmp_path / "prefill.log",
+        env={"KVBRIDGE_TEST_MAX_NUM_SEQS": "1"},
+    )
+    try:
+        decode = Instance(model, kvbridge_config("kv_consumer", "nixl"), tmp_path / "decode.log")
+        try:
+            (to_prefill,), (to_decode,) = params(f"http://127.0.0.1:{port}", 1)
+            chosen, blocker = PROMPTS[3], prompt(50, seed=3)
+            prefill.call(
+                "submit", prompts=[blocker, chosen], max_tokens=[4000, 1], params=[None, to_prefill]
+            )
+            decode.call("submit", prompts=[chosen], max_tokens=MAX_TOKENS, params=[to_decode])
+            time.sleep(3 * QUEUED_TIMEOUT_S)
+            assert counters(decode)["loads_failed"] == 0
+            prefill.call("abort", indices=[0])  # the queued request runs now
+            (loaded,) = decode.call("collect")["outputs"]
+            assert loaded["tokens"] == reference[tuple(chosen)]
+            assert loaded["kv_ready_s"] > 3 * QUEUED_TIMEOUT_S  # it did wait that long
+            final = counters(decode)
+            assert (final["requests_loaded"], final["loads_failed"]) == (1, 0)
+            assert "not given this room" not in prefill.log()
         finally:
             decode.close()
     finally:

@@ -227,17 +227,20 @@ class PrefillProtocol(ProtocolCore):
         return self.room_table.fail(state, Failure(FailureKind.ABORTED, reason))
 
     def _on_room_lease(self, message: RoomLease, now: float) -> list[Action]:
-        """Decode will still ask for these rooms: their request deadlines start again. Only
-        from a registered decode peer, and only for rooms no request reached yet (a lease
-        keeps nothing alive once decode asked: liveness does)."""
+        """Decode will still ask for these rooms, or (decode first) still waits for rooms
+        it asked for that no sender claimed yet: their deadlines start again. Only from a
+        registered decode peer, and only for rooms no request reached or no sender claimed
+        (once both did, liveness keeps the room alive)."""
         if self.decode_peers.at(message.sender_id) is None:
             return self.ignore(
                 "room lease from %s, not a registered decode peer", message.sender_id
             )
         for room in message.rooms:
             state = self.rooms.get(room)
-            if state is not None and not state.status.finished and not state.requests:
-                state.renewed_at = now
+            if state is None or state.status.finished:
+                continue
+            if not state.requests or not state.claimed:
+                self.room_table.renew(state, now)
                 self.stats.leases_renewed += 1
         return []
 

@@ -155,8 +155,9 @@ class PrefillRoom:
         )
 
     def claim_overdue(self, now: float, timeout_s: float) -> bool:
-        """Created by a request, and no sender claimed it within `timeout_s`."""
-        return not self.claimed and now - self.created_at > timeout_s
+        """Created by a request, and no sender claimed it within `timeout_s` of that or of
+        decode's last lease renewal (decode first: the request waits in prefill's queue)."""
+        return not self.claimed and now > self.request_deadline(timeout_s)
 
     def request_problem(
         self, request: TransferRequest, dst_page_size: int, dst_dcp_size: int = 1

@@ -44,7 +44,8 @@ class PrefillRooms:
         self._ignore = ignore
         self.jobs = jobs
         self.by_id: dict[int, PrefillRoom] = {}
-        # Rooms created by a request with no sender yet, oldest first (a dict keeps the order).
+        # Rooms created by a request with no sender yet, oldest first (a dict keeps the order;
+        # a renewed one goes last).
         self._unclaimed: dict[int, None] = {}
         # Rooms by when their request timeout runs out ((room, sequence): the same number may
         # name a later room).
@@ -83,6 +84,14 @@ class PrefillRooms:
             self._request_due.push(now + self.settings.request_timeout_s, (room, self._sequence))
             self._request_due.compact(len(self.by_id), self._request_entries)
         return state
+
+    def renew(self, state: PrefillRoom, now: float) -> None:
+        """Decode will still ask for the room (before its request), or still waits for it
+        (after its request, which no sender claimed yet): its deadline starts again."""
+        state.renewed_at = now
+        if state.room in self._unclaimed:  # last in line now: the line stays by deadline
+            del self._unclaimed[state.room]
+            self._unclaimed[state.room] = None
 
     def claim(self, room: int, now: float) -> None:
         """The scheduler made a sender for the room (created if new)."""
@@ -239,9 +248,10 @@ class PrefillRooms:
             room = next(iter(self._unclaimed))
             if not self.by_id[room].claim_overdue(now, timeout_s):
                 break
+            since = "last lease renewal" if self.by_id[room].renewed_at else "request"
             reason = (
                 f"room {room}: prefill rank {self.rank} was not given this room "
-                f"within {timeout_s:g} s of decode's request"
+                f"within {timeout_s:g} s of decode's {since}"
             )
             actions += self.fail(self.by_id[room], Failure(FailureKind.TIMEOUT, reason))
             actions += self.clear(room)

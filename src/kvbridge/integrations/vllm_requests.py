@@ -33,9 +33,11 @@ LEASE_KEY = "kvbridge_lease_s"
 # from the room before prefill answered (no blocks or token count known yet).
 STREAM_KEY = "kvbridge_stream"
 DECODE_FIRST_KEY = "kvbridge_decode_first"
-# Decode first: the lease decode renews on the room while its request waits in its queue (the
-# connector's own request_timeout_s default on prefill).
-DECODE_FIRST_LEASE_S = 30.0
+# Decode first: the lease decode renews on the room, every third of it, while its request
+# waits in its queue and while its load waits for prefill (prefill's scheduler may not have
+# reached the request). Prefill's own request_timeout_s is not known to decode here: renewing
+# every second keeps the room for any of it above that.
+DECODE_FIRST_LEASE_S = 3.0
 
 
 @dataclass(frozen=True)

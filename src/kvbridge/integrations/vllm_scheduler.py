@@ -58,8 +58,9 @@ class SchedulerSide:
         self._refused: set[str] = set()  # requests whose parameters were malformed (logged)
         self._truncated: set[str] = set()  # prefill requests cut `backoff` tokens short
         self._reported_gauges: dict[str, int] = {}
-        # Decode: requests waiting in the queue for their load, with when their lease on
-        # prefill was last renewed (or they arrived).
+        # Decode: requests whose rooms on prefill decode renews, with when it last did (or
+        # they arrived): those waiting in the queue for their load, and decode-first loads
+        # in flight (prefill's scheduler may not have reached the request yet).
         self._waiting: dict[str, tuple[RemotePrefill, float]] = {}
         # Prefill, decode first: requests streamed into their rooms as they are computed.
         self.streams = StreamBook(config.groups[0].block_size if config.groups else 1)
@@ -138,9 +139,11 @@ class SchedulerSide:
         if remote is None or not params.get("do_remote_prefill"):
             return
         params["do_remote_prefill"] = False  # one transfer per request
-        self._waiting.pop(request.request_id, None)  # it asks (or releases) now
+        if not remote.decode_first:
+            self._waiting.pop(request.request_id, None)  # it asks (or releases) now
         prefix = self._computed.pop(request.request_id, 0)
         if num_external_tokens == 0:  # every token is in the local prefix cache
+            self._waiting.pop(request.request_id, None)
             self._step.releases.append(remote)
             return
         if remote.decode_first:
@@ -261,9 +264,9 @@ class SchedulerSide:
         return True, None
 
     def take_step(self, idle: bool, now: float = 0.0) -> StepMetadata:
-        """This step's metadata. Once any request waiting in decode's queue is due to renew
-        its lease (every third of it), every waiting request renews: one message per prefill
-        instance, not one per request per step."""
+        """This step's metadata. Once any request whose room decode renews (waiting in its
+        queue, or a decode-first load in flight) is due (every third of its lease), all of
+        them renew: one message per prefill instance, not one per request per step."""
         step, self._step = self._step, StepMetadata()
         step.idle = idle and self.pending
         waiting = self._waiting
@@ -277,3 +280,5 @@ class SchedulerSide:
     def on_output(self, finished_sending: set[str], finished_recving: set[str]) -> None:
         self._sending.difference_update(finished_sending)
         self._loading.difference_update(finished_recving)
+        for request_id in finished_recving:
+            self._waiting.pop(request_id, None)
