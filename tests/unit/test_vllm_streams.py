@@ -1,7 +1,7 @@
-"""Decode first in the vLLM connector, without vLLM: the parameters a proxy sends each side,
-the blocks each prefill step completes, the send that takes a streamed room over, decode's
-load planned before prefill answered, and the worker writing each layer of a step as the
-forward saves it (or the whole request when decode asks late)."""
+"""Decode first in the vLLM connector's scheduler side, without vLLM: the parameters a proxy
+sends each side, the group that streams, the blocks each prefill step completes (and, for a
+hybrid, the state block for after the forward), the send that takes a streamed room over, and
+decode's load planned before prefill answered. The worker's side: test_vllm_stream_writes."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ from typing import Any
 import pytest
 
 from kvbridge.integrations.vllm_blocks import Group, GroupKind, blocks_to_stream
-from kvbridge.integrations.vllm_cache import VLLMCache
 from kvbridge.integrations.vllm_load_plan import SchedulerConfig
 from kvbridge.integrations.vllm_requests import (
     RemotePrefill,
@@ -21,12 +20,10 @@ from kvbridge.integrations.vllm_requests import (
     stream_prefill_request,
 )
 from kvbridge.integrations.vllm_scheduler import SchedulerSide
-from kvbridge.integrations.vllm_stats import ConnectorCounters
-from kvbridge.integrations.vllm_streams import Streams
-from kvbridge.wire.messages import KVPoll
-from kvbridge.write_gate import WriteGate
 
 FULL = (Group(GroupKind.FULL, 4),)
+MAMBA = (Group(GroupKind.STATE, 64), Group(GroupKind.FULL, 4))  # state first, as vLLM orders it
+SLIDING = Group(GroupKind.SLIDING, 4)
 URL = "http://10.0.0.1:8998"
 
 
@@ -36,6 +33,7 @@ def request(tokens: int, params: dict[str, Any], request_id: str = "r") -> Simpl
         kv_transfer_params=params,
         num_prompt_tokens=tokens,
         prompt_token_ids=list(range(tokens)),
+        _all_token_ids=list(range(tokens)),
         num_computed_tokens=0,
         status=SimpleNamespace(name="RUNNING"),
     )
@@ -182,130 +180,6 @@ def test_a_sliding_window_hybrid_is_sent_decode_first_from_position_0() -> None:
     assert "ended FINISHED_ABORTED" in handed[-1].aborted
 
 
-class FakeSender:
-    def __init__(self, room: int) -> None:
-        self.room = room
-        self.asked = False
-        self.sent: list[tuple[list[int], range | None, bool]] = []
-        self.gates: list[WriteGate | None] = []  # each send's
-        self.aborted: str | None = None
-
-    def poll(self) -> KVPoll:
-        return KVPoll.WaitingForInput if self.asked else KVPoll.Bootstrapping
-
-    def send(
-        self,
-        pages: Any,
-        *,
-        last: bool = False,
-        layers: range | None = None,
-        gate: WriteGate | None = None,
-    ) -> None:
-        self.sent.append((list(pages), layers, last))
-        self.gates.append(gate)
-
-    def opened(self) -> list[bool | None]:
-        """Per send, whether its gate is open (None: it had none)."""
-        return [None if gate is None else gate.is_open for gate in self.gates]
-
-    def abort(self, reason: str) -> None:
-        self.aborted = reason
-
-
-class FakePrefill:
-    def __init__(self) -> None:
-        self.senders: dict[int, FakeSender] = {}
-
-    def sender(self, room: int) -> FakeSender:
-        return self.senders.setdefault(room, FakeSender(room))
-
-
-def streams(layers: int = 3) -> tuple[Streams, FakePrefill]:
-    import numpy as np
-
-    from kvbridge.cache import KVArgs
-    from kvbridge.wire import KVLayout
-
-    kv = [np.zeros((8, 4, 1, 8), np.uint16) for _ in range(2 * layers)]
-    args = KVArgs.from_numpy(kv, kv_layout=KVLayout.MHA, total_kv_heads=1)
-    names = {f"model.layers.{i}.attn": i for i in range(layers)}
-    prefill = FakePrefill()
-    cache = VLLMCache(args, 2, layer_positions=names)
-    return Streams(prefill, cache, ConnectorCounters()), prefill  # type: ignore[arg-type]
-
-
-def test_each_layer_goes_out_as_the_forward_saves_it_once_decode_asked() -> None:
-    """Before the forward every layer of the step is handed over behind its layer's gate;
-    saving a layer opens its gate (and any before it)."""
-    worker, prefill = streams()
-    worker.begin([StreamSpec("r", 9, (1,), False)])  # decode has not asked: held back
-    for layer in range(3):
-        worker.layer_saved(f"model.layers.{layer}.attn")
-    worker.end()
-    sender = prefill.senders[9]
-    assert sender.sent == []
-    sender.asked = True
-    worker.begin([StreamSpec("r", 9, (2,), True)])
-    assert sender.sent == [
-        ([2, 3], None, False),  # the held pages, whole, first
-        ([4, 5], range(0, 1), False),
-        ([4, 5], range(1, 2), False),
-        ([4, 5], range(2, 3), True),
-    ]
-    assert sender.opened() == [None, False, False, False]
-    worker.layer_saved("model.layers.0.attn")
-    worker.layer_saved("model.layers.0.attn.shared")  # no position of its own: nothing
-    assert sender.opened() == [None, True, False, False]
-    worker.layer_saved("model.layers.2.attn")  # layer 1 saved unseen: it goes along
-    assert sender.opened() == [None, True, True, True]
-    worker.end()
-    assert len(sender.sent) == 4
-    stream = worker.take("r")
-    assert stream is not None
-    assert (stream.done, stream.layer_writes) == (True, 3)
-
-
-def test_a_steps_rooms_are_handed_over_layer_by_layer_behind_one_gate_per_layer() -> None:
-    worker, prefill = streams(layers=2)
-    for room in (1, 2):
-        prefill.sender(room).asked = True
-    worker.begin([StreamSpec("a", 1, (0,), True), StreamSpec("b", 2, (1,), True)])
-    first, second = prefill.senders[1], prefill.senders[2]
-    assert first.gates[0] is second.gates[0]  # one gate for layer 0 of every room
-    assert first.gates[1] is second.gates[1]
-    assert first.gates[0] is not first.gates[1]
-    worker.end()
-    assert first.opened() == second.opened() == [True, True]
-
-
-def test_a_step_whose_forward_never_ended_fails_its_rooms_at_the_next_step() -> None:
-    """Its closed gates hold layers that were never computed: the rooms fail (their writes are
-    dropped unwritten) rather than the gates opening."""
-    worker, prefill = streams()
-    prefill.sender(3).asked = True
-    worker.begin([StreamSpec("r", 3, (1,), True)])
-    worker.layer_saved("model.layers.0.attn")
-    worker.begin([])  # no end() in between
-    sender = prefill.senders[3]
-    assert sender.aborted is not None
-    assert "never ended" in sender.aborted
-    assert sender.opened() == [True, False, False]
-
-
-def test_a_room_decode_asks_for_late_gets_the_whole_request_with_the_prompts_end() -> None:
-    worker, prefill = streams()
-    worker.begin([StreamSpec("r", 4, (1,), False)])
-    worker.end()
-    worker.begin([StreamSpec("r", 4, (2, 3), True)])
-    worker.layer_saved("model.layers.0.attn")
-    worker.end()
-    assert prefill.senders[4].sent == [([2, 3, 4, 5, 6, 7], None, True)]
-    stream = worker.take("r")
-    assert stream is not None
-    assert (stream.done, stream.layer_writes) == (True, 0)
-    assert worker.take("r") is None
-
-
 def test_a_preempted_streamed_request_fails_its_room_and_streams_no_more() -> None:
     prefill = SchedulerSide(SchedulerConfig("p", True, FULL), lambda send: None)
     ask = request(10, stream_prefill_request({}, 8)["kv_transfer_params"])
@@ -315,14 +189,48 @@ def test_a_preempted_streamed_request_fails_its_room_and_streams_no_more() -> No
     ask.num_computed_tokens = 0  # computed again from the start, into new blocks
     prefill.stream_step({"r": 10}, lambda request_id: ([5, 6, 7],))
     step = prefill.take_step(idle=False)
-    assert step.stream_aborts == ["r"]
+    assert step.stream_aborts == {"r": "vLLM preempted the prefill request"}
     assert [spec.blocks for spec in step.streams] == [(1,)]
-    worker, fake = streams()
-    fake.sender(8).asked = True
-    worker.begin([StreamSpec("r", 8, (1,), False)])  # its layers handed over, gated
-    assert len(fake.senders[8].sent) == 3
-    worker.abort("r", "preempted")  # its held writes are dropped unwritten
-    worker.layer_saved("model.layers.0.attn")
-    worker.end()
-    worker.begin([StreamSpec("r", 8, (2,), False)])
-    assert (len(fake.senders[8].sent), fake.senders[8].aborted) == (3, "preempted")
+
+
+@pytest.mark.parametrize(
+    ("groups", "stages", "streamed"),
+    [
+        (FULL, 1, 0),
+        (MAMBA, 1, 1),
+        ((*MAMBA, Group(GroupKind.STATE, 64)), 1, 1),
+        ((SLIDING, *FULL), 1, None),  # sliding windows: the whole request after the forward
+        ((*FULL, *FULL), 1, None),  # two groups of pages
+        ((SLIDING,), 1, None),
+        (FULL, 2, None),  # pipeline stages
+    ],
+)
+def test_the_group_that_streams_is_the_one_full_attention_group_beside_recurrent_states(
+    groups: tuple[Group, ...], stages: int, streamed: int | None
+) -> None:
+    config = SchedulerConfig("p", True, groups, pipeline_stages=stages)
+    assert config.stream_group == streamed
+    assert config.streams is (streamed is not None)
+
+
+def test_a_hybrid_streams_its_attention_blocks_and_names_its_state_block_at_the_end() -> None:
+    """Mamba-2 beside full attention: the attention group streams block by block as its own
+    block size says; the final step names the state block, for the room's last chunk once
+    the forward wrote it."""
+    prefill = SchedulerSide(SchedulerConfig("p", True, MAMBA), lambda send: None)
+    ask = request(10, stream_prefill_request({}, 7)["kv_transfer_params"])
+    prefill.on_new_request(ask)  # cut one short (decode computes the last token): 9 tokens
+    ids = ([9], [20, 21, 22])
+    prefill.stream_step({"r": 6}, lambda request_id: ids)
+    ask.num_computed_tokens = 6
+    prefill.stream_step({"r": 3}, lambda request_id: ids)
+    first, second = prefill.take_step(idle=False).streams
+    assert first == StreamSpec("r", 7, (20,), False)
+    assert second == StreamSpec("r", 7, (21, 22), True, ((9,), ()))
+    # A block table that is not what decode planned: the room fails, nothing streams.
+    short = request(10, stream_prefill_request({}, 8)["kv_transfer_params"], "s")
+    prefill.on_new_request(short)
+    prefill.stream_step({"s": 9}, lambda request_id: ([9], [30]))  # 1 block for 9 tokens
+    step = prefill.take_step(idle=False)
+    assert step.streams == []
+    assert "not what decode planned" in step.stream_aborts["s"]

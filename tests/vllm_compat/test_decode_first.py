@@ -245,15 +245,16 @@ def test_mla_decode_first_writes_the_latent_layer_by_layer_byte_exact(tmp_path: 
 
 
 @pytest.mark.parametrize("family", ["sliding", "mamba"])
-def test_a_hybrid_decode_first_gets_the_whole_request_into_the_proxys_room(
+def test_a_hybrid_decode_first_gets_every_group_into_the_proxys_room(
     family: str, tmp_path: Path
 ) -> None:
     """Hybrids (Gemma-3-shaped: sliding-window groups beside a full one; Granite-4-hybrid-
     shaped: a Mamba-2 state) through decode first: decode plans the room before prefill
-    computes, every group from block position 0; prefill, chunked (its windows drop blocks
-    as they move), writes the whole request into the proxy's room after its forward, the
-    dropped blocks marked and never written. Tokens equal a plain run's; every block (and
-    state unit) decode holds equals prefill's."""
+    computes, every group from block position 0. The Mamba hybrid's attention layers go out
+    during the forward, layer by layer, and its state after it with the room's last chunk;
+    the sliding-window hybrid, chunked (its windows drop blocks as they move), writes the
+    whole request after its forward, the dropped blocks marked and never written. Tokens
+    equal a plain run's; every block (and state unit) decode holds equals prefill's."""
     model = make_model(tmp_path / family, family=family)
     expected = plain_tokens(model, tmp_path, family)
     port = free_port()
@@ -281,6 +282,20 @@ def test_a_hybrid_decode_first_gets_the_whole_request_into_the_proxys_room(
             connector = counters(decode)
             assert (connector["requests_loaded"], connector["loads_failed"]) == (len(PROMPTS), 0)
             assert "KV load failed" not in decode.log()
+            sent = prefill.wait_for(lambda s: s["connector"]["requests_sent"] == len(PROMPTS))
+            layer_writes = sent["connector"]["layer_writes"]
+            if family != "mamba":
+                assert layer_writes == 0
+                return
+            assert layer_writes >= len(PROMPTS)  # a range per attention layer of each prompt
+            # Decode asks only after prefill's forward: the pages and the state whole.
+            to_prefill, to_decode = params(f"http://127.0.0.1:{port}", len(PROMPTS))
+            prefill.generate(PROMPTS, 1, to_prefill)
+            late = decode.generate(PROMPTS, MAX_TOKENS, to_decode)["outputs"]
+            assert [o["tokens"] for o in late] == expected
+            after = prefill.wait_for(lambda s: s["connector"]["requests_sent"] == 2 * len(PROMPTS))
+            assert after["connector"]["layer_writes"] == layer_writes
+            assert counters(decode)["loads_failed"] == 0
         finally:
             decode.close()
     finally:

@@ -62,6 +62,10 @@ class RoomContents:
     # Prefill: several groups' pages laid end to end (they pair with decode's page for page).
     positional: bool = False
 
+    @property
+    def empty(self) -> bool:
+        return not self.pages and not self.slots
+
 
 @dataclass(frozen=True)
 class VLLMCache:

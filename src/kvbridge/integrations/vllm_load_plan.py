@@ -32,11 +32,21 @@ class SchedulerConfig:
     lease_s: float = 0.0
 
     @property
+    def stream_group(self) -> int | None:
+        """Decode first: the KV cache group whose layers go out during the forward, block
+        by block as it fills them — the one group of pages when it is full attention (beside
+        it only recurrent states, which go with the room's last chunk after the forward), with
+        one pipeline stage. None: nothing streams (sliding windows, several groups of pages:
+        the whole request is written after the forward)."""
+        pages = [i for i, group in enumerate(self.groups) if group.kind != GroupKind.STATE]
+        if len(pages) != 1 or self.groups[pages[0]].kind != GroupKind.FULL:
+            return None
+        return pages[0] if self.pipeline_stages == 1 else None
+
+    @property
     def streams(self) -> bool:
-        """Whether a request's KV can go layer by layer, decode first: one full-attention
-        group, one pipeline stage (what a forward's layers fill, block by block)."""
-        one_full = len(self.groups) == 1 and self.groups[0].kind == GroupKind.FULL
-        return one_full and self.pipeline_stages == 1
+        """Whether a request's KV can go layer by layer, decode first (`stream_group`)."""
+        return self.stream_group is not None
 
     @property
     def backoff(self) -> int:

@@ -292,14 +292,17 @@ class SendSpec:
 
 @dataclass(frozen=True)
 class StreamSpec:
-    """Prefill, decode first: the blocks of a request this step completes (its first KV
-    cache group's, which every layer of the forward fills), written into `room` layer by
-    layer as the forward computes them; `final`: this step computes the prompt's end."""
+    """Prefill, decode first: the blocks of a request this step completes (of its streamed
+    KV cache group, which every attention layer of the forward fills), written into `room`
+    layer by layer as the forward computes them; `final`: this step computes the prompt's
+    end. `rest`, with the final step: per KV cache group, the blocks that go with the room's
+    last chunk after the forward (a recurrent state's block; the streamed group's none)."""
 
     request_id: str
     room: int
     blocks: tuple[int, ...]
     final: bool
+    rest: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -336,9 +339,10 @@ class StepMetadata:
     # Nothing is computed in this step: the worker may wait a little for transfers.
     idle: bool = False
     # Prefill, decode first: the blocks this step's forward completes, streamed by layer, and
-    # the streamed requests vLLM preempted (their rooms fail).
+    # the streamed requests whose rooms fail (vLLM preempted them, or they cannot be sent),
+    # with the reason.
     streams: list[StreamSpec] = dataclasses.field(default_factory=list)
-    stream_aborts: list[str] = dataclasses.field(default_factory=list)
+    stream_aborts: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 def tokens_to_load(remote: RemotePrefill, num_prompt_tokens: int, num_computed: int) -> int:

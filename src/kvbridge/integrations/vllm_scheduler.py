@@ -63,7 +63,7 @@ class SchedulerSide:
         # in flight (prefill's scheduler may not have reached the request yet).
         self._waiting: dict[str, tuple[RemotePrefill, float]] = {}
         # Prefill, decode first: requests streamed into their rooms as they are computed.
-        self.streams = StreamBook(config.groups[0].block_size if config.groups else 1)
+        self.streams = StreamBook(config.groups, config.stream_group or 0)
 
     @property
     def pending(self) -> bool:
@@ -170,8 +170,10 @@ class SchedulerSide:
         """Prefill, decode first: the blocks each streamed request's forward completes in
         this step (`scheduled`: tokens per request), for the workers to write by layer; the
         rooms of preempted ones fail."""
-        self._step.stream_aborts += self.streams.preempted(preempted)
-        self._step.streams += self.streams.step(scheduled, block_ids_of)
+        self._step.stream_aborts.update(self.streams.preempted(preempted))
+        specs, stopped = self.streams.step(scheduled, block_ids_of)
+        self._step.streams += specs
+        self._step.stream_aborts.update(stopped)
 
     def finished(
         self, request: Any, block_ids: Sequence[Sequence[int]]
@@ -225,7 +227,7 @@ class SchedulerSide:
         if problem is not None:
             log.error("request %s: not sent: %s", request_id, problem)
             if streamed is not None:  # its worker fails the room at its next step
-                self._step.stream_aborts.append(request_id)
+                self._step.stream_aborts[request_id] = f"not sent: {problem}"
             return False, None
         self._sending.add(request_id)
         remote = RemotePrefill(
@@ -258,7 +260,7 @@ class SchedulerSide:
         spec = SendSpec(request_id, room, ((),), streamed=streamed is not None, aborted=aborted)
         if self._hand_off(spec) is not None:  # the worker's inbox is gone: so is its engine
             if streamed is not None:
-                self._step.stream_aborts.append(request_id)
+                self._step.stream_aborts[request_id] = f"not sent: {aborted}"
             return False, None
         self._sending.add(request_id)
         return True, None

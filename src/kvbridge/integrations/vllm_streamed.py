@@ -5,13 +5,21 @@ imports nothing from vLLM."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any
 
-from kvbridge.integrations.vllm_blocks import blocks_to_stream
+from kvbridge.integrations.vllm_blocks import (
+    Group,
+    blocks_to_send,
+    blocks_to_stream,
+    from_position_zero,
+)
 from kvbridge.integrations.vllm_requests import ROOM_KEY, STREAM_KEY, StreamSpec
+
+log = logging.getLogger("kvbridge.vllm")
 
 
 def streamed_room(params: Any) -> int | None:
@@ -35,11 +43,12 @@ class Streamed:
 
 
 class StreamBook:
-    """The streamed requests of a prefill instance whose one full-attention group has blocks
-    of `block_size` tokens."""
+    """The streamed requests of a prefill instance whose KV cache group `group` (full
+    attention) streams, beside `groups`' others (recurrent states)."""
 
-    def __init__(self, block_size: int) -> None:
-        self.block_size = block_size
+    def __init__(self, groups: Sequence[Group], group: int) -> None:
+        self.groups = tuple(groups)
+        self.group = group
         self._streamed: dict[str, Streamed] = {}
 
     @property
@@ -53,10 +62,12 @@ class StreamBook:
 
     def step(
         self, scheduled: Mapping[str, int], block_ids_of: Callable[[str], Sequence[Sequence[int]]]
-    ) -> list[StreamSpec]:
+    ) -> tuple[list[StreamSpec], dict[str, str]]:
         """The blocks each streamed request's forward completes in this step (`scheduled`:
-        tokens per request); a request is done with the step that ends its prompt."""
-        specs = []
+        tokens per request), and the requests whose rooms fail instead (their blocks are not
+        what decode planned); a request is done with the step that ends its prompt."""
+        specs: list[StreamSpec] = []
+        stopped: dict[str, str] = {}
         for request_id, streamed in self._streamed.items():
             count = scheduled.get(request_id, 0)
             if streamed.final or not count:
@@ -64,23 +75,40 @@ class StreamBook:
             request = streamed.request
             computed = request.num_computed_tokens + count
             final = computed >= request.num_prompt_tokens
-            ids = block_ids_of(request_id)[0]
-            blocks, streamed.sent = blocks_to_stream(
-                ids, streamed.sent, computed, final, self.block_size
-            )
+            block_ids = block_ids_of(request_id)
+            ids = block_ids[self.group]
+            size = self.groups[self.group].block_size
+            blocks, streamed.sent = blocks_to_stream(ids, streamed.sent, computed, final, size)
             streamed.final = final
-            specs.append(StreamSpec(request_id, streamed.room, blocks, final))
-        return specs
+            rest: tuple[tuple[int, ...], ...] = ()
+            if final and len(self.groups) > 1:
+                try:
+                    rest = self._rest(block_ids, computed)
+                except ValueError as exc:  # not what decode planned: its room fails
+                    log.error("request %s: not streamed: %s", request_id, exc)
+                    stopped[request_id] = f"its blocks are not what decode planned: {exc}"
+                    continue
+            specs.append(StreamSpec(request_id, streamed.room, blocks, final, rest))
+        return specs, stopped
 
-    def preempted(self, request_ids: AbstractSet[str]) -> list[str]:
+    def _rest(self, block_ids: Sequence[Sequence[int]], tokens: int) -> tuple[tuple[int, ...], ...]:
+        """Per group, what goes after the forward: what a finished request sends, laid out
+        as decode planned it (`from_position_zero`), less the streamed group's blocks."""
+        laid_out = from_position_zero(
+            self.groups, blocks_to_send(self.groups, block_ids, tokens), tokens
+        )
+        return tuple(() if g == self.group else blocks for g, blocks in enumerate(laid_out))
+
+    def preempted(self, request_ids: AbstractSet[str]) -> dict[str, str]:
         """Streamed requests vLLM preempted (their blocks freed, the prompt to be computed
-        again elsewhere): their rooms fail, decode computes or fails as its policy says."""
-        stopped = []
+        again elsewhere), with why their rooms fail: decode computes or fails as its policy
+        says."""
+        stopped = {}
         for request_id in request_ids:
             streamed = self._streamed.get(request_id)
             if streamed is not None and not streamed.final:
                 streamed.final = True  # nothing more is streamed into the failed room
-                stopped.append(request_id)
+                stopped[request_id] = "vLLM preempted the prefill request"
         return stopped
 
     def ended(self, request_id: str) -> Streamed | None:

@@ -6,16 +6,19 @@ before the forward, so that only the copy is left after it); as the forward save
 attention layer (vLLM's `save_kv_layer`) its gate opens; after the forward (`end`), every
 gate of the step is open. A room decode has not asked for yet keeps its
 computed pages back and sends them whole once it has, or with the prompt's end: the
-whole-request write, done when decode's request comes. When the request ends, its send takes
-the room over (`take`). Runs on the engine's thread; no vLLM import."""
+whole-request write, done when decode's request comes. A recurrent state beside the streamed
+group (a Mamba-2 hybrid's) goes after the final forward, as the room's last chunk. When the
+request ends, its send takes the room over (`take`). Runs on the engine's thread; no vLLM
+import."""
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
-from kvbridge.integrations.vllm_cache import VLLMCache
+from kvbridge.integrations.vllm_cache import RoomContents, VLLMCache
 from kvbridge.integrations.vllm_requests import StreamSpec
 from kvbridge.integrations.vllm_stats import ConnectorCounters
 from kvbridge.prefill import KVSender, PrefillManager
@@ -35,16 +38,23 @@ class Stream:
     held: list[int] = field(default_factory=list)  # pages computed, not sent: decode not asked
     pages: tuple[int, ...] = ()  # this step's pages, going out layer by layer
     final: bool = False  # this step ends the prompt
+    # What goes after the final forward, as the room's last chunk (a recurrent state).
+    rest: RoomContents = field(default_factory=lambda: RoomContents([], []))
     done: bool = False  # the room's last chunk went
     layer_writes: int = 0  # chunks sent by layer range (the rest went whole)
 
 
 class Streams:
     def __init__(
-        self, prefill: PrefillManager, cache: VLLMCache, counters: ConnectorCounters
+        self,
+        prefill: PrefillManager,
+        cache: VLLMCache,
+        counters: ConnectorCounters,
+        state_groups: AbstractSet[int] = frozenset(),
     ) -> None:
         self._prefill = prefill
         self._cache = cache
+        self._state_groups = state_groups
         self._counters = counters
         self._layers = cache.kv_args.num_layers
         self._streams: dict[str, Stream] = {}
@@ -61,6 +71,8 @@ class Streams:
             if stream is None or stream.done:
                 continue
             stream.final = spec.final
+            if spec.rest:
+                stream.rest = self._cache.send_contents(spec.rest, self._state_groups)
             pages = self._cache.pages_of(spec.blocks)
             if stream.sender.poll() in ASKED:
                 if stream.held:  # computed before decode asked: complete, whole
@@ -77,7 +89,7 @@ class Streams:
         self._gates, self._stepping = [WriteGate() for _ in range(self._layers)], stepping
         for layer, gate in enumerate(self._gates):
             for stream in stepping:
-                last = stream.final and layer == self._layers - 1
+                last = stream.final and layer == self._layers - 1 and stream.rest.empty
                 self._send(stream, list(stream.pages), range(layer, layer + 1), last, gate)
         for stream in stepping:
             stream.pages = ()
@@ -92,14 +104,17 @@ class Streams:
 
     def end(self) -> None:
         """After the forward: every layer of this step goes; a room decode has not asked for
-        sends its pages whole with the prompt's end."""
+        sends its pages whole with the prompt's end (written when decode asks), and what goes
+        after the forward (a recurrent state) goes as the room's last chunk."""
         self._open_gates()
         with self._lock:
             streams = list(self._streams.values())
         for stream in streams:
             if stream.done or not stream.final or stream.pages:
                 continue
-            self._send(stream, stream.held, None, last=True)  # written when decode asks
+            rest = stream.rest
+            pages = stream.held + rest.pages
+            self._send(stream, pages, None, True, state_indices=rest.slots)
             stream.held = []
 
     def _open_gates(self) -> None:
@@ -157,13 +172,16 @@ class Streams:
         layers: range | None,
         last: bool,
         gate: WriteGate | None = None,
+        state_indices: list[int] | None = None,
     ) -> None:
         """One chunk (or layer range of one); `last`: the room's last. A send that fails
         fails the room, never the forward."""
         if stream.done:
             return
         try:
-            stream.sender.send(pages, last=last, layers=layers, gate=gate)
+            stream.sender.send(
+                pages, last=last, layers=layers, gate=gate, state_indices=state_indices or ()
+            )
         except Exception as exc:
             log.error("room %d: streaming stopped: %r", stream.sender.room, exc)
             stream.done = True

@@ -11,7 +11,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -156,7 +156,9 @@ class WorkerSide:
             # Layer by layer only where a saved layer's KV is in place when vLLM says so (CPU
             # attention runs synchronously; on a GPU its kernels are only queued then).
             if self.cache.layer_positions and args.memory_kind == MemoryKind.DRAM:
-                self._streams = Streams(self.prefill, self.cache, self.counters)
+                self._streams = Streams(
+                    self.prefill, self.cache, self.counters, config.state_groups
+                )
             self.inbox = _unpinned(lambda: SendInbox(self.options.manager.host, self._start_send))
             log.info(
                 "kvbridge prefill rank %d (pipeline stage %d): %s engine, bootstrap %s, %s KV "
@@ -207,11 +209,11 @@ class WorkerSide:
 
     # --- prefill, decode first: the forward's layers ----------------------------------------
 
-    def begin_step(self, streams: list[StreamSpec], aborts: list[str]) -> None:
+    def begin_step(self, streams: list[StreamSpec], aborts: Mapping[str, str]) -> None:
         if self._streams is None:
             return
-        for request_id in aborts:
-            self._streams.abort(request_id, "vLLM preempted the prefill request")
+        for request_id, reason in aborts.items():
+            self._streams.abort(request_id, reason)
         self._streams.begin(streams)  # (with none, it still ends a step that never ended)
 
     def layer_saved(self, name: str) -> None:

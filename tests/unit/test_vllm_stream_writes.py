@@ -1,0 +1,179 @@
+"""Decode first in the vLLM connector's worker, without vLLM: each layer of a step handed over
+behind its gate before the forward and written as the forward saves it, the whole request when
+decode asks late, a recurrent state after the forward, and rooms that fail (a forward that
+never ended, a preempted request)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvbridge.integrations.vllm_cache import VLLMCache
+from kvbridge.integrations.vllm_requests import StreamSpec
+from kvbridge.integrations.vllm_stats import ConnectorCounters
+from kvbridge.integrations.vllm_streams import Streams
+from kvbridge.wire.messages import KVPoll
+from kvbridge.write_gate import WriteGate
+
+
+class FakeSender:
+    def __init__(self, room: int) -> None:
+        self.room = room
+        self.asked = False
+        self.sent: list[tuple[list[int], range | None, bool]] = []
+        self.gates: list[WriteGate | None] = []  # each send's
+        self.slots: list[list[int]] = []  # each send's state slots
+        self.aborted: str | None = None
+
+    def poll(self) -> KVPoll:
+        return KVPoll.WaitingForInput if self.asked else KVPoll.Bootstrapping
+
+    def send(
+        self,
+        pages: Any,
+        *,
+        last: bool = False,
+        layers: range | None = None,
+        gate: WriteGate | None = None,
+        state_indices: Any = (),
+    ) -> None:
+        self.sent.append((list(pages), layers, last))
+        self.gates.append(gate)
+        self.slots.append(list(state_indices))
+
+    def opened(self) -> list[bool | None]:
+        """Per send, whether its gate is open (None: it had none)."""
+        return [None if gate is None else gate.is_open for gate in self.gates]
+
+    def abort(self, reason: str) -> None:
+        self.aborted = reason
+
+
+class FakePrefill:
+    def __init__(self) -> None:
+        self.senders: dict[int, FakeSender] = {}
+
+    def sender(self, room: int) -> FakeSender:
+        return self.senders.setdefault(room, FakeSender(room))
+
+
+def streams(layers: int = 3, state_slots: bool = False) -> tuple[Streams, FakePrefill]:
+    import numpy as np
+
+    from kvbridge.cache import KVArgs
+    from kvbridge.wire import KVLayout
+
+    kv = [np.zeros((8, 4, 1, 8), np.uint16) for _ in range(2 * layers)]
+    args = KVArgs.from_numpy(kv, kv_layout=KVLayout.MHA, total_kv_heads=1)
+    names = {f"model.layers.{i}.attn": i for i in range(layers)}
+    prefill = FakePrefill()
+    cache = VLLMCache(args, 2, layer_positions=names, state_slots=state_slots)
+    state_groups = frozenset({0}) if state_slots else frozenset()
+    worker = Streams(prefill, cache, ConnectorCounters(), state_groups)  # type: ignore[arg-type]
+    return worker, prefill
+
+
+def test_each_layer_goes_out_as_the_forward_saves_it_once_decode_asked() -> None:
+    """Before the forward every layer of the step is handed over behind its layer's gate;
+    saving a layer opens its gate (and any before it)."""
+    worker, prefill = streams()
+    worker.begin([StreamSpec("r", 9, (1,), False)])  # decode has not asked: held back
+    for layer in range(3):
+        worker.layer_saved(f"model.layers.{layer}.attn")
+    worker.end()
+    sender = prefill.senders[9]
+    assert sender.sent == []
+    sender.asked = True
+    worker.begin([StreamSpec("r", 9, (2,), True)])
+    assert sender.sent == [
+        ([2, 3], None, False),  # the held pages, whole, first
+        ([4, 5], range(0, 1), False),
+        ([4, 5], range(1, 2), False),
+        ([4, 5], range(2, 3), True),
+    ]
+    assert sender.opened() == [None, False, False, False]
+    worker.layer_saved("model.layers.0.attn")
+    worker.layer_saved("model.layers.0.attn.shared")  # no position of its own: nothing
+    assert sender.opened() == [None, True, False, False]
+    worker.layer_saved("model.layers.2.attn")  # layer 1 saved unseen: it goes along
+    assert sender.opened() == [None, True, True, True]
+    worker.end()
+    assert len(sender.sent) == 4
+    stream = worker.take("r")
+    assert stream is not None
+    assert (stream.done, stream.layer_writes) == (True, 3)
+
+
+def test_a_steps_rooms_are_handed_over_layer_by_layer_behind_one_gate_per_layer() -> None:
+    worker, prefill = streams(layers=2)
+    for room in (1, 2):
+        prefill.sender(room).asked = True
+    worker.begin([StreamSpec("a", 1, (0,), True), StreamSpec("b", 2, (1,), True)])
+    first, second = prefill.senders[1], prefill.senders[2]
+    assert first.gates[0] is second.gates[0]  # one gate for layer 0 of every room
+    assert first.gates[1] is second.gates[1]
+    assert first.gates[0] is not first.gates[1]
+    worker.end()
+    assert first.opened() == second.opened() == [True, True]
+
+
+def test_a_step_whose_forward_never_ended_fails_its_rooms_at_the_next_step() -> None:
+    """Its closed gates hold layers that were never computed: the rooms fail (their writes are
+    dropped unwritten) rather than the gates opening."""
+    worker, prefill = streams()
+    prefill.sender(3).asked = True
+    worker.begin([StreamSpec("r", 3, (1,), True)])
+    worker.layer_saved("model.layers.0.attn")
+    worker.begin([])  # no end() in between
+    sender = prefill.senders[3]
+    assert sender.aborted is not None
+    assert "never ended" in sender.aborted
+    assert sender.opened() == [True, False, False]
+
+
+def test_a_room_decode_asks_for_late_gets_the_whole_request_with_the_prompts_end() -> None:
+    worker, prefill = streams()
+    worker.begin([StreamSpec("r", 4, (1,), False)])
+    worker.end()
+    worker.begin([StreamSpec("r", 4, (2, 3), True)])
+    worker.layer_saved("model.layers.0.attn")
+    worker.end()
+    assert prefill.senders[4].sent == [([2, 3, 4, 5, 6, 7], None, True)]
+    stream = worker.take("r")
+    assert stream is not None
+    assert (stream.done, stream.layer_writes) == (True, 0)
+    assert worker.take("r") is None
+
+
+def test_an_aborted_stream_drops_its_held_layers_and_streams_no_more() -> None:
+    worker, fake = streams()
+    fake.sender(8).asked = True
+    worker.begin([StreamSpec("r", 8, (1,), False)])  # its layers handed over, gated
+    assert len(fake.senders[8].sent) == 3
+    worker.abort("r", "preempted")  # its held writes are dropped unwritten
+    worker.layer_saved("model.layers.0.attn")
+    worker.end()
+    worker.begin([StreamSpec("r", 8, (2,), False)])
+    assert (len(fake.senders[8].sent), fake.senders[8].aborted) == (3, "preempted")
+
+
+def test_a_hybrids_state_goes_as_the_rooms_last_chunk_after_the_forward() -> None:
+    """A Mamba-2 hybrid: its attention layers go during the forward, none of them the room's
+    last; the state block goes after it, with the last chunk."""
+    worker, fake = streams(state_slots=True)
+    fake.sender(7).asked = True
+    worker.begin([StreamSpec("r", 7, (1,), True, ((9,), ()))])
+    sender = fake.senders[7]
+    assert [last for _, _, last in sender.sent] == [False, False, False]  # the state is last
+    for layer in range(3):
+        worker.layer_saved(f"model.layers.{layer}.attn")
+    worker.end()
+    assert sender.sent[-1] == ([], None, True)
+    assert sender.slots[-1] == [9]
+    stream = worker.take("r")
+    assert stream is not None
+    assert (stream.done, stream.layer_writes) == (True, 3)
+    # Decode asks only after the forward: the pages and the state in one last chunk.
+    worker.begin([StreamSpec("q", 8, (2,), True, ((5,), ()))])
+    worker.end()
+    assert fake.senders[8].sent == [([4, 5], None, True)]
+    assert fake.senders[8].slots == [[5]]
