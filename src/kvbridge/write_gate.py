@@ -6,9 +6,7 @@ plan, the engine's descriptors) after the layer, and for the last layer after th
 where it is what decode waits for. With a gate the writes are handed over before the forward
 (`KVSender.send(..., gate=g)`): planned and set up at once, then held by the write pipeline
 until the owner calls `g.open()` right after the layer is computed; the engine thread posts
-it then, and only the copy is left. The room's last write (its last layer) is posted inside
-`g.open()`, on the owner's thread: nothing is left of its forward then, and waking the engine
-thread for it cost about a tenth of a millisecond (over CMA the copy runs in the post call).
+it then, and only the copy is left.
 
 One gate may hold any number of writes (every room and decode rank of a batch's layer).
 Writes go to the engine in the order they were handed over, gated or not: hand them over in
@@ -47,8 +45,7 @@ class WriteGate:
 
     def when_open(self, callback: Callable[[], None]) -> None:
         """Call `callback` once the gate opens: now, if it is open (on the opener's thread
-        otherwise: it must not wait for anything; the write pipeline's posts a room's last
-        write there)."""
+        otherwise: it must be quick and must not block)."""
         with self._lock:
             if not self._open:
                 self._waiting.append(callback)

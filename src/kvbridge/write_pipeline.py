@@ -6,10 +6,9 @@ decode peers, waits for a write lease, gathers a staged chunk into the staging b
 each write and sets the next engine transfer up (descriptors) while the current one moves.
 The engine thread posts the set-up transfers in order (setting one up itself when the
 preparing thread has not got to it), merging prepared writes to one peer that wait together
-into one transfer (a room's last gated write is posted by the thread that opens its gate:
-`_gate_opened`), and polls every transfer in flight, the lease checked before each post and
-each poll round of an engine that moves writes only when polled. The reporting thread tells
-the host each write that ended.
+into one transfer (a gated one when its gate opens: `kvbridge.write_gate`), and polls every
+transfer in flight, the lease checked before each post and each poll round of an engine that
+moves writes only when polled. The reporting thread tells the host each write that ended.
 
 The engine calls themselves are `kvbridge.write_transfers.EngineTransfers`. What the pipeline
 needs of its manager is `PipelineHost`; the engine and the clock are given, so that tests drive
@@ -90,11 +89,11 @@ class WritePipeline:
         self.stats: WriteStats = self.transfers.stats
         # Time the engine thread spent in engine calls, and off a CPU in them (engine thread).
         self.engine_waits = EngineWaits()
-        self._to_engine: queue.SimpleQueue[Wake | Posted | None] = queue.SimpleQueue()
+        self._to_engine: queue.SimpleQueue[Wake | None] = queue.SimpleQueue()
         self._to_report: queue.SimpleQueue[Ended | None] = queue.SimpleQueue()
         engine.add_write_end_listener(self._wake_engine_thread)
         self._closed = False
-        self._slot = NextTransfer(self.transfers, self._to_report.put, self._gate_opened)
+        self._slot = NextTransfer(self.transfers, self._to_report.put, self._wake_engine_thread)
         self._preparer = Preparer(
             self.transfers,
             host,
@@ -148,26 +147,6 @@ class WritePipeline:
             self._closed = True
             self.engine.remove_write_end_listener(self._wake_engine_thread)
 
-    # --- the thread that opens a held transfer's gate ---------------------------------------
-
-    def _gate_opened(self, starting: Starting) -> None:
-        """A held transfer's gate opened (on the opener's thread). The write of a room's last
-        job is posted right here: after the forward its copy is all that is left of the
-        room's transfer, and the engine thread's wake and its turn at the GIL (which the
-        opener holds) added ~0.1 ms to that; an earlier layer's copy leaves the opener's
-        thread to the forward. A transfer this thread cannot take at once (another thread
-        holds the slot's lock, or this one does: set up with its gate open already) goes the
-        engine thread's way, as one the engine thread took or dropped meanwhile."""
-        last = starting.writes[-1].write.job.last
-        if not last or not self._slot.take_held(starting, wait=False):
-            self._wake_engine_thread()
-            return
-        self._to_prepare.put(WAKE)  # the one after it is set up meanwhile
-        moving, failed = self.transfers.start(starting)
-        if failed:
-            self._to_report.put(failed)
-        self._to_engine.put(moving if moving is not None else WAKE)  # polled from there
-
     # --- engine thread: post and poll ---------------------------------------------------------
 
     def _run_engine(self) -> None:
@@ -181,7 +160,7 @@ class WritePipeline:
         while True:
             # Block only when nothing is in flight (a held write's room is looked at again
             # every WRITE_WAIT_S: one that ended drops it); else take what arrived.
-            items: list[Wake | Posted | None] = []
+            items: list[Wake | None] = []
             if held and not posted:
                 self._wait_for_engine()  # (what woke it stays on the queue: taken below)
             elif not posted:
@@ -191,7 +170,6 @@ class WritePipeline:
                     items.append(self._to_engine.get_nowait())
                 except queue.Empty:
                     break
-            posted += [item for item in items if isinstance(item, Posted)]  # (opener-posted)
             if None in items:
                 self._close_engine_loop(posted)
                 return

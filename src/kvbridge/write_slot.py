@@ -3,13 +3,12 @@ order the protocol handed them out, and the next engine transfer set up from the
 ahead of the engine so that what waits together merges. The preparing thread sets it up while
 the engine copies, the engine thread itself when it needs one before the preparing thread got
 to it; a gated transfer (`kvbridge.write_gate`) stays next, held, until its gate opens, and
-whichever thread posts or drops it takes it first. One lock guards both; nothing here waits
-for anything but that lock, and `take_held(wait=False)` not even for it.
+the engine thread takes it to post or drop it. One lock guards both; nothing here waits for
+anything but that lock.
 """
 
 from __future__ import annotations
 
-import functools
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -19,14 +18,15 @@ from kvbridge.write_transfers import Ended, EngineTransfers, Prepared, Starting,
 
 class NextTransfer:
     """`report` is told the writes that end while a transfer is set up (failed, or nothing to
-    move); `gate_opened` is called with a held transfer when its gate opens, on the opener's
-    thread (at once, on the setting-up thread under the lock, if it was open already)."""
+    move); `gate_opened` is called when a held transfer's gate opens, on the opener's thread
+    (at once, on the setting-up thread under the lock, if it was open already): it must not
+    wait for anything."""
 
     def __init__(
         self,
         transfers: EngineTransfers,
         report: Callable[[Ended], None],
-        gate_opened: Callable[[Starting], None],
+        gate_opened: Callable[[], None],
     ) -> None:
         self._transfers = transfers
         self._report = report
@@ -70,19 +70,13 @@ class NextTransfer:
         with self._lock:
             return self._next
 
-    def take_held(self, starting: Starting, wait: bool = True) -> bool:
-        """Take `starting` to post or drop it, if it is still next (not posted or dropped by
-        another thread since); `wait=False`: False at once if another thread holds the lock
-        (or this one does: a gate already open when it was set up)."""
-        if not self._lock.acquire(wait):
-            return False
-        try:
+    def take_held(self, starting: Starting) -> bool:
+        """Take `starting` to drop it, if it is still next (not taken since)."""
+        with self._lock:
             if self._next is not starting:
                 return False
             self._next = None
             return True
-        finally:
-            self._lock.release()
 
     def close(self) -> None:
         """Give the set-up transfer's engine resources back: nothing more is posted."""
@@ -100,7 +94,7 @@ class NextTransfer:
                 self._report(ended)
             if starting is not None:
                 gate = starting.writes[0].write.job.gate
-                if gate is not None:
-                    gate.when_open(functools.partial(self._gate_opened, starting))
+                if gate is not None:  # its opening wakes the engine thread to post it
+                    gate.when_open(self._gate_opened)
                 return starting
         return None

@@ -158,8 +158,8 @@ def merged(ready: deque[Prepared]) -> list[Prepared]:
 class EngineTransfers:
     """One prefill rank's engine calls. `connect` runs on the preparing thread, `plan` and
     `set_up` on whichever thread sets the next transfer up (under the pipeline's lock),
-    `start` on the engine thread (or a room's last gated write on the thread opening its gate),
-    `progress` on the engine thread; `before_post` is called right before each post."""
+    `start` and `progress` on the engine thread; `before_post` is called right before each
+    post."""
 
     def __init__(
         self,

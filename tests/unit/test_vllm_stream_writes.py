@@ -177,3 +177,19 @@ def test_a_hybrids_state_goes_as_the_rooms_last_chunk_after_the_forward() -> Non
     worker.end()
     assert fake.senders[8].sent == [([4, 5], None, True)]
     assert fake.senders[8].slots == [[5]]
+
+
+def test_a_hybrids_room_fails_when_its_final_forward_never_ended_after_its_last_layer() -> None:
+    """Every attention layer saved, then no `end`: the state after the last attention layer
+    is not known to be written, so the room fails rather than send it."""
+    worker, fake = streams(state_slots=True)
+    fake.sender(7).asked = True
+    worker.begin([StreamSpec("r", 7, (1,), True, ((9,), ()))])
+    for layer in range(3):
+        worker.layer_saved(f"model.layers.{layer}.attn")
+    worker.begin([])  # no end() in between
+    worker.end()
+    sender = fake.senders[7]
+    assert sender.aborted is not None
+    assert "never ended" in sender.aborted
+    assert all(not last for _, _, last in sender.sent)  # the state never went

@@ -64,7 +64,6 @@ class FakeHandle(TransferHandle):
         self.released = False
         self.polls = 0
         self._clock = engine.clock
-        self.posted_by: threading.Thread | None = None
 
     def poll(self) -> TransferState:
         self.polls += 1
@@ -123,7 +122,6 @@ class FakeEngine(TransferEngine):
 
     def _write(self, peer: str, plan: TransferPlan, notify: bytes) -> TransferHandle:
         handle = FakeHandle(self, notify, len(plan))
-        handle.posted_by = threading.current_thread()
         with self.posted_changed:
             self.posted.append(handle)
             self.posted_changed.notify_all()
@@ -357,35 +355,6 @@ def test_a_gated_write_is_set_up_at_once_and_posted_when_its_gate_opens(
     for handle in (second, third):
         engine.finish(handle)
     assert [w for w, _, _ in host.wait_ended(3)] == writes
-    assert pipeline.idle
-
-
-def test_a_rooms_last_gated_write_is_posted_inside_the_open_of_its_gate(
-    rig: tuple[WritePipeline, FakeEngine, Host],
-) -> None:
-    """After the forward the last layer's copy is all that is left: the thread that opens
-    its gate posts it, with no wake of the engine thread; an earlier layer's goes from the
-    engine thread (the forward's thread computes the next layer meanwhile)."""
-    pipeline, engine, host = rig
-    gates = [WriteGate(), WriteGate()]
-    pipeline.submit(write(1, 0, False, gate=gates[0]))
-    pipeline.submit(write(1, 1, True, gate=gates[1]))
-    time.sleep(0.05)
-    gates[0].open()
-    (first,) = engine.wait_posted(1)
-    assert first.posted_by is not threading.current_thread()
-    engine.finish(first)
-    host.wait_ended(1)
-    time.sleep(0.05)  # the last one set up and held
-    assert engine.set_ups == 2
-    gates[1].open()
-    assert len(engine.posted) == 2  # posted before open() returned
-    last = engine.posted[1]
-    assert last.posted_by is threading.current_thread()
-    assert last.notify == notification_for(1, 0)
-    engine.finish(last)  # the engine thread polls it from there
-    ended = host.wait_ended(2)
-    assert [(w.job.chunk_idx, failure) for w, failure, _ in ended] == [(0, None), (1, None)]
     assert pipeline.idle
 
 

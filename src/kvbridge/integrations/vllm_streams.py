@@ -125,9 +125,11 @@ class Streams:
     def _abandon_step(self) -> None:
         """A step whose forward never ended (no `end`): its closed gates hold layers never
         computed, so its rooms fail (their held writes are dropped) rather than the gates
-        opening."""
-        if not all(gate.is_open for gate in self._gates):
-            for stream in self._stepping:  # (done too: its last layer never went)
+        opening; so does a room whose recurrent state that forward was to write (every
+        attention layer saved says nothing of the layers after the last one)."""
+        computed = all(gate.is_open for gate in self._gates)
+        for stream in self._stepping:  # (done too, with a gate closed: its last layer never went)
+            if not computed or (stream.final and not stream.done):
                 self._abort(stream, "the forward that computed its layers never ended")
         self._gates, self._stepping = [], []
 
