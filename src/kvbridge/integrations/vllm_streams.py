@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
@@ -174,7 +175,7 @@ class Streams:
         layers: range | None,
         last: bool,
         gate: WriteGate | None = None,
-        state_indices: list[int] | None = None,
+        state_indices: Sequence[int] = (),
     ) -> None:
         """One chunk (or layer range of one); `last`: the room's last. A send that fails
         fails the room, never the forward."""
@@ -182,7 +183,7 @@ class Streams:
             return
         try:
             stream.sender.send(
-                pages, last=last, layers=layers, gate=gate, state_indices=state_indices or ()
+                pages, last=last, layers=layers, gate=gate, state_indices=state_indices
             )
         except Exception as exc:
             log.error("room %d: streaming stopped: %r", stream.sender.room, exc)
