@@ -340,6 +340,7 @@ class KVSender:
         layers: range | None = None,
         gate: Gate | None = None,
         positional: bool = False,
+        position: int | None = None,
     ) -> None:
         """Queue the next chunk of this room's pages (in order); `last` ends the room and
         carries the aux slot and the state slots. A page index -1 (`SKIPPED_PAGE`) is a
@@ -348,6 +349,9 @@ class KVSender:
         `positional`: the pages pair with decode's page for page, not by tokens (several
         page lists laid end to end, such as a model's KV cache groups): a decode rank whose
         pages hold another number of tokens fails the room rather than shift the lists.
+        `position` (positional then): where the chunk's first page goes among the room's
+        positions, for a chunk sent out of order (one list streamed during the forward, the
+        others after it); None: right after the chunk before.
 
         Layer-wise: `layers` (positions in `KVArgs.layer_ids`, a step-1 range) sends only
         those layers of the pages, written while the forward computes the next ones; a
@@ -362,8 +366,19 @@ class KVSender:
             raise ValueError(f"page index {pages.min()} (only -1 marks a page not held)")
         if layers is not None and (layers.step != 1 or not layers):
             raise ValueError(f"layers must be a non-empty step-1 range, got {layers}")
+        if position is not None and position < 0:
+            raise ValueError(f"a chunk's position is a page position, not {position}")
         span = None if layers is None else (layers.start, layers.stop)
-        chunk = Chunk(pages, last, aux_index, tuple(state_indices), span, gate, positional)
+        chunk = Chunk(
+            pages,
+            last,
+            aux_index,
+            tuple(state_indices),
+            span,
+            gate,
+            positional or position is not None,
+            position,
+        )
         self.manager.queue_chunk(self.room, chunk)
 
     # A status's failure kind and reason are set before its state reads Failed: the reads

@@ -91,6 +91,38 @@ def test_each_layer_range_lands_as_it_is_sent_and_the_room_waits_for_the_last() 
     assert np.array_equal(dst.state[0][0], src.state[0][1])
 
 
+def test_a_page_list_streamed_at_its_place_and_the_lists_around_it_after_land_in_order() -> None:
+    """Several page lists laid end to end (a sliding-window hybrid's KV cache groups): the
+    middle one goes layer by layer behind gates first, at its position; the ones before and
+    after it go whole once the forward ended, each at its own."""
+    src = rank_cache(num_pages=16, seed=7, **GEOMETRY)
+    dst = rank_cache(num_pages=16, seed=None, **GEOMETRY)
+    with managers(src, dst) as (prefill, decode):
+        receiver, sender = decode.receiver(1), prefill.sender(1)
+        dst_pages = np.array([9, 2, 14, 5, 0, 7])
+        receiver.init(dst_pages, aux_index=1, state_indices=[0])
+        before, streamed, after = np.array([3, 4]), np.array([10, 11]), np.array([12, 6])
+        gates = [WriteGate() for _ in range(LAYERS)]
+        for layer, gate in enumerate(gates):
+            sender.send(streamed, layers=range(layer, layer + 1), gate=gate, position=2)
+        for gate in gates:
+            gate.open()
+        wait_for(
+            lambda: np.array_equal(
+                dst.kv[kv_index(3, 1)][[14, 5]], src.kv[kv_index(3, 1)][streamed]
+            )
+        )
+        assert receiver.poll() == KVPoll.Transferring
+        sender.send(before, position=0)
+        sender.send(after, last=True, aux_index=0, state_indices=[1], position=4)
+        wait_for(lambda: receiver.poll() in (KVPoll.Success, KVPoll.Failed))
+        assert receiver.poll() == KVPoll.Success, receiver.failure_reason
+    pages = np.concatenate([before, streamed, after])
+    for got, want in zip(dst.kv, src.kv, strict=True):
+        assert np.array_equal(got[dst_pages], want[pages])
+    assert np.array_equal(dst.state[0][0], src.state[0][1])
+
+
 def test_two_prefill_ranks_write_their_heads_layer_by_layer_into_one_decode_rank() -> None:
     geometry = dict(layer_ids=tuple(range(LAYERS)), page_size=4, total_kv_heads=4, head_dim=8)
     sources = [

@@ -300,6 +300,37 @@ def test_pages_laid_out_by_position_need_aligned_pages_and_pair_page_for_page() 
     assert not room.aligns_with(4, 2)  # DCP
 
 
+def test_a_chunk_placed_out_of_order_pairs_at_its_position() -> None:
+    # Three page lists of 2 pages laid end to end; the middle one streams by layers first,
+    # the others go after it, each at its own position.
+    room = PrefillRoom(1, page_size=4, num_layers=2)
+    room.on_request(request("d0", [20, 21, 22, 23, 24, 25]), aligned=True)
+    streamed = np.array([7, 8])
+    room.add_chunk(Chunk(streamed, False, layers=(0, 1), positional=True, position=2))
+    room.add_chunk(Chunk(streamed, False, layers=(1, 2), positional=True, position=2))
+    jobs = room.next_jobs()
+    assert [(job.layers, job.page_offset) for job in jobs] == [((0, 1), 2), ((1, 2), 2)]
+    room.add_chunk(Chunk(np.array([5, 6]), False, positional=True, position=0))
+    room.add_chunk(Chunk(np.array([9, 10]), True, 0, (3,), positional=True, position=4))
+    before, after = room.next_jobs()
+    assert (before.src_pages.tolist(), before.page_offset, before.last) == ([5, 6], 0, False)
+    assert (after.src_pages.tolist(), after.page_offset, after.last) == ([9, 10], 4, True)
+    assert after.src_state_indices == (3,)
+    # Unplaced, a chunk goes after the furthest page placed so far.
+    room = PrefillRoom(1, page_size=4)
+    room.on_request(request("d0", [20, 21, 22, 23]), aligned=True)
+    room.add_chunk(Chunk(np.array([7]), False, positional=True, position=2))
+    room.add_chunk(Chunk(np.array([8]), True, 0, positional=True))
+    assert [job.page_offset for job in room.next_jobs()] == [2, 3]
+
+
+def test_the_layers_of_a_placed_chunk_go_to_one_position() -> None:
+    room = PrefillRoom(1, page_size=4, num_layers=2)
+    room.add_chunk(Chunk(np.array([7, 8]), False, layers=(0, 1), positional=True, position=2))
+    with pytest.raises(ValueError, match="same position"):
+        room.add_chunk(Chunk(np.array([7, 8]), True, 0, layers=(1, 2), positional=True))
+
+
 def test_a_prefill_room_moves_only_through_its_transition_table() -> None:
     for phase in Phase:
         for step in Step:

@@ -139,6 +139,34 @@ def test_layer_numbers_come_from_vllm_layer_names() -> None:
         layer_index("lm_head")
 
 
+@needs_torch
+def test_every_attention_layer_is_placed_at_its_buffers_position() -> None:
+    """KV cache groups that share memory (a sliding-window group and a full one, as vLLM's
+    hybrid manager lays them out): one buffer per shared view, and each layer of every group
+    placed at it, so that a layer-wise write can wait for the group it streams."""
+    import torch
+    from vllm_views import layer_views
+
+    views = layer_views(2, BLOCKS, 2, 4, 2 * HEAD_SIZE, torch.bfloat16, "LBHNC")
+    first, second = views.values()
+    shared = {
+        "model.layers.0.attn": first,  # sliding
+        "model.layers.1.attn": first,  # full
+        "model.layers.2.attn": second,
+        "model.layers.3.attn": second,
+    }
+    cache = describe_kv_caches(
+        shared, use_mla=False, total_kv_heads=2, attn_tp_rank=0, attn_tp_size=1, block_size=4
+    )
+    assert cache.kv_args.layer_ids == (0, 2)
+    assert cache.layer_positions == {
+        "model.layers.0.attn": 0,
+        "model.layers.1.attn": 0,
+        "model.layers.2.attn": 1,
+        "model.layers.3.attn": 1,
+    }
+
+
 def instance(
     layout: str, heads: int, tp: int, rank: int, tokens: int, device: str, mla: bool = False
 ):  # type: ignore[no-untyped-def]

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvbridge.integrations.vllm_cache import VLLMCache
-from kvbridge.integrations.vllm_requests import StreamSpec
+from kvbridge.integrations.vllm_requests import RestRun, StreamSpec
 from kvbridge.integrations.vllm_stats import ConnectorCounters
 from kvbridge.integrations.vllm_streams import Streams
 from kvbridge.wire.messages import KVPoll
@@ -22,6 +22,7 @@ class FakeSender:
         self.sent: list[tuple[list[int], range | None, bool]] = []
         self.gates: list[WriteGate | None] = []  # each send's
         self.slots: list[list[int]] = []  # each send's state slots
+        self.positions: list[int | None] = []  # each send's place among the room's pages
         self.aborted: str | None = None
 
     def poll(self) -> KVPoll:
@@ -35,10 +36,12 @@ class FakeSender:
         layers: range | None = None,
         gate: WriteGate | None = None,
         state_indices: Any = (),
+        position: int | None = None,
     ) -> None:
         self.sent.append((list(pages), layers, last))
         self.gates.append(gate)
         self.slots.append(list(state_indices))
+        self.positions.append(position)
 
     def opened(self) -> list[bool | None]:
         """Per send, whether its gate is open (None: it had none)."""
@@ -56,7 +59,11 @@ class FakePrefill:
         return self.senders.setdefault(room, FakeSender(room))
 
 
-def streams(layers: int = 3, state_slots: bool = False) -> tuple[Streams, FakePrefill]:
+def streams(
+    layers: int = 3, state_slots: bool = False, names: dict[str, int] | None = None
+) -> tuple[Streams, FakePrefill]:
+    """`names`: every attention layer's position (default: one per buffer, all streamed);
+    given, the streamed ones are those whose name ends in "full"."""
     import numpy as np
 
     from kvbridge.cache import KVArgs
@@ -64,11 +71,18 @@ def streams(layers: int = 3, state_slots: bool = False) -> tuple[Streams, FakePr
 
     kv = [np.zeros((8, 4, 1, 8), np.uint16) for _ in range(2 * layers)]
     args = KVArgs.from_numpy(kv, kv_layout=KVLayout.MHA, total_kv_heads=1)
-    names = {f"model.layers.{i}.attn": i for i in range(layers)}
+    positions = names or {f"model.layers.{i}.attn": i for i in range(layers)}
+    streamed = {name for name in positions if names is None or name.endswith("full")}
     prefill = FakePrefill()
-    cache = VLLMCache(args, 2, layer_positions=names, state_slots=state_slots)
+    cache = VLLMCache(args, 2, layer_positions=positions, state_slots=state_slots)
     state_groups = frozenset({0}) if state_slots else frozenset()
-    worker = Streams(prefill, cache, ConnectorCounters(), state_groups)  # type: ignore[arg-type]
+    worker = Streams(
+        prefill,  # type: ignore[arg-type]
+        cache,
+        ConnectorCounters(),
+        streamed,
+        state_groups,
+    )
     return worker, prefill
 
 
@@ -158,22 +172,25 @@ def test_an_aborted_stream_drops_its_held_layers_and_streams_no_more() -> None:
 
 def test_a_hybrids_state_goes_as_the_rooms_last_chunk_after_the_forward() -> None:
     """A Mamba-2 hybrid: its attention layers go during the forward, none of them the room's
-    last; the state block goes after it, with the last chunk."""
+    last; the state block is the last chunk, handed over before the forward behind a gate
+    that opens only after it (the state is written after the last attention layer)."""
     worker, fake = streams(state_slots=True)
     fake.sender(7).asked = True
-    worker.begin([StreamSpec("r", 7, (1,), True, ((9,), ()))])
+    worker.begin([StreamSpec("r", 7, (1,), True, (RestRun(None, ((9,), ())),))])
     sender = fake.senders[7]
-    assert [last for _, _, last in sender.sent] == [False, False, False]  # the state is last
+    assert [last for _, _, last in sender.sent] == [False, False, False, True]
+    assert (sender.sent[-1], sender.slots[-1]) == (([], None, True), [9])
     for layer in range(3):
         worker.layer_saved(f"model.layers.{layer}.attn")
+    assert sender.opened() == [True, True, True, False]
     worker.end()
-    assert sender.sent[-1] == ([], None, True)
-    assert sender.slots[-1] == [9]
+    assert sender.opened() == [True] * 4
+    assert len(sender.sent) == 4
     stream = worker.take("r")
     assert stream is not None
     assert (stream.done, stream.layer_writes) == (True, 3)
     # Decode asks only after the forward: the pages and the state in one last chunk.
-    worker.begin([StreamSpec("q", 8, (2,), True, ((5,), ()))])
+    worker.begin([StreamSpec("q", 8, (2,), True, (RestRun(None, ((5,), ())),))])
     worker.end()
     assert fake.senders[8].sent == [([4, 5], None, True)]
     assert fake.senders[8].slots == [[5]]
@@ -184,7 +201,7 @@ def test_a_hybrids_room_fails_when_its_final_forward_never_ended_after_its_last_
     is not known to be written, so the room fails rather than send it."""
     worker, fake = streams(state_slots=True)
     fake.sender(7).asked = True
-    worker.begin([StreamSpec("r", 7, (1,), True, ((9,), ()))])
+    worker.begin([StreamSpec("r", 7, (1,), True, (RestRun(None, ((9,), ())),))])
     for layer in range(3):
         worker.layer_saved(f"model.layers.{layer}.attn")
     worker.begin([])  # no end() in between
@@ -192,4 +209,63 @@ def test_a_hybrids_room_fails_when_its_final_forward_never_ended_after_its_last_
     sender = fake.senders[7]
     assert sender.aborted is not None
     assert "never ended" in sender.aborted
-    assert all(not last for _, _, last in sender.sent)  # the state never went
+    assert sender.opened()[-1] is False  # the state's write was dropped, never posted
+
+
+# A sliding-window hybrid's layers: each buffer holds a sliding-window layer and a full one
+# (two KV cache groups share it); the full ones stream.
+SLIDING_AND_FULL = {
+    "model.layers.0.sliding": 0,
+    "model.layers.1.full": 0,
+    "model.layers.2.sliding": 1,
+    "model.layers.3.full": 1,
+}
+
+
+def test_a_sliding_window_hybrid_streams_its_full_layers_at_their_place() -> None:
+    """Windows first (2 blocks each, block 0 dropped), then the full group, streamed from
+    its place (block 2: page 4): only a full layer's save opens a gate, and the windows go
+    after the forward as the room's last chunk, from position 0."""
+    worker, fake = streams(layers=2, names=SLIDING_AND_FULL)
+    fake.sender(7).asked = True
+    windows = RestRun(0, ((0, 6), ()))
+    worker.begin([StreamSpec("r", 7, (3, 4), True, (windows, RestRun(4, ((), ()))), 2)])
+    sender = fake.senders[7]
+    assert sender.sent == [
+        ([6, 7, 8, 9], range(0, 1), False),
+        ([6, 7, 8, 9], range(1, 2), False),
+        ([-1, -1, 12, 13], None, True),  # the windows, once the forward ended
+    ]
+    assert sender.positions == [4, 4, 0]
+    worker.layer_saved("model.layers.0.sliding")  # a window's layer: its KV is not streamed
+    assert sender.opened() == [False, False, False]
+    worker.layer_saved("model.layers.1.full")
+    worker.layer_saved("model.layers.2.sliding")
+    assert sender.opened() == [True, False, False]
+    worker.layer_saved("model.layers.3.full")
+    assert sender.opened() == [True, True, False]
+    worker.end()
+    assert sender.opened() == [True, True, True]
+    # Decode asks only after the forward: every group in one chunk, from position 0.
+    worker.begin([StreamSpec("q", 8, (3, 4), True, (windows, RestRun(4, ((), ()))), 2)])
+    worker.end()
+    late = fake.senders[8]
+    assert (late.sent, late.positions) == ([([-1, -1, 12, 13, 6, 7, 8, 9], None, True)], [0])
+
+
+def test_a_group_after_the_streamed_one_goes_from_its_own_place() -> None:
+    worker, fake = streams(layers=2, names=SLIDING_AND_FULL)
+    fake.sender(7).asked = True
+    spec = StreamSpec("r", 7, (3,), False, position=0)
+    worker.begin([spec])
+    worker.end()
+    worker.begin(
+        [StreamSpec("r", 7, (4,), True, (RestRun(0, ((), ())), RestRun(2, ((), (0, 6)))), 1)]
+    )
+    worker.end()
+    sender = fake.senders[7]
+    assert [pages for pages, _, _ in sender.sent] == [[6, 7]] * 2 + [[8, 9]] * 2 + [
+        [-1, -1, 12, 13]
+    ]
+    assert sender.positions == [0, 0, 2, 2, 4]
+    assert sender.sent[-1][2]  # the room's last chunk

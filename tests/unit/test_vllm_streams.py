@@ -14,6 +14,7 @@ from kvbridge.integrations.vllm_blocks import Group, GroupKind, blocks_to_stream
 from kvbridge.integrations.vllm_load_plan import SchedulerConfig
 from kvbridge.integrations.vllm_requests import (
     RemotePrefill,
+    RestRun,
     SendSpec,
     StreamSpec,
     decode_first_request,
@@ -139,22 +140,21 @@ def test_decode_plans_a_decode_first_load_as_if_prefill_had_answered() -> None:
 
 
 def test_a_sliding_window_hybrid_is_sent_decode_first_from_position_0() -> None:
-    """Prefill of a sliding-window hybrid (no layer-wise stream: several groups) sends a
-    decode-first request whole after its forward into the proxy's room, its window's
-    dropped blocks marked null at their positions; decode's load of the same request pairs
-    each block it needs by position."""
+    """Prefill of a sliding-window hybrid sends a decode-first request into the proxy's
+    room with every group laid out from position 0, its window's dropped blocks marked null
+    at their positions (a worker that does not stream writes it whole after the forward);
+    decode's load of the same request pairs each block it needs by position."""
     groups = (Group(GroupKind.FULL, 4), Group(GroupKind.SLIDING, 4))
     handed: list[SendSpec] = []
     prefill = SchedulerSide(SchedulerConfig("p", True, groups), lambda s: handed.append(s) or None)
     prefill.bootstrap_urls[0] = URL
     ask = request(10, stream_prefill_request({}, 77)["kv_transfer_params"])
     prefill.on_new_request(ask)
-    assert not prefill.streams.active  # several groups: the whole request after the forward
     ask.status.name, ask.num_computed_tokens = "FINISHED_LENGTH_CAPPED", 10
     keep, _ = prefill.finished(ask, ([20, 21, 22], [0, 31, 32]))
     assert keep
     (send,) = handed
-    assert (send.room, send.blocks, send.streamed) == (77, ((20, 21, 22), (0, 31, 32)), False)
+    assert (send.room, send.blocks, send.streamed) == (77, ((20, 21, 22), (0, 31, 32)), True)
     decode = SchedulerSide(SchedulerConfig("d", False, groups))
     load_ask = request(10, decode_first_request({}, URL, 77)["kv_transfer_params"])
     assert decode.matched_tokens(load_ask, 0) == (10, True)
@@ -168,7 +168,7 @@ def test_a_sliding_window_hybrid_is_sent_decode_first_from_position_0() -> None:
     )
     short.status.name, short.num_computed_tokens = "FINISHED_LENGTH_CAPPED", 10
     assert prefill.finished(short, ([20, 21, 22], [0, 31])) == (True, None)
-    assert (handed[-1].room, handed[-1].streamed) == (78, False)
+    assert (handed[-1].room, handed[-1].streamed) == (78, True)
     assert "holds 2 block(s) of 10 tokens, decode first lays out 3" in handed[-1].aborted
     # So does one that ends before it is sent (here: aborted in prefill's queue).
     prefill.on_new_request(
@@ -199,13 +199,13 @@ def test_a_preempted_streamed_request_fails_its_room_and_streams_no_more() -> No
         (FULL, 1, 0),
         (MAMBA, 1, 1),
         ((*MAMBA, Group(GroupKind.STATE, 64)), 1, 1),
-        ((SLIDING, *FULL), 1, None),  # sliding windows: the whole request after the forward
-        ((*FULL, *FULL), 1, None),  # two groups of pages
-        ((SLIDING,), 1, None),
+        ((SLIDING, SLIDING, *FULL), 1, 2),  # the windows go after the forward
+        ((*FULL, *FULL), 1, 0),  # the second group after the forward
+        ((SLIDING,), 1, None),  # no full attention
         (FULL, 2, None),  # pipeline stages
     ],
 )
-def test_the_group_that_streams_is_the_one_full_attention_group_beside_recurrent_states(
+def test_the_group_that_streams_is_the_first_full_attention_group(
     groups: tuple[Group, ...], stages: int, streamed: int | None
 ) -> None:
     config = SchedulerConfig("p", True, groups, pipeline_stages=stages)
@@ -226,7 +226,7 @@ def test_a_hybrid_streams_its_attention_blocks_and_names_its_state_block_at_the_
     prefill.stream_step({"r": 3}, lambda request_id: ids)
     first, second = prefill.take_step(idle=False).streams
     assert first == StreamSpec("r", 7, (20,), False)
-    assert second == StreamSpec("r", 7, (21, 22), True, ((9,), ()))
+    assert second == StreamSpec("r", 7, (21, 22), True, (RestRun(None, ((9,), ())),))
     # A block table that is not what decode planned: the room fails, nothing streams.
     short = request(10, stream_prefill_request({}, 8)["kv_transfer_params"], "s")
     prefill.on_new_request(short)
@@ -234,3 +234,31 @@ def test_a_hybrid_streams_its_attention_blocks_and_names_its_state_block_at_the_
     step = prefill.take_step(idle=False)
     assert step.streams == []
     assert "not what decode planned" in step.stream_aborts["s"]
+
+
+def test_a_sliding_window_hybrid_streams_its_full_attention_group_at_its_place() -> None:
+    """Gemma-3-shaped, windows first: the full-attention group streams from its place
+    after the windows' blocks (decode lays every group out from position 0); at the end the
+    windows (their dropped blocks null) go from position 0, and a group after the streamed
+    one from its own place."""
+    groups = (SLIDING, SLIDING, *FULL, SLIDING)
+    prefill = SchedulerSide(SchedulerConfig("p", True, groups), lambda send: None)
+    ask = request(10, stream_prefill_request({}, 7)["kv_transfer_params"])
+    prefill.on_new_request(ask)
+    ids = ([0, 11, 12], [0, 21, 22], [30, 31, 32], [0, 41, 42])
+    prefill.stream_step({"r": 6}, lambda request_id: ids)
+    ask.num_computed_tokens = 6
+    prefill.stream_step({"r": 4}, lambda request_id: ids)
+    first, second = prefill.take_step(idle=False).streams
+    assert first == StreamSpec("r", 7, (30,), False, position=6)  # 3 blocks per group before
+    assert second == StreamSpec(
+        "r",
+        7,
+        (31, 32),
+        True,
+        (
+            RestRun(0, ((0, 11, 12), (0, 21, 22), (), ())),
+            RestRun(9, ((), (), (), (0, 41, 42))),
+        ),
+        position=7,
+    )

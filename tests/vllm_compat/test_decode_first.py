@@ -140,6 +140,9 @@ def test_a_request_queued_on_prefill_past_its_request_timeout_is_still_streamed(
             final = counters(decode)
             assert (final["requests_loaded"], final["loads_failed"]) == (1, 0)
             assert "not given this room" not in prefill.log()
+            # Streamed, layer by layer, as decode's request was in when it ran.
+            sent = prefill.wait_for(lambda s: s["connector"]["requests_sent"] >= 1)
+            assert sent["connector"]["layer_writes"] > 0
         finally:
             decode.close()
     finally:
@@ -248,13 +251,15 @@ def test_mla_decode_first_writes_the_latent_layer_by_layer_byte_exact(tmp_path: 
 def test_a_hybrid_decode_first_gets_every_group_into_the_proxys_room(
     family: str, tmp_path: Path
 ) -> None:
-    """Hybrids (Gemma-3-shaped: sliding-window groups beside a full one; Granite-4-hybrid-
+    """Hybrids (Gemma-3-shaped: sliding-window groups before a full one; Granite-4-hybrid-
     shaped: a Mamba-2 state) through decode first: decode plans the room before prefill
-    computes, every group from block position 0. The Mamba hybrid's attention layers go out
-    during the forward, layer by layer, and its state after it with the room's last chunk;
-    the sliding-window hybrid, chunked (its windows drop blocks as they move), writes the
-    whole request after its forward, the dropped blocks marked and never written. Tokens
-    equal a plain run's; every block (and state unit) decode holds equals prefill's."""
+    computes, every group from block position 0. The full-attention group's layers go out
+    during the forward, layer by layer, at their place among the room's pages; the other
+    groups after it as the room's last chunks: the Mamba hybrid's state, and the sliding-
+    window hybrid's windows (chunked: they drop blocks as the prompt moves on; the dropped
+    ones marked and never written). Tokens equal a plain run's; every block (and state
+    unit) decode holds equals prefill's. When decode asks only after the forward, every
+    group goes whole in one chunk."""
     model = make_model(tmp_path / family, family=family)
     expected = plain_tokens(model, tmp_path, family)
     port = free_port()
@@ -284,15 +289,15 @@ def test_a_hybrid_decode_first_gets_every_group_into_the_proxys_room(
             assert "KV load failed" not in decode.log()
             sent = prefill.wait_for(lambda s: s["connector"]["requests_sent"] == len(PROMPTS))
             layer_writes = sent["connector"]["layer_writes"]
-            if family != "mamba":
-                assert layer_writes == 0
-                return
-            assert layer_writes >= len(PROMPTS)  # a range per attention layer of each prompt
-            # Decode asks only after prefill's forward: the pages and the state whole.
+            # A range per full-attention layer of each prompt (the sliding hybrid's chunks
+            # each stream theirs).
+            assert layer_writes >= len(PROMPTS)
+            # Decode asks only after prefill's forward: every group whole.
             to_prefill, to_decode = params(f"http://127.0.0.1:{port}", len(PROMPTS))
-            prefill.generate(PROMPTS, 1, to_prefill)
+            prefilled = prefill.generate(PROMPTS, 1, to_prefill)["outputs"]
             late = decode.generate(PROMPTS, MAX_TOKENS, to_decode)["outputs"]
             assert [o["tokens"] for o in late] == expected
+            assert assert_blocks_arrived(prefilled, late) > 0
             after = prefill.wait_for(lambda s: s["connector"]["requests_sent"] == 2 * len(PROMPTS))
             assert after["connector"]["layer_writes"] == layer_writes
             assert counters(decode)["loads_failed"] == 0

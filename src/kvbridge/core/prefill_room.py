@@ -63,6 +63,7 @@ class LayerProgress:
     """A chunk handed over layer by layer, not complete yet: its pages and the layers queued."""
 
     pages: npt.NDArray[np.int64]
+    position: int | None
     layers_done: int
 
 
@@ -237,6 +238,11 @@ class PrefillRoom:
                 f"room {self.room}: the layers of one chunk go with the same pages "
                 f"({ongoing.pages.size} pages, then {chunk.src_pages.size})"
             )
+        if ongoing is not None and ongoing.position != chunk.position:
+            raise ValueError(
+                f"room {self.room}: the layers of one chunk go to the same position "
+                f"({ongoing.position}, then {chunk.position})"
+            )
         if stop == self.num_layers:
             return None
         if chunk.last:
@@ -244,7 +250,7 @@ class PrefillRoom:
                 f"room {self.room}: the last chunk ends with its last layer "
                 f"({self.num_layers - 1}), not {stop - 1}"
             )
-        return LayerProgress(chunk.src_pages, stop)
+        return LayerProgress(chunk.src_pages, chunk.position, stop)
 
     def next_jobs(self) -> list[ChunkJob]:
         """Write jobs (one per destination) for every chunk queued so far, once the requests
@@ -258,16 +264,17 @@ class PrefillRoom:
 
     def _jobs_for(self, chunk: Chunk) -> list[ChunkJob]:
         jobs = []
+        at = self.pages_sent if chunk.position is None else chunk.position
         for peer_id, request in self.requests.items():
             if request.is_dummy:
                 continue
             # Pages before decode's prefix are not sent; the request's pages begin at the
             # prefix, so positions count from there.
             skip = (request.decode_prefix_len or 0) // self.page_size
-            cut = min(chunk.src_pages.size, max(0, skip - self.pages_sent))
+            cut = min(chunk.src_pages.size, max(0, skip - at))
             src_pages = chunk.src_pages[cut:]
             destination = self.destinations[peer_id]
-            start = max(0, self.pages_sent - skip)
+            start = max(0, at - skip)
             try:  # only the positions decode fills, in a row
                 src_pages, start = destination.pair(start, src_pages, chunk.positional)
             except Unpaired as exc:
@@ -296,7 +303,7 @@ class PrefillRoom:
                 )
             )
         if chunk.layers is None or chunk.layers[1] == self.num_layers:  # the chunk is complete
-            self.pages_sent += chunk.src_pages.size
+            self.pages_sent = max(self.pages_sent, at + chunk.src_pages.size)
         self.chunks_sent += 1
         self.status.advance(KVPoll.Transferring)
         return jobs

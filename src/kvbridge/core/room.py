@@ -103,6 +103,10 @@ class Chunk:
     gate: Gate | None = None
     # Its pages pair with decode's by position (several page lists laid end to end).
     positional: bool = False
+    # Where its first page goes among the room's positions; None: right after the chunk
+    # before. A chunk sent out of order: one page list streams during the forward, the
+    # lists before and after it go once it ended.
+    position: int | None = None
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvbridge.integrations.vllm_blocks import GroupKind
 from kvbridge.integrations.vllm_cache import REQUIRED_LAYOUT
 from kvbridge.integrations.vllm_handoff import SendOutbox
-from kvbridge.integrations.vllm_load_plan import SchedulerConfig
+from kvbridge.integrations.vllm_load_plan import SchedulerConfig, stream_group
 from kvbridge.integrations.vllm_metrics import KVBridgePromMetrics, KVBridgeStats
 from kvbridge.integrations.vllm_options import (
     ConnectorOptions,
@@ -47,7 +47,12 @@ from kvbridge.integrations.vllm_options import (
 )
 from kvbridge.integrations.vllm_requests import SendSpec, StepMetadata
 from kvbridge.integrations.vllm_scheduler import SchedulerSide
-from kvbridge.integrations.vllm_specs import attention_block_size, mamba_state, transfer_groups
+from kvbridge.integrations.vllm_specs import (
+    attention_block_size,
+    mamba_state,
+    streamed_layers,
+    transfer_groups,
+)
 from kvbridge.integrations.vllm_stats import ConnectorCounters
 from kvbridge.integrations.vllm_worker import WorkerConfig, WorkerSide
 
@@ -135,6 +140,7 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                 state_groups=frozenset(
                     index for index, group in enumerate(groups) if group.kind == GroupKind.STATE
                 ),
+                stream_layers=streamed_layers(kv_cache_config, stream_group(groups, stages)),
                 mamba=mamba_state(
                     kv_cache_config,
                     vllm_config.model_config.hf_text_config,

@@ -77,8 +77,9 @@ class VLLMCache:
     # A state group's block moves as a state slot (one page of every state buffer), beside
     # the attention geometry; False: as a whole opaque page.
     state_slots: bool = False
-    # Each attention layer's position in `kv_args.layer_ids`, by vLLM layer name (the layers
-    # whose KV a layer-wise write sends as the forward saves them); empty: opaque pages.
+    # Each attention layer's position in `kv_args.layer_ids` (its buffer's), by vLLM layer
+    # name: every layer whose KV lives in the buffer (one per KV cache group that shares it,
+    # and KV-sharing layers); empty: opaque pages.
     layer_positions: Mapping[str, int] = field(default_factory=dict)
 
     def pages_of(self, blocks: Sequence[int]) -> tuple[int, ...]:
@@ -351,7 +352,13 @@ def describe_kv_caches(
             attention,
             one_per_slot(state_names),
         )
-        positions = {name: position for position, (_, name, _) in enumerate(attention)}
+        with_attention = [views for views in slots if any(v[1] not in state_names for v in views)]
+        positions = {
+            name: position
+            for position, views in enumerate(with_attention)
+            for _, name, _ in views
+            if name not in state_names
+        }
         return VLLMCache(args, block_size // tokens, bool(state_names), positions)
     views = [view for views in slots for view in views]
     pages = {_byte_strides(tensor)[0] for _, _, tensor in views}

@@ -34,14 +34,12 @@ class SchedulerConfig:
     @property
     def stream_group(self) -> int | None:
         """Decode first: the KV cache group whose layers go out during the forward, block
-        by block as it fills them — the one group of pages when it is full attention (beside
-        it only recurrent states, which go with the room's last chunk after the forward), with
-        one pipeline stage. None: nothing streams (sliding windows, several groups of pages:
-        the whole request is written after the forward)."""
-        pages = [i for i, group in enumerate(self.groups) if group.kind != GroupKind.STATE]
-        if len(pages) != 1 or self.groups[pages[0]].kind != GroupKind.FULL:
-            return None
-        return pages[0] if self.pipeline_stages == 1 else None
+        by block as it fills them — the first full-attention group, with one pipeline stage.
+        The other groups (sliding windows, whose blocks in the window are known only once the
+        prompt is computed, recurrent states, further full-attention groups) go after the
+        final forward, as the room's last chunks. None: nothing streams (no full attention,
+        or pipeline stages: the whole request is written after the forward)."""
+        return stream_group(self.groups, self.pipeline_stages)
 
     @property
     def streams(self) -> bool:
@@ -54,6 +52,13 @@ class SchedulerConfig:
         must compute the last token on the state after the others, not on a state that
         already holds it."""
         return 1 if any(group.kind == GroupKind.STATE for group in self.groups) else 0
+
+
+def stream_group(groups: Sequence[Group], pipeline_stages: int) -> int | None:
+    """`SchedulerConfig.stream_group`, for the workers too."""
+    full = (i for i, group in enumerate(groups) if group.kind == GroupKind.FULL)
+    group = next(full, None)
+    return group if pipeline_stages == 1 else None
 
 
 def decode_first_remote(

@@ -291,18 +291,31 @@ class SendSpec:
 
 
 @dataclass(frozen=True)
+class RestRun:
+    """Blocks that go after a streamed request's final forward, per KV cache group (the
+    streamed group's none), laid out from block position `position` of the room's pages
+    (None: one group of pages, in order)."""
+
+    position: int | None
+    blocks: tuple[tuple[int, ...], ...]
+
+
+@dataclass(frozen=True)
 class StreamSpec:
     """Prefill, decode first: the blocks of a request this step completes (of its streamed
     KV cache group, which every attention layer of the forward fills), written into `room`
     layer by layer as the forward computes them; `final`: this step computes the prompt's
-    end. `rest`, with the final step: per KV cache group, the blocks that go with the room's
-    last chunk after the forward (a recurrent state's block; the streamed group's none)."""
+    end. `rest`, with the final step: what goes after the forward as the room's last chunks
+    (sliding windows, a recurrent state's block, other groups). `position`: where `blocks`
+    begin among the room's block positions when it holds several groups of pages, laid end
+    to end (None: one group, in order)."""
 
     request_id: str
     room: int
     blocks: tuple[int, ...]
     final: bool
-    rest: tuple[tuple[int, ...], ...] = ()
+    rest: tuple[RestRun, ...] = ()
+    position: int | None = None
 
 
 @dataclass(frozen=True)

@@ -55,6 +55,17 @@ def transfer_groups(
     return tuple(groups), frozenset(state_layers)
 
 
+def streamed_layers(kv_cache_config: Any, group: int | None) -> frozenset[str] | None:
+    """The names of the layers of the KV cache group that streams during the forward
+    (`stream_group`): empty when none does, None when vLLM gave no KV cache config (one
+    group: every attention layer)."""
+    if group is None:
+        return frozenset()
+    if kv_cache_config is None:
+        return None
+    return frozenset(kv_cache_config.transfer_groups[group].layer_names)
+
+
 def attention_block_size(groups: tuple[Group, ...]) -> int:
     """Tokens in a block of the attention groups (they share one geometry where kvbridge
     keeps it); a state group's block size is the hybrid manager's bookkeeping, not a page."""

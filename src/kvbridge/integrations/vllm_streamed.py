@@ -13,11 +13,13 @@ from typing import Any
 
 from kvbridge.integrations.vllm_blocks import (
     Group,
+    GroupKind,
     blocks_to_send,
     blocks_to_stream,
+    decode_first_layout,
     from_position_zero,
 )
-from kvbridge.integrations.vllm_requests import ROOM_KEY, STREAM_KEY, StreamSpec
+from kvbridge.integrations.vllm_requests import ROOM_KEY, STREAM_KEY, RestRun, StreamSpec
 
 log = logging.getLogger("kvbridge.vllm")
 
@@ -44,11 +46,14 @@ class Streamed:
 
 class StreamBook:
     """The streamed requests of a prefill instance whose KV cache group `group` (full
-    attention) streams, beside `groups`' others (recurrent states)."""
+    attention) streams, beside `groups`' others (sliding windows, recurrent states, further
+    full-attention groups), which go after the final forward."""
 
     def __init__(self, groups: Sequence[Group], group: int) -> None:
         self.groups = tuple(groups)
         self.group = group
+        # Several groups of pages: the room's pages are laid end to end, group by group.
+        self._positional = sum(g.kind != GroupKind.STATE for g in self.groups) > 1
         self._streamed: dict[str, Streamed] = {}
 
     @property
@@ -78,26 +83,51 @@ class StreamBook:
             block_ids = block_ids_of(request_id)
             ids = block_ids[self.group]
             size = self.groups[self.group].block_size
+            placed = self._placed(request.num_prompt_tokens)
+            position = None if placed is None else placed[0] + streamed.sent
             blocks, streamed.sent = blocks_to_stream(ids, streamed.sent, computed, final, size)
             streamed.final = final
-            rest: tuple[tuple[int, ...], ...] = ()
+            rest: tuple[RestRun, ...] = ()
             if final and len(self.groups) > 1:
                 try:
-                    rest = self._rest(block_ids, computed)
+                    rest = self._rest(block_ids, computed, placed)
                 except ValueError as exc:  # not what decode planned: its room fails
                     log.error("request %s: not streamed: %s", request_id, exc)
                     stopped[request_id] = f"its blocks are not what decode planned: {exc}"
                     continue
-            specs.append(StreamSpec(request_id, streamed.room, blocks, final, rest))
+            specs.append(StreamSpec(request_id, streamed.room, blocks, final, rest, position))
         return specs, stopped
 
-    def _rest(self, block_ids: Sequence[Sequence[int]], tokens: int) -> tuple[tuple[int, ...], ...]:
-        """Per group, what goes after the forward: what a finished request sends, laid out
-        as decode planned it (`from_position_zero`), less the streamed group's blocks."""
+    def _placed(self, tokens: int) -> tuple[int, int] | None:
+        """Where the streamed group's blocks begin among the room's block positions, and
+        where the groups after it begin (decode first lays every group of pages out end to
+        end: `decode_first_layout`); None: one group of pages, its chunks in order."""
+        if not self._positional:
+            return None
+        layout = decode_first_layout(self.groups, tokens)
+        counts = [
+            count if group.kind != GroupKind.STATE else 0
+            for group, (_, count) in zip(self.groups, layout, strict=True)
+        ]
+        before = sum(counts[: self.group])
+        return before, before + counts[self.group]
+
+    def _rest(
+        self, block_ids: Sequence[Sequence[int]], tokens: int, placed: tuple[int, int] | None
+    ) -> tuple[RestRun, ...]:
+        """What goes after the forward: what a finished request sends, laid out as decode
+        planned it (`from_position_zero`), less the streamed group's blocks — with several
+        groups of pages, the groups before the streamed one from position 0 and those after
+        it from theirs."""
         laid_out = from_position_zero(
             self.groups, blocks_to_send(self.groups, block_ids, tokens), tokens
         )
-        return tuple(() if g == self.group else blocks for g, blocks in enumerate(laid_out))
+        if placed is None:
+            others = tuple(() if g == self.group else blocks for g, blocks in enumerate(laid_out))
+            return (RestRun(None, others),)
+        before = tuple(blocks if g < self.group else () for g, blocks in enumerate(laid_out))
+        after = tuple(blocks if g > self.group else () for g, blocks in enumerate(laid_out))
+        return RestRun(0, before), RestRun(placed[1], after)
 
     def preempted(self, request_ids: AbstractSet[str]) -> dict[str, str]:
         """Streamed requests vLLM preempted (their blocks freed, the prompt to be computed

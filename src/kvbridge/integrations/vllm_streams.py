@@ -1,21 +1,21 @@
 """Prefill's worker side, decode first: each streamed request's room, written during the
 forward. Before a step's forward (`begin`), the blocks the step completes (`StreamSpec`) are
 this step's pages of each room, and every layer of them is handed over at once for each room
-whose decode ranks have all asked, layer by layer behind one `WriteGate` per layer (set up
-before the forward, so that only the copy is left after it); as the forward saves each
-attention layer (vLLM's `save_kv_layer`) its gate opens; after the forward (`end`), every
-gate of the step is open. A room decode has not asked for yet keeps its
-computed pages back and sends them whole once it has, or with the prompt's end: the
-whole-request write, done when decode's request comes. A recurrent state beside the streamed
-group (a Mamba-2 hybrid's) goes after the final forward, as the room's last chunk. When the
-request ends, its send takes the room over (`take`). Runs on the engine's thread; no vLLM
-import."""
+whose decode ranks have all asked, layer by layer behind one `WriteGate` per layer of the
+streamed KV cache group (set up before the forward, so that only the copy is left after it);
+as the forward saves each of that group's layers (vLLM's `save_kv_layer`) its gate opens;
+after the forward (`end`), every gate of the step is open. A room decode has not asked for
+yet keeps its computed pages back and sends them whole once it has, or with the prompt's
+end: the whole-request write, done when decode's request comes. The other groups (a
+sliding-window hybrid's windows, a Mamba-2 hybrid's state) go after the final forward, as
+the room's last chunks, each at its place among the room's pages. When the request ends,
+its send takes the room over (`take`). Runs on the engine's thread; no vLLM import."""
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
@@ -31,18 +31,50 @@ log = logging.getLogger("kvbridge.vllm")
 ASKED = (KVPoll.WaitingForInput, KVPoll.Transferring)  # every decode rank sent its request
 
 
+# A run of a room's pages: where the first goes among the room's pages (None: after the
+# pages before, in order), and the pages.
+Piece = tuple[int | None, list[int]]
+
+
 @dataclass
 class Stream:
     """One request's room while its prompt is computed."""
 
     sender: KVSender
     held: list[int] = field(default_factory=list)  # pages computed, not sent: decode not asked
+    held_at: int | None = None  # where the held pages begin among the room's pages
     pages: tuple[int, ...] = ()  # this step's pages, going out layer by layer
+    at: int | None = None  # where they begin
     final: bool = False  # this step ends the prompt
-    # What goes after the final forward, as the room's last chunk (a recurrent state).
-    rest: RoomContents = field(default_factory=lambda: RoomContents([], []))
+    # What goes after the final forward, as the room's last chunks (windows, a state).
+    rest: list[tuple[int | None, RoomContents]] = field(default_factory=list)
     done: bool = False  # the room's last chunk went
     layer_writes: int = 0  # chunks sent by layer range (the rest went whole)
+
+
+def layer_ranges(positions: Sequence[int], layers: int) -> list[range]:
+    """The layer ranges a step's pages go out in, one per position of the streamed group's
+    layers (ascending) among the `layers` of the buffers: each ends at its layer, and the
+    last reaches the end (positions past the group's last layer hold other groups' layers,
+    whose bytes in these pages nobody uses)."""
+    starts = [0, *(position + 1 for position in positions[:-1])]
+    stops = [*(position + 1 for position in positions[:-1]), layers]
+    return [range(start, stop) for start, stop in zip(starts, stops, strict=True)]
+
+
+def merged(pieces: Sequence[Piece]) -> list[Piece]:
+    """The pieces that have pages, each that continues the one before joined to it."""
+    joined: list[Piece] = []
+    for at, pages in pieces:
+        if not pages:
+            continue
+        if joined:
+            before_at, before = joined[-1]
+            if at is None or (before_at is not None and at == before_at + len(before)):
+                joined[-1] = (before_at, before + pages)
+                continue
+        joined.append((at, list(pages)))
+    return joined
 
 
 class Streams:
@@ -51,15 +83,26 @@ class Streams:
         prefill: PrefillManager,
         cache: VLLMCache,
         counters: ConnectorCounters,
+        stream_layers: AbstractSet[str],
         state_groups: AbstractSet[int] = frozenset(),
     ) -> None:
+        """`stream_layers`: the names of the streamed group's layers (`cache` places each
+        among the buffers' layers)."""
         self._prefill = prefill
         self._cache = cache
         self._state_groups = state_groups
         self._counters = counters
-        self._layers = cache.kv_args.num_layers
+        positions = stream_positions(cache.layer_positions, stream_layers)
+        if not positions:
+            raise ValueError("none of the streamed group's layers has KV among the buffers")
+        self._ranges = layer_ranges(sorted(set(positions.values())), cache.kv_args.num_layers)
+        # Each streamed layer's gate: the range that ends at its position.
+        ends = [layers.stop - 1 for layers in self._ranges[:-1]]
+        self._gate_of = {
+            name: ends.index(at) if at in ends else len(ends) for name, at in positions.items()
+        }
         self._streams: dict[str, Stream] = {}
-        self._gates: list[WriteGate] = []  # this step's, one per layer position
+        self._gates: list[WriteGate] = []  # this step's, one per layer range
         self._stepping: list[Stream] = []  # this step's rooms behind them
         self._lock = threading.Lock()  # `take` comes from the send inbox's thread
 
@@ -72,51 +115,82 @@ class Streams:
             if stream is None or stream.done:
                 continue
             stream.final = spec.final
-            if spec.rest:
-                stream.rest = self._cache.send_contents(spec.rest, self._state_groups)
-            pages = self._cache.pages_of(spec.blocks)
+            contents = self._cache.send_contents
+            stream.rest = [
+                (self._pages_at(run.position), contents(run.blocks, self._state_groups))
+                for run in spec.rest
+            ]
+            pages = list(self._cache.pages_of(spec.blocks))
+            at = self._pages_at(spec.position)
             if stream.sender.poll() in ASKED:
                 if stream.held:  # computed before decode asked: complete, whole
-                    self._send(stream, stream.held, None, last=False)
+                    self._send(stream, stream.held, None, False, position=stream.held_at)
                     stream.held = []
-                stream.pages = tuple(pages)
+                stream.pages, stream.at = tuple(pages), at
                 stepping.append(stream)
             else:
+                if not stream.held:
+                    stream.held_at = at
                 stream.held += pages
                 stream.pages = ()
         if not stepping:
             return
         # Layer-major: writes go in the order handed over, and the gates open in layer order.
-        self._gates, self._stepping = [WriteGate() for _ in range(self._layers)], stepping
-        for layer, gate in enumerate(self._gates):
+        self._gates, self._stepping = [WriteGate() for _ in self._ranges], stepping
+        for layers, gate in zip(self._ranges, self._gates, strict=True):
             for stream in stepping:
-                last = stream.final and layer == self._layers - 1 and stream.rest.empty
-                self._send(stream, list(stream.pages), range(layer, layer + 1), last, gate)
+                last = stream.final and layers is self._ranges[-1] and not stream.rest
+                self._send(stream, list(stream.pages), layers, last, gate, position=stream.at)
+        # The other groups, written by the final forward, behind a gate only `end()` opens:
+        # set up now, and the room's last write may complete it by its notification.
+        finals = [stream for stream in stepping if stream.final and stream.rest]
+        if finals:
+            self._gates.append(after_forward := WriteGate())
+            for stream in finals:
+                self._send_rest(stream, after_forward)
         for stream in stepping:
             stream.pages = ()
 
+    def _pages_at(self, block_position: int | None) -> int | None:
+        return None if block_position is None else block_position * self._cache.pages_per_block
+
     def layer_saved(self, name: str) -> None:
-        """The forward saved a layer: its writes go, with any before it that did not."""
-        position = self._cache.layer_positions.get(name)
-        if position is None:
-            return  # a layer that shares another's KV: written with it
-        for gate in self._gates[: position + 1]:
-            gate.open()
+        """The forward saved a layer: if it is one of the streamed group's, its writes go,
+        with any before it that did not."""
+        gate = self._gate_of.get(name)
+        if gate is None:
+            return  # another group's layer, or one that shares another's KV
+        for opened in self._gates[: gate + 1]:
+            opened.open()
 
     def end(self) -> None:
-        """After the forward: every layer of this step goes; a room decode has not asked for
-        sends its pages whole with the prompt's end (written when decode asks), and what goes
-        after the forward (a recurrent state) goes as the room's last chunk."""
+        """After the forward: every layer of this step goes, and the other groups of a
+        final step's rooms; a room decode has not asked for sends its pages whole with the
+        prompt's end (written when decode asks), every group in one chunk."""
         self._open_gates()
         with self._lock:
             streams = list(self._streams.values())
         for stream in streams:
-            if stream.done or not stream.final or stream.pages:
-                continue
-            rest = stream.rest
-            pages = stream.held + rest.pages
-            self._send(stream, pages, None, True, state_indices=rest.slots)
-            stream.held = []
+            if not stream.done and stream.final and not stream.pages:
+                self._send_rest(stream)
+
+    def _send_rest(self, stream: Stream, gate: WriteGate | None = None) -> None:
+        """The room's last chunks: the pages held back (decode asked late) and the other
+        groups, each run at its place, joined where they follow one another; the state slots
+        with the last."""
+        pieces = merged(
+            sorted(
+                [(stream.held_at, stream.held)]
+                + [(at, contents.pages) for at, contents in stream.rest],
+                key=lambda piece: piece[0] or 0,
+            )
+        )
+        slots = [slot for _, contents in stream.rest for slot in contents.slots]
+        *before, (at, pages) = pieces or [(None, [])]
+        for piece_at, piece in before:
+            self._send(stream, piece, None, False, gate, position=piece_at)
+        self._send(stream, pages, None, True, gate, slots, at)
+        stream.held = []
 
     def _open_gates(self) -> None:
         for gate in self._gates:
@@ -125,12 +199,11 @@ class Streams:
 
     def _abandon_step(self) -> None:
         """A step whose forward never ended (no `end`): its closed gates hold layers never
-        computed, so its rooms fail (their held writes are dropped) rather than the gates
-        opening; so does a room whose recurrent state that forward was to write (every
-        attention layer saved says nothing of the layers after the last one)."""
-        computed = all(gate.is_open for gate in self._gates)
-        for stream in self._stepping:  # (done too, with a gate closed: its last layer never went)
-            if not computed or (stream.final and not stream.done):
+        computed (or the other groups, which only `end` lets go: every streamed layer saved
+        says nothing of the layers after the last one), so its rooms fail (their held writes
+        are dropped) rather than the gates opening."""
+        if not all(gate.is_open for gate in self._gates):
+            for stream in self._stepping:  # (done too: its last chunk waits behind a gate)
                 self._abort(stream, "the forward that computed its layers never ended")
         self._gates, self._stepping = [], []
 
@@ -176,14 +249,21 @@ class Streams:
         last: bool,
         gate: WriteGate | None = None,
         state_indices: Sequence[int] = (),
+        position: int | None = None,
     ) -> None:
-        """One chunk (or layer range of one); `last`: the room's last. A send that fails
+        """One chunk (or layer range of one); `last`: the room's last; `position`: where its
+        pages go among the room's (several groups' pages laid end to end). A send that fails
         fails the room, never the forward."""
         if stream.done:
             return
         try:
             stream.sender.send(
-                pages, last=last, layers=layers, gate=gate, state_indices=state_indices
+                pages,
+                last=last,
+                layers=layers,
+                gate=gate,
+                state_indices=state_indices,
+                position=position,
             )
         except Exception as exc:
             log.error("room %d: streaming stopped: %r", stream.sender.room, exc)
@@ -197,3 +277,10 @@ class Streams:
         if layers is not None:
             stream.layer_writes += 1
             self._counters.layer_writes += 1
+
+
+def stream_positions(
+    positions: Mapping[str, int], stream_layers: AbstractSet[str]
+) -> dict[str, int]:
+    """The streamed group's layers, by name, each at its position among the buffers' layers."""
+    return {name: at for name, at in positions.items() if name in stream_layers}

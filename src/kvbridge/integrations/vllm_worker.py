@@ -25,7 +25,7 @@ from kvbridge.integrations.vllm_options import ConnectorOptions, StepTimes, cpu_
 from kvbridge.integrations.vllm_requests import SendSpec, StepMetadata, StreamSpec
 from kvbridge.integrations.vllm_sends import Sends
 from kvbridge.integrations.vllm_stats import WRITE_BYTES, WRITE_SECONDS, ConnectorCounters, Interval
-from kvbridge.integrations.vllm_streams import Streams
+from kvbridge.integrations.vllm_streams import Streams, stream_positions
 from kvbridge.prefill import PrefillManager
 from kvbridge.wire.messages import MemoryKind
 
@@ -84,6 +84,9 @@ class WorkerConfig:
     block_size: int  # of the attention groups' blocks (a state group's may be larger)
     state_layers: frozenset[str]
     state_groups: frozenset[int]  # the transfer groups that keep a recurrent state
+    # Decode first: the layers of the KV cache group that streams during the forward (empty:
+    # none does; None: every attention layer, the one group).
+    stream_layers: frozenset[str] | None
     mamba: MambaState | None  # how a Mamba-2 state splits between TP sizes, if known
     num_blocks: int | None  # vLLM's blocks (its kernels may split each into smaller ones)
     # The prefill instance's bootstrap port (each DP rank has its own; 0: a free port).
@@ -155,9 +158,13 @@ class WorkerSide:
             self.prefill.metrics.keep_writes()  # for vLLM's metrics (take_interval)
             # Layer by layer only where a saved layer's KV is in place when vLLM says so (CPU
             # attention runs synchronously; on a GPU its kernels are only queued then).
-            if self.cache.layer_positions and args.memory_kind == MemoryKind.DRAM:
+            streamed = config.stream_layers
+            if streamed is None:
+                streamed = frozenset(self.cache.layer_positions)
+            positions = stream_positions(self.cache.layer_positions, streamed)
+            if positions and args.memory_kind == MemoryKind.DRAM:
                 self._streams = Streams(
-                    self.prefill, self.cache, self.counters, config.state_groups
+                    self.prefill, self.cache, self.counters, streamed, config.state_groups
                 )
             self.inbox = _unpinned(lambda: SendInbox(self.options.manager.host, self._start_send))
             log.info(
