@@ -20,6 +20,7 @@ reports each write's end back as an event.
 from __future__ import annotations
 
 import logging
+import operator
 import time
 from collections.abc import Sequence
 
@@ -342,7 +343,8 @@ class KVSender:
         positional: bool = False,
         position: int | None = None,
     ) -> None:
-        """Queue the next chunk of this room's pages (in order); `last` ends the room and
+        """Queue the next chunk of this room's pages (after the last one queued, unless it
+        names its `position`); `last` ends the room and
         carries the aux slot and the state slots. A page index -1 (`SKIPPED_PAGE`) is a
         position this rank does not hold (a sliding window dropped it): nothing is written
         there, and the room fails (incompatible) if decode needs that position.
@@ -351,7 +353,8 @@ class KVSender:
         pages hold another number of tokens fails the room rather than shift the lists.
         `position` (positional then): where the chunk's first page goes among the room's
         positions, for a chunk sent out of order (one list streamed during the forward, the
-        others after it); None: right after the chunk before.
+        others after it); None: after the furthest page queued. Each position goes once, and
+        none is left out by the last chunk (ValueError otherwise).
 
         Layer-wise: `layers` (positions in `KVArgs.layer_ids`, a step-1 range) sends only
         those layers of the pages, written while the forward computes the next ones; a
@@ -366,8 +369,8 @@ class KVSender:
             raise ValueError(f"page index {pages.min()} (only -1 marks a page not held)")
         if layers is not None and (layers.step != 1 or not layers):
             raise ValueError(f"layers must be a non-empty step-1 range, got {layers}")
-        if position is not None and position < 0:
-            raise ValueError(f"a chunk's position is a page position, not {position}")
+        if position is not None:
+            position = page_position(position)
         span = None if layers is None else (layers.start, layers.stop)
         chunk = Chunk(
             pages,
@@ -416,3 +419,14 @@ class KVSender:
 
     def clear(self) -> None:
         self.manager.clear_room(self.room)
+
+
+def page_position(position: int) -> int:
+    """A chunk's position as an int; ValueError for anything but a whole number ≥ 0."""
+    try:
+        at = operator.index(position)  # (a float or a string from a caller without types)
+    except TypeError:
+        at = -1
+    if at < 0:
+        raise ValueError(f"a chunk's position is a page position (an int ≥ 0), not {position!r}")
+    return at

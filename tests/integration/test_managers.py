@@ -235,12 +235,20 @@ def test_late_request_for_a_cleared_room_does_not_recreate_it() -> None:
             prefill.sender(4)
 
 
-def test_a_page_index_below_minus_one_is_refused_at_send() -> None:
+def test_a_page_index_below_minus_one_or_a_chunk_out_of_place_is_refused_at_send() -> None:
     src, dst = rank_cache(seed=1, **GEOMETRY), rank_cache(seed=None, **GEOMETRY)
     with pair(src, dst) as (prefill, _):
         sender = prefill.sender(6)
         with pytest.raises(ValueError, match="page index -2 \\(only -1 marks a page not held\\)"):
             sender.send([-2, 3], last=True)
+        for position in (-1, 1.5, "2"):
+            with pytest.raises(ValueError, match="a chunk's position is a page position"):
+                sender.send([3], position=position)  # type: ignore[arg-type]
+        sender.send([3], position=1)
+        with pytest.raises(ValueError, match=r"positions 1\.\.1 sent, but positions 1\.\.1 were"):
+            sender.send([4], position=1)
+        with pytest.raises(ValueError, match="no chunk sent the pages for position 0"):
+            sender.send([5], last=True)
 
 
 def test_two_prefill_groups_feed_one_decode_rank() -> None:

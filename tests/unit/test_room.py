@@ -319,9 +319,38 @@ def test_a_chunk_placed_out_of_order_pairs_at_its_position() -> None:
     # Unplaced, a chunk goes after the furthest page placed so far.
     room = PrefillRoom(1, page_size=4)
     room.on_request(request("d0", [20, 21, 22, 23]), aligned=True)
-    room.add_chunk(Chunk(np.array([7]), False, positional=True, position=2))
-    room.add_chunk(Chunk(np.array([8]), True, 0, positional=True))
-    assert [job.page_offset for job in room.next_jobs()] == [2, 3]
+    room.add_chunk(Chunk(np.array([7]), False, positional=True, position=1))
+    room.add_chunk(Chunk(np.array([8]), False, positional=True))
+    room.add_chunk(Chunk(np.array([6]), True, 0, positional=True, position=0))
+    assert [job.page_offset for job in room.next_jobs()] == [1, 2, 0]
+
+
+def test_placed_chunks_send_each_position_once_and_leave_none_out() -> None:
+    room = PrefillRoom(1, page_size=4)
+    room.add_chunk(Chunk(np.array([7, 8]), False, positional=True, position=2))
+    with pytest.raises(ValueError, match=r"positions 3\.\.3 sent, but positions 2\.\.3 were sent"):
+        room.add_chunk(Chunk(np.array([9]), False, positional=True, position=3))
+    with pytest.raises(ValueError, match=r"no chunk sent the pages for position 0 \(of 4"):
+        room.add_chunk(Chunk(np.array([5]), True, 0, positional=True, position=1))
+    assert not room.last_queued  # refused: nothing queued
+    room.add_chunk(Chunk(np.array([5, 6]), True, 0, positional=True, position=0))
+    assert room.last_queued
+
+
+def test_placed_chunks_skip_decodes_prefix_at_their_positions() -> None:
+    # Decode holds the first 3 pages' tokens (12 of 4 a page): its pages begin at position 3.
+    room = PrefillRoom(1, page_size=4, num_layers=2)
+    with_prefix = TransferRequest(1, "d0", False, np.array([30, 31, 32], np.int32), 0, [], 1, 12)
+    room.on_request(with_prefix, aligned=True)
+    streamed = np.array([7, 8, 9])  # positions 2..4: the first one is in the prefix
+    room.add_chunk(Chunk(streamed, False, layers=(0, 2), positional=True, position=2))
+    (job,) = room.next_jobs()
+    assert (job.src_pages.tolist(), job.page_offset) == ([8, 9], 0)
+    room.add_chunk(Chunk(np.array([5, 6]), False, positional=True, position=0))
+    assert room.next_jobs() == []  # all in the prefix
+    room.add_chunk(Chunk(np.array([10]), True, 0, positional=True, position=5))
+    (job,) = room.next_jobs()
+    assert (job.src_pages.tolist(), job.page_offset) == ([10], 2)
 
 
 def test_the_layers_of_a_placed_chunk_go_to_one_position() -> None:

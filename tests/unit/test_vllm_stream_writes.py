@@ -10,7 +10,7 @@ from typing import Any
 from kvbridge.integrations.vllm_cache import VLLMCache
 from kvbridge.integrations.vllm_requests import RestRun, StreamSpec
 from kvbridge.integrations.vllm_stats import ConnectorCounters
-from kvbridge.integrations.vllm_streams import Streams
+from kvbridge.integrations.vllm_streams import Streams, joined_runs, layer_ranges
 from kvbridge.wire.messages import KVPoll
 from kvbridge.write_gate import WriteGate
 
@@ -269,3 +269,48 @@ def test_a_group_after_the_streamed_one_goes_from_its_own_place() -> None:
     ]
     assert sender.positions == [0, 0, 2, 2, 4]
     assert sender.sent[-1][2]  # the room's last chunk
+
+
+def test_a_forward_that_never_ended_fails_only_the_rooms_that_need_its_end() -> None:
+    """Every full layer saved, then no `end`: a room in the middle of its prompt keeps what
+    went (its layers were computed); the final one, whose windows wait for the forward's
+    end, fails, and so does a final one decode had not asked for (its pages held back)."""
+    worker, fake = streams(layers=2, names=SLIDING_AND_FULL)
+    for room in (1, 2):
+        fake.sender(room).asked = True
+    windows = (RestRun(0, ((0, 6), ())), RestRun(4, ((), ())))
+    worker.begin(
+        [
+            StreamSpec("a", 1, (3,), False, position=2),
+            StreamSpec("b", 2, (3, 4), True, windows, 2),
+            StreamSpec("c", 3, (3, 4), True, windows, 2),  # decode not asked
+        ]
+    )
+    for name in SLIDING_AND_FULL:
+        worker.layer_saved(name)
+    worker.begin([])  # no end() in between
+    worker.end()
+    assert [fake.senders[room].aborted is None for room in (1, 2, 3)] == [True, False, False]
+    assert fake.senders[3].sent == []  # its held pages never went
+    # A layer never saved: every room of the forward fails.
+    worker, fake = streams(layers=2, names=SLIDING_AND_FULL)
+    fake.sender(1).asked = True
+    worker.begin([StreamSpec("a", 1, (3,), False, position=2)])
+    worker.layer_saved("model.layers.1.full")
+    worker.begin([])
+    assert fake.senders[1].aborted is not None
+
+
+def test_the_streamed_groups_last_layer_ends_the_last_range_and_runs_that_touch_join() -> None:
+    # Its layers in buffers 0 and 1 of 3 (another group's layer alone in the last one).
+    assert layer_ranges([0, 1], 3) == [range(0, 1), range(1, 3)]
+    assert layer_ranges([2], 3) == [range(0, 3)]
+    worker, fake = streams(layers=3, names={"model.layers.0.full": 0, "model.layers.2.full": 1})
+    fake.sender(1).asked = True
+    worker.begin([StreamSpec("a", 1, (3,), False, position=0)])
+    sender = fake.senders[1]
+    assert [layers for _, layers, _ in sender.sent] == [range(0, 1), range(1, 3)]
+    worker.layer_saved("model.layers.2.full")
+    assert sender.opened() == [True, True]
+    assert joined_runs([(0, [1, 2]), (2, [3]), (9, []), (5, [4])]) == [(0, [1, 2, 3]), (5, [4])]
+    assert joined_runs([(None, [1]), (None, [2])]) == [(None, [1, 2])]

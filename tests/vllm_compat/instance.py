@@ -271,7 +271,7 @@ def main() -> None:
             outputs = collect([submitted[i] for i in chosen] if chosen is not None else submitted)
             reply({"outputs": outputs})
         elif op == "stats":
-            reply(_stats(scheduler))
+            reply(_stats(scheduler, core.model_executor))
         elif op == "reset_prefix_cache":
             reply({"reset": llm.reset_prefix_cache()})
         elif op == "quit":
@@ -410,21 +410,31 @@ def _digest(tensors: list[Any]) -> str:
     return digest.hexdigest()[:16]
 
 
-def _stats(scheduler: Any) -> dict[str, Any]:
-    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
-
+def _stats(scheduler: Any, executor: Any) -> dict[str, Any]:
     stats: dict[str, Any] = {
         "free_blocks": scheduler.kv_cache_manager.block_pool.get_num_free_blocks(),
         "running": len(scheduler.running),
         "waiting": len(scheduler.waiting),
     }
+    ranks = [counted for counted in executor.collective_rpc(_counters) if counted is not None]
+    if ranks:  # kvbridge's: summed over the TP ranks' workers
+        stats["connector"] = {key: sum(rank[key] for rank in ranks) for key in ranks[0]}
+    return stats
+
+
+def _counters(worker: Any) -> dict[str, Any] | None:
+    """Run on each rank (vLLM's collective_rpc): kvbridge's transfer counters of its worker
+    (None: another connector)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
     from kvbridge.integrations.vllm import KVBridgeConnector
 
-    if has_kv_transfer_group():
-        connector = get_kv_transfer_group()
-        if isinstance(connector, KVBridgeConnector):
-            stats["connector"] = dataclasses.asdict(connector.counters())
-    return stats
+    if not has_kv_transfer_group():
+        return None
+    connector = get_kv_transfer_group()
+    if not isinstance(connector, KVBridgeConnector):
+        return None
+    return dataclasses.asdict(connector.counters())
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from test_connector import complete_all, data_parallel_prefill_behind_proxy
 from test_model_families import (
     KV_BLOCKS,
     assert_blocks_arrived,
+    assert_heads_arrived,
     assert_states_arrived,
     plain_tokens,
 )
@@ -55,6 +56,16 @@ def params(bootstrap_url: str, count: int) -> tuple[list[dict[str, Any]], list[d
         [stream_prefill_request({}, room)["kv_transfer_params"] for room in rooms],
         [decode_first_request({}, bootstrap_url, room)["kv_transfer_params"] for room in rooms],
     )
+
+
+def decode_first_round(prefill: Instance, decode: Instance, port: int) -> tuple[Any, Any]:
+    """Every prompt decode first, decode's requests in before prefill's: prefill's outputs
+    and decode's."""
+    to_prefill, to_decode = params(f"http://127.0.0.1:{port}", len(PROMPTS))
+    decode.call("submit", prompts=PROMPTS, max_tokens=MAX_TOKENS, params=to_decode)
+    time.sleep(2.0)  # its requests reach prefill first
+    prefilled = prefill.generate(PROMPTS, 1, to_prefill)["outputs"]
+    return prefilled, decode.call("collect")["outputs"]
 
 
 def counters(instance: Instance) -> dict[str, int]:
@@ -275,11 +286,7 @@ def test_a_hybrid_decode_first_gets_every_group_into_the_proxys_room(
             model, kvbridge_config("kv_consumer", "nixl"), tmp_path / f"{family}-d.log", env=env
         )
         try:
-            to_prefill, to_decode = params(f"http://127.0.0.1:{port}", len(PROMPTS))
-            decode.call("submit", prompts=PROMPTS, max_tokens=MAX_TOKENS, params=to_decode)
-            time.sleep(2.0)  # its requests reach prefill first
-            prefilled = prefill.generate(PROMPTS, 1, to_prefill)["outputs"]
-            outputs = decode.call("collect")["outputs"]
+            prefilled, outputs = decode_first_round(prefill, decode, port)
             assert [o["tokens"] for o in outputs] == expected
             assert assert_blocks_arrived(prefilled, outputs) > 0
             if family == "mamba":  # each layer's state: 8 heads of x and SSM, B and C's group
@@ -305,3 +312,49 @@ def test_a_hybrid_decode_first_gets_every_group_into_the_proxys_room(
             decode.close()
     finally:
         prefill.close()
+
+
+@pytest.mark.timeout(900)
+def test_two_prefill_ranks_stream_their_heads_of_a_sliding_window_hybrid_into_one_decode_rank(
+    tmp_path: Path,
+) -> None:
+    """Decode first between TP sizes: a prefill instance at TP 2 streams each rank's heads of
+    the full-attention layers during its forward, at their place among the room's pages, and
+    the windows after it, into a decode instance at TP 1. Tokens equal a plain run's
+    (float32: TP 2 sums in another order than TP 1), and every head of every block decode
+    holds equals that head of prefill's, byte for byte."""
+    family = "sliding"
+    model = make_model(tmp_path / family, family=family)
+    expected = plain_tokens(model, tmp_path, family, dtype="float32")
+    port = free_port()
+    env = {
+        **FAMILY_ENV[family],
+        **KV_BLOCKS,
+        "KVBRIDGE_TEST_DTYPE": "float32",
+        "VLLM_CPU_OMP_THREADS_BIND": "0|1",
+    }
+    decode = Instance(
+        model, kvbridge_config("kv_consumer", "nixl"), tmp_path / "decode.log", env=env
+    )
+    try:
+        prefill = Instance(
+            model,
+            kvbridge_config("kv_producer", "nixl", bootstrap_port=port),
+            tmp_path / "prefill.log",
+            env={**env, "KVBRIDGE_TEST_TP": "2"},
+        )
+        try:
+            prefilled, outputs = decode_first_round(prefill, decode, port)
+            assert [o["tokens"] for o in outputs] == expected
+            assert assert_heads_arrived(prefilled, outputs) >= 4 * sum(
+                (n - 1) // 32 for n in LENGTHS
+            )
+            # Summed over prefill's two ranks: each sends its heads of every request, by layer.
+            every = 2 * len(PROMPTS)
+            sent = prefill.wait_for(lambda s: s["connector"]["requests_sent"] == every)
+            assert sent["connector"]["layer_writes"] >= every
+            assert counters(decode)["loads_failed"] == 0
+        finally:
+            prefill.close()
+    finally:
+        decode.close()

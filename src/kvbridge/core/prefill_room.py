@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
+from kvbridge.core.page_placement import PagePlacement
 from kvbridge.core.room import (
     SKIPPED_PAGE,
     Chunk,
@@ -105,6 +106,7 @@ class PrefillRoom:
     # Arrival order among this rank's rooms: writes go out oldest room first.
     sequence: int = 0
     pending: deque[Chunk] = field(default_factory=deque)
+    placement: PagePlacement = field(default_factory=PagePlacement)  # of the queued chunks
     pages_sent: int = 0
     chunks_sent: int = 0  # jobs made per destination: every chunk, every layer range of one
     last_queued: bool = False
@@ -208,11 +210,17 @@ class PrefillRoom:
 
     def add_chunk(self, chunk: Chunk) -> None:
         """Queue a chunk; ValueError for one that breaks the order: after the last chunk,
-        or layer ranges of a chunk that do not follow one another from the first layer to
-        the last, on the same pages, before the next chunk."""
+        layer ranges of a chunk that do not follow one another from the first layer to the
+        last, on the same pages, before the next chunk, or pages at positions sent before
+        (a last chunk that leaves a position unsent)."""
         if self.last_queued:
             raise ValueError(f"room {self.room}: send() after the last chunk")
-        self.layer_chunk = self._layer_progress(chunk)
+        progress = self._layer_progress(chunk)
+        # A chunk's pages take their positions with its first layers (its later ones: none).
+        first = chunk.layers is None or chunk.layers[0] == 0
+        size = chunk.src_pages.size if first else 0
+        self.placement.place(self.room, chunk.position if first else None, size, chunk.last)
+        self.layer_chunk = progress
         self.pending.append(chunk)
         self.last_queued = chunk.last
 

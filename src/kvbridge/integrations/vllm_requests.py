@@ -303,12 +303,12 @@ class RestRun:
 @dataclass(frozen=True)
 class StreamSpec:
     """Prefill, decode first: the blocks of a request this step completes (of its streamed
-    KV cache group, which every attention layer of the forward fills), written into `room`
-    layer by layer as the forward computes them; `final`: this step computes the prompt's
-    end. `rest`, with the final step: what goes after the forward as the room's last chunks
-    (sliding windows, a recurrent state's block, other groups). `position`: where `blocks`
-    begin among the room's block positions when it holds several groups of pages, laid end
-    to end (None: one group, in order)."""
+    KV cache group, the first full-attention one, which each of its layers fills), written
+    into `room` layer by layer as the forward computes them; `final`: this step computes the
+    prompt's end. `rest`, with the final step: what goes after the forward as the room's
+    last chunks (sliding windows, a recurrent state's block, other groups). `position`:
+    where `blocks` begin among the room's block positions when it holds several groups of
+    pages, laid end to end (None: one group, in order)."""
 
     request_id: str
     room: int

@@ -9,7 +9,7 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvbridge.integrations.vllm_blocks import (
     Group,
@@ -32,6 +32,14 @@ def streamed_room(params: Any) -> int | None:
     if not isinstance(room, int) or isinstance(room, bool) or room < 0:
         return None
     return room
+
+
+class Placed(NamedTuple):
+    """Where a room's groups of pages go, in blocks: the streamed group's first block, and
+    the first of the groups after it."""
+
+    streamed: int
+    after: int
 
 
 @dataclass
@@ -84,7 +92,7 @@ class StreamBook:
             ids = block_ids[self.group]
             size = self.groups[self.group].block_size
             placed = self._placed(request.num_prompt_tokens)
-            position = None if placed is None else placed[0] + streamed.sent
+            position = None if placed is None else placed.streamed + streamed.sent
             blocks, streamed.sent = blocks_to_stream(ids, streamed.sent, computed, final, size)
             streamed.final = final
             rest: tuple[RestRun, ...] = ()
@@ -98,7 +106,7 @@ class StreamBook:
             specs.append(StreamSpec(request_id, streamed.room, blocks, final, rest, position))
         return specs, stopped
 
-    def _placed(self, tokens: int) -> tuple[int, int] | None:
+    def _placed(self, tokens: int) -> Placed | None:
         """Where the streamed group's blocks begin among the room's block positions, and
         where the groups after it begin (decode first lays every group of pages out end to
         end: `decode_first_layout`); None: one group of pages, its chunks in order."""
@@ -110,10 +118,10 @@ class StreamBook:
             for group, (_, count) in zip(self.groups, layout, strict=True)
         ]
         before = sum(counts[: self.group])
-        return before, before + counts[self.group]
+        return Placed(before, before + counts[self.group])
 
     def _rest(
-        self, block_ids: Sequence[Sequence[int]], tokens: int, placed: tuple[int, int] | None
+        self, block_ids: Sequence[Sequence[int]], tokens: int, placed: Placed | None
     ) -> tuple[RestRun, ...]:
         """What goes after the forward: what a finished request sends, laid out as decode
         planned it (`from_position_zero`), less the streamed group's blocks — with several
@@ -127,7 +135,7 @@ class StreamBook:
             return (RestRun(None, others),)
         before = tuple(blocks if g < self.group else () for g, blocks in enumerate(laid_out))
         after = tuple(blocks if g > self.group else () for g, blocks in enumerate(laid_out))
-        return RestRun(0, before), RestRun(placed[1], after)
+        return RestRun(0, before), RestRun(placed.after, after)
 
     def preempted(self, request_ids: AbstractSet[str]) -> dict[str, str]:
         """Streamed requests vLLM preempted (their blocks freed, the prompt to be computed

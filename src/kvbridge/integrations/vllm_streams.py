@@ -44,7 +44,7 @@ class Stream:
     held: list[int] = field(default_factory=list)  # pages computed, not sent: decode not asked
     held_at: int | None = None  # where the held pages begin among the room's pages
     pages: tuple[int, ...] = ()  # this step's pages, going out layer by layer
-    at: int | None = None  # where they begin
+    pages_at: int | None = None  # where they begin
     final: bool = False  # this step ends the prompt
     # What goes after the final forward, as the room's last chunks (windows, a state).
     rest: list[tuple[int | None, RoomContents]] = field(default_factory=list)
@@ -62,7 +62,18 @@ def layer_ranges(positions: Sequence[int], layers: int) -> list[range]:
     return [range(start, stop) for start, stop in zip(starts, stops, strict=True)]
 
 
-def merged(pieces: Sequence[Piece]) -> list[Piece]:
+@dataclass
+class ForwardStep:
+    """One forward's rooms: every room with blocks in it, the gates of those writing during
+    it (one per layer range, then one for what goes after the forward), and the last layer
+    range whose layer the forward saved so far."""
+
+    rooms: list[Stream] = field(default_factory=list)
+    gates: list[WriteGate] = field(default_factory=list)
+    saved: int = -1
+
+
+def joined_runs(pieces: Sequence[Piece]) -> list[Piece]:
     """The pieces that have pages, each that continues the one before joined to it."""
     joined: list[Piece] = []
     for at, pages in pieces:
@@ -102,18 +113,19 @@ class Streams:
             name: ends.index(at) if at in ends else len(ends) for name, at in positions.items()
         }
         self._streams: dict[str, Stream] = {}
-        self._gates: list[WriteGate] = []  # this step's, one per layer range
-        self._stepping: list[Stream] = []  # this step's rooms behind them
+        self._step: ForwardStep | None = None  # the forward under way (no `end` yet)
         self._lock = threading.Lock()  # `take` comes from the send inbox's thread
 
     def begin(self, specs: list[StreamSpec]) -> None:
         """Before the forward: this step's pages of each streamed request, handed over."""
         self._abandon_step()
+        self._step = step = ForwardStep()
         stepping: list[Stream] = []
         for spec in specs:
             stream = self._open(spec)
             if stream is None or stream.done:
                 continue
+            step.rooms.append(stream)
             stream.final = spec.final
             contents = self._cache.send_contents
             stream.rest = [
@@ -126,7 +138,7 @@ class Streams:
                 if stream.held:  # computed before decode asked: complete, whole
                     self._send(stream, stream.held, None, False, position=stream.held_at)
                     stream.held = []
-                stream.pages, stream.at = tuple(pages), at
+                stream.pages, stream.pages_at = tuple(pages), at
                 stepping.append(stream)
             else:
                 if not stream.held:
@@ -136,16 +148,16 @@ class Streams:
         if not stepping:
             return
         # Layer-major: writes go in the order handed over, and the gates open in layer order.
-        self._gates, self._stepping = [WriteGate() for _ in self._ranges], stepping
-        for layers, gate in zip(self._ranges, self._gates, strict=True):
+        step.gates = [WriteGate() for _ in self._ranges]
+        for index, (layers, gate) in enumerate(zip(self._ranges, step.gates, strict=True)):
             for stream in stepping:
-                last = stream.final and layers is self._ranges[-1] and not stream.rest
-                self._send(stream, list(stream.pages), layers, last, gate, position=stream.at)
+                last = stream.final and index == len(self._ranges) - 1 and not stream.rest
+                self._send(stream, list(stream.pages), layers, last, gate, position=stream.pages_at)
         # The other groups, written by the final forward, behind a gate only `end()` opens:
         # set up now, and the room's last write may complete it by its notification.
         finals = [stream for stream in stepping if stream.final and stream.rest]
         if finals:
-            self._gates.append(after_forward := WriteGate())
+            step.gates.append(after_forward := WriteGate())
             for stream in finals:
                 self._send_rest(stream, after_forward)
         for stream in stepping:
@@ -157,17 +169,20 @@ class Streams:
     def layer_saved(self, name: str) -> None:
         """The forward saved a layer: if it is one of the streamed group's, its writes go,
         with any before it that did not."""
-        gate = self._gate_of.get(name)
-        if gate is None:
+        gate, step = self._gate_of.get(name), self._step
+        if gate is None or step is None:
             return  # another group's layer, or one that shares another's KV
-        for opened in self._gates[: gate + 1]:
+        step.saved = max(step.saved, gate)
+        for opened in step.gates[: gate + 1]:
             opened.open()
 
     def end(self) -> None:
         """After the forward: every layer of this step goes, and the other groups of a
         final step's rooms; a room decode has not asked for sends its pages whole with the
         prompt's end (written when decode asks), every group in one chunk."""
-        self._open_gates()
+        step, self._step = self._step, None
+        for gate in step.gates if step is not None else ():
+            gate.open()
         with self._lock:
             streams = list(self._streams.values())
         for stream in streams:
@@ -178,7 +193,7 @@ class Streams:
         """The room's last chunks: the pages held back (decode asked late) and the other
         groups, each run at its place, joined where they follow one another; the state slots
         with the last."""
-        pieces = merged(
+        pieces = joined_runs(
             sorted(
                 [(stream.held_at, stream.held)]
                 + [(at, contents.pages) for at, contents in stream.rest],
@@ -192,20 +207,19 @@ class Streams:
         self._send(stream, pages, None, True, gate, slots, at)
         stream.held = []
 
-    def _open_gates(self) -> None:
-        for gate in self._gates:
-            gate.open()
-        self._gates, self._stepping = [], []
-
     def _abandon_step(self) -> None:
-        """A step whose forward never ended (no `end`): its closed gates hold layers never
-        computed (or the other groups, which only `end` lets go: every streamed layer saved
-        says nothing of the layers after the last one), so its rooms fail (their held writes
-        are dropped) rather than the gates opening."""
-        if not all(gate.is_open for gate in self._gates):
-            for stream in self._stepping:  # (done too: its last chunk waits behind a gate)
+        """A forward that never ended (no `end`): a room whose pages it was computing fails
+        (its writes behind closed gates are dropped, never posted) unless it saved every
+        layer of the streamed group — and then still if the room's last chunk needed the
+        forward's end (the other groups: every streamed layer saved says nothing of the
+        layers after the last one; or pages held back while decode had not asked)."""
+        step, self._step = self._step, None
+        if step is None:
+            return
+        computed = step.saved == len(self._ranges) - 1
+        for stream in step.rooms:
+            if not computed or (stream.final and (bool(stream.rest) or not stream.done)):
                 self._abort(stream, "the forward that computed its layers never ended")
-        self._gates, self._stepping = [], []
 
     def abort(self, request_id: str, reason: str) -> None:
         """The request's room fails; nothing more of it goes out."""
