@@ -192,8 +192,11 @@ class WritePipeline:
                     continue  # the next one may go now
             if starting is not None:
                 # The preparing thread sets the one after up while this one moves (NIXL over
-                # CMA copies inside the post call, without the GIL).
-                self._to_prepare.put(WAKE)
+                # CMA copies inside the post call, without the GIL); with none prepared it
+                # has nothing to do (one it adds later, it sets up itself), and waking it
+                # would only delay this post.
+                if not self._slot.empty:
+                    self._to_prepare.put(WAKE)
                 moving, failed = self.transfers.start(starting)
                 if moving is not None:
                     posted.append(moving)
