@@ -10,7 +10,12 @@ from typing import Any
 from kvbridge.integrations.vllm_cache import VLLMCache
 from kvbridge.integrations.vllm_requests import RestRun, StreamSpec
 from kvbridge.integrations.vllm_stats import ConnectorCounters
-from kvbridge.integrations.vllm_streams import Streams, joined_runs, layer_ranges
+from kvbridge.integrations.vllm_streams import (
+    Streams,
+    joined_runs,
+    layer_ranges,
+    stream_positions,
+)
 from kvbridge.wire.messages import KVPoll
 from kvbridge.write_gate import WriteGate
 
@@ -80,7 +85,7 @@ def streams(
         prefill,  # type: ignore[arg-type]
         cache,
         ConnectorCounters(),
-        streamed,
+        stream_positions(positions, streamed),
         state_groups,
     )
     return worker, prefill

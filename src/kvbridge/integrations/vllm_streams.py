@@ -94,16 +94,15 @@ class Streams:
         prefill: PrefillManager,
         cache: VLLMCache,
         counters: ConnectorCounters,
-        stream_layers: AbstractSet[str],
+        positions: Mapping[str, int],
         state_groups: AbstractSet[int] = frozenset(),
     ) -> None:
-        """`stream_layers`: the names of the streamed group's layers (`cache` places each
-        among the buffers' layers)."""
+        """`positions`: the streamed group's layers, by name, each at its position among the
+        buffers' layers (`stream_positions`)."""
         self._prefill = prefill
         self._cache = cache
         self._state_groups = state_groups
         self._counters = counters
-        positions = stream_positions(cache.layer_positions, stream_layers)
         if not positions:
             raise ValueError("none of the streamed group's layers has KV among the buffers")
         self._ranges = layer_ranges(sorted(set(positions.values())), cache.kv_args.num_layers)

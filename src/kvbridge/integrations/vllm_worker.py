@@ -164,7 +164,7 @@ class WorkerSide:
             positions = stream_positions(self.cache.layer_positions, streamed)
             if positions and args.memory_kind == MemoryKind.DRAM:
                 self._streams = Streams(
-                    self.prefill, self.cache, self.counters, streamed, config.state_groups
+                    self.prefill, self.cache, self.counters, positions, config.state_groups
                 )
             self.inbox = _unpinned(lambda: SendInbox(self.options.manager.host, self._start_send))
             log.info(
