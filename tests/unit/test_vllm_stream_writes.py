@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvbridge.integrations.vllm_cache import VLLMCache
-from kvbridge.integrations.vllm_requests import RestRun, StreamSpec
+from kvbridge.integrations.vllm_requests import RestRun, StreamAbort, StreamSpec
 from kvbridge.integrations.vllm_stats import ConnectorCounters
 from kvbridge.integrations.vllm_streams import (
     Streams,
@@ -168,11 +168,27 @@ def test_an_aborted_stream_drops_its_held_layers_and_streams_no_more() -> None:
     fake.sender(8).asked = True
     worker.begin([StreamSpec("r", 8, (1,), False)])  # its layers handed over, gated
     assert len(fake.senders[8].sent) == 3
-    worker.abort("r", "preempted")  # its held writes are dropped unwritten
+    worker.abort("r", StreamAbort(8, "preempted"))  # its held writes are dropped unwritten
     worker.layer_saved("model.layers.0.attn")
     worker.end()
     worker.begin([StreamSpec("r", 8, (2,), False)])
     assert (len(fake.senders[8].sent), fake.senders[8].aborted) == (3, "preempted")
+
+
+def test_a_room_that_fails_before_anything_of_it_streamed_fails_at_once() -> None:
+    """The request's first step failed (its blocks are not what decode planned, or vLLM
+    preempted it before its forward): the worker has no stream of it yet, and opens the room
+    to fail it, rather than leave decode waiting until the request ends."""
+    worker, fake = streams()
+    worker.abort("r", StreamAbort(9, "its blocks are not what decode planned"))
+    assert fake.senders[9].aborted == "its blocks are not what decode planned"
+    worker.begin([StreamSpec("r", 9, (1,), True)])  # nothing more goes into it
+    worker.layer_saved("model.layers.2.attn")
+    worker.end()
+    assert fake.senders[9].sent == []
+    stream = worker.take("r")  # the request's end finds it failed
+    assert stream is not None
+    assert stream.done
 
 
 def test_a_hybrids_state_goes_as_the_rooms_last_chunk_after_the_forward() -> None:

@@ -16,6 +16,7 @@ from kvbridge.integrations.vllm_requests import (
     RemotePrefill,
     RestRun,
     SendSpec,
+    StreamAbort,
     StreamSpec,
     decode_first_request,
     stream_prefill_request,
@@ -189,7 +190,7 @@ def test_a_preempted_streamed_request_fails_its_room_and_streams_no_more() -> No
     ask.num_computed_tokens = 0  # computed again from the start, into new blocks
     prefill.stream_step({"r": 10}, lambda request_id: ([5, 6, 7],))
     step = prefill.take_step(idle=False)
-    assert step.stream_aborts == {"r": "vLLM preempted the prefill request"}
+    assert step.stream_aborts == {"r": StreamAbort(8, "vLLM preempted the prefill request")}
     assert [spec.blocks for spec in step.streams] == [(1,)]
 
 
@@ -233,7 +234,8 @@ def test_a_hybrid_streams_its_attention_blocks_and_names_its_state_block_at_the_
     prefill.stream_step({"s": 9}, lambda request_id: ([9], [30]))  # 1 block for 9 tokens
     step = prefill.take_step(idle=False)
     assert step.streams == []
-    assert "not what decode planned" in step.stream_aborts["s"]
+    assert step.stream_aborts["s"].room == 8
+    assert "not what decode planned" in step.stream_aborts["s"].reason
 
 
 def test_a_sliding_window_hybrid_streams_its_full_attention_group_at_its_place() -> None:

@@ -10,7 +10,7 @@ import dataclasses
 import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from kvbridge.integrations.vllm_options import OptionsError
 from kvbridge.wire.native import VERSION
@@ -318,6 +318,15 @@ class StreamSpec:
     position: int | None = None
 
 
+class StreamAbort(NamedTuple):
+    """Prefill, decode first: a streamed request's room fails, and why. It names the room:
+    a worker that has streamed nothing of the request yet (its first step was the one that
+    failed) fails the room all the same, rather than when the request ends."""
+
+    room: int
+    reason: str
+
+
 @dataclass(frozen=True)
 class LoadSpec:
     """Decode: load a request's KV into these blocks, per KV cache group (its blocks after
@@ -352,10 +361,9 @@ class StepMetadata:
     # Nothing is computed in this step: the worker may wait a little for transfers.
     idle: bool = False
     # Prefill, decode first: the blocks this step's forward completes, streamed by layer, and
-    # the streamed requests whose rooms fail (vLLM preempted them, or they cannot be sent),
-    # with the reason.
+    # the streamed requests whose rooms fail (vLLM preempted them, or they cannot be sent).
     streams: list[StreamSpec] = dataclasses.field(default_factory=list)
-    stream_aborts: dict[str, str] = dataclasses.field(default_factory=dict)
+    stream_aborts: dict[str, StreamAbort] = dataclasses.field(default_factory=dict)
 
 
 def tokens_to_load(remote: RemotePrefill, num_prompt_tokens: int, num_computed: int) -> int:

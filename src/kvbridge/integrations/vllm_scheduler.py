@@ -23,6 +23,7 @@ from kvbridge.integrations.vllm_requests import (
     RemotePrefill,
     SendSpec,
     StepMetadata,
+    StreamAbort,
     tokens_to_load,
 )
 from kvbridge.integrations.vllm_stats import LOADS_IN_FLIGHT, SENDS_IN_FLIGHT
@@ -227,7 +228,9 @@ class SchedulerSide:
         if problem is not None:
             log.error("request %s: not sent: %s", request_id, problem)
             if streamed is not None:  # its worker fails the room at its next step
-                self._step.stream_aborts[request_id] = f"not sent: {problem}"
+                self._step.stream_aborts[request_id] = StreamAbort(
+                    streamed.room, f"not sent: {problem}"
+                )
             return False, None
         self._sending.add(request_id)
         remote = RemotePrefill(
@@ -260,7 +263,7 @@ class SchedulerSide:
         spec = SendSpec(request_id, room, ((),), streamed=streamed is not None, aborted=aborted)
         if self._hand_off(spec) is not None:  # the worker's inbox is gone: so is its engine
             if streamed is not None:
-                self._step.stream_aborts[request_id] = f"not sent: {aborted}"
+                self._step.stream_aborts[request_id] = StreamAbort(room, f"not sent: {aborted}")
             return False, None
         self._sending.add(request_id)
         return True, None

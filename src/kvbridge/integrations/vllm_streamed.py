@@ -19,7 +19,13 @@ from kvbridge.integrations.vllm_blocks import (
     decode_first_layout,
     from_position_zero,
 )
-from kvbridge.integrations.vllm_requests import ROOM_KEY, STREAM_KEY, RestRun, StreamSpec
+from kvbridge.integrations.vllm_requests import (
+    ROOM_KEY,
+    STREAM_KEY,
+    RestRun,
+    StreamAbort,
+    StreamSpec,
+)
 
 log = logging.getLogger("kvbridge.vllm")
 
@@ -75,12 +81,12 @@ class StreamBook:
 
     def step(
         self, scheduled: Mapping[str, int], block_ids_of: Callable[[str], Sequence[Sequence[int]]]
-    ) -> tuple[list[StreamSpec], dict[str, str]]:
+    ) -> tuple[list[StreamSpec], dict[str, StreamAbort]]:
         """The blocks each streamed request's forward completes in this step (`scheduled`:
         tokens per request), and the requests whose rooms fail instead (their blocks are not
         what decode planned); a request is done with the step that ends its prompt."""
         specs: list[StreamSpec] = []
-        stopped: dict[str, str] = {}
+        stopped: dict[str, StreamAbort] = {}
         for request_id, streamed in self._streamed.items():
             count = scheduled.get(request_id, 0)
             if streamed.final or not count:
@@ -101,7 +107,8 @@ class StreamBook:
                     rest = self._rest(block_ids, computed, placed)
                 except ValueError as exc:  # not what decode planned: its room fails
                     log.error("request %s: not streamed: %s", request_id, exc)
-                    stopped[request_id] = f"its blocks are not what decode planned: {exc}"
+                    why = f"its blocks are not what decode planned: {exc}"
+                    stopped[request_id] = StreamAbort(streamed.room, why)
                     continue
             specs.append(StreamSpec(request_id, streamed.room, blocks, final, rest, position))
         return specs, stopped
@@ -137,7 +144,7 @@ class StreamBook:
         after = tuple(blocks if g > self.group else () for g, blocks in enumerate(laid_out))
         return RestRun(0, before), RestRun(placed.after, after)
 
-    def preempted(self, request_ids: AbstractSet[str]) -> dict[str, str]:
+    def preempted(self, request_ids: AbstractSet[str]) -> dict[str, StreamAbort]:
         """Streamed requests vLLM preempted (their blocks freed, the prompt to be computed
         again elsewhere), with why their rooms fail: decode computes or fails as its policy
         says."""
@@ -146,7 +153,9 @@ class StreamBook:
             streamed = self._streamed.get(request_id)
             if streamed is not None and not streamed.final:
                 streamed.final = True  # nothing more is streamed into the failed room
-                stopped[request_id] = "vLLM preempted the prefill request"
+                stopped[request_id] = StreamAbort(
+                    streamed.room, "vLLM preempted the prefill request"
+                )
         return stopped
 
     def ended(self, request_id: str) -> Streamed | None:

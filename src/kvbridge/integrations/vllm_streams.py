@@ -20,7 +20,7 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
 from kvbridge.integrations.vllm_cache import RoomContents, VLLMCache
-from kvbridge.integrations.vllm_requests import StreamSpec
+from kvbridge.integrations.vllm_requests import StreamAbort, StreamSpec
 from kvbridge.integrations.vllm_stats import ConnectorCounters
 from kvbridge.prefill import KVSender, PrefillManager
 from kvbridge.wire.messages import KVPoll
@@ -121,7 +121,7 @@ class Streams:
         self._step = step = ForwardStep()
         stepping: list[Stream] = []
         for spec in specs:
-            stream = self._open(spec)
+            stream = self._open(spec.room, spec.request_id)
             if stream is None or stream.done:
                 continue
             step.rooms.append(stream)
@@ -220,12 +220,13 @@ class Streams:
             if not computed or (stream.final and (bool(stream.rest) or not stream.done)):
                 self._abort(stream, "the forward that computed its layers never ended")
 
-    def abort(self, request_id: str, reason: str) -> None:
-        """The request's room fails; nothing more of it goes out."""
-        with self._lock:
-            stream = self._streams.get(request_id)
+    def abort(self, request_id: str, abort: StreamAbort) -> None:
+        """The request's room fails; nothing more of it goes out. A request nothing was
+        streamed of yet (its first step failed) has its room opened here to fail it: decode
+        hears now, not when the request ends."""
+        stream = self._open(abort.room, request_id)
         if stream is not None and not stream.done:
-            self._abort(stream, reason)
+            self._abort(stream, abort.reason)
 
     def _abort(self, stream: Stream, reason: str) -> None:
         stream.done = True
@@ -239,19 +240,19 @@ class Streams:
         with self._lock:
             return self._streams.pop(request_id, None)
 
-    def _open(self, spec: StreamSpec) -> Stream | None:
+    def _open(self, room: int, request_id: str) -> Stream | None:
         with self._lock:
-            stream = self._streams.get(spec.request_id)
+            stream = self._streams.get(request_id)
         if stream is not None:
             return stream
         try:
-            sender = self._prefill.sender(spec.room)
+            sender = self._prefill.sender(room)
         except Exception as exc:  # the room ended here already: never into vLLM's step
-            log.error("request %s: not streamed: %r", spec.request_id, exc)
+            log.error("request %s: not streamed: %r", request_id, exc)
             return None
         stream = Stream(sender)
         with self._lock:
-            self._streams[spec.request_id] = stream
+            self._streams[request_id] = stream
         return stream
 
     def _send(

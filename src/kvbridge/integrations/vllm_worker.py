@@ -22,7 +22,7 @@ from kvbridge.integrations.vllm_cache import MambaState, VLLMCache, describe_kv_
 from kvbridge.integrations.vllm_handoff import SendInbox
 from kvbridge.integrations.vllm_loads import Loads
 from kvbridge.integrations.vllm_options import ConnectorOptions, StepTimes, cpu_list
-from kvbridge.integrations.vllm_requests import SendSpec, StepMetadata, StreamSpec
+from kvbridge.integrations.vllm_requests import SendSpec, StepMetadata, StreamAbort, StreamSpec
 from kvbridge.integrations.vllm_sends import Sends
 from kvbridge.integrations.vllm_stats import WRITE_BYTES, WRITE_SECONDS, ConnectorCounters, Interval
 from kvbridge.integrations.vllm_streams import Streams, stream_positions
@@ -216,11 +216,11 @@ class WorkerSide:
 
     # --- prefill, decode first: the forward's layers ----------------------------------------
 
-    def begin_step(self, streams: list[StreamSpec], aborts: Mapping[str, str]) -> None:
+    def begin_step(self, streams: list[StreamSpec], aborts: Mapping[str, StreamAbort]) -> None:
         if self._streams is None:
             return
-        for request_id, reason in aborts.items():
-            self._streams.abort(request_id, reason)
+        for request_id, abort in aborts.items():
+            self._streams.abort(request_id, abort)
         self._streams.begin(streams)  # (with none, it still ends a step that never ended)
 
     def layer_saved(self, name: str) -> None:
