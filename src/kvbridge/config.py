@@ -7,6 +7,7 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from kvbridge.cache.pairing import WRITE_PATHS
 from kvbridge.engines import DEFAULT_ENGINE
 from kvbridge.wire.auth import secret_from_env
 from kvbridge.wire.sglang.common import SGLangProfile
@@ -80,8 +81,13 @@ class ManagerConfig:
         ones move; enough for a room's chunks (which may go as one transfer) and one more.
         Rooms toward a peer are written oldest first, so they complete in the order they
         arrived.
-    staging: use the staging path when the TP sizes differ (decode registers a ring, prefill
-        gathers each chunk into one write); off: every head slice is a separate block.
+    staging: open the staging buffers (decode registers a ring, prefill gathers a chunk into
+        one write); off: every head slice is a separate block.
+    write_path: how prefill writes a chunk (`kvbridge.cache.pairing`): "auto" (between TP
+        sizes through the staging buffers, equal TP as planned blocks), "direct" (planned
+        blocks always: a page run, head slice or token row each) or "coalesced" (gathered,
+        one block into decode's ring, scattered there, wherever the layout's token rows
+        allow: MHA and MLA, equal TP included; needs staging).
     staging_bytes: decode's ring, and prefill's local staging buffer, in bytes; a chunk that
         does not fit falls back to the per-token path.
     staging_timeout_s: how long prefill waits for ring space for one chunk.
@@ -113,6 +119,7 @@ class ManagerConfig:
     write_timeout_s: float = 60.0
     writes_in_flight: int = 4
     staging: bool = True
+    write_path: str = "auto"
     staging_bytes: int = DEFAULT_STAGING_BYTES
     staging_timeout_s: float = 30.0
     staging_kernels: str = "auto"
@@ -126,6 +133,15 @@ class ManagerConfig:
     def __post_init__(self) -> None:
         if self.writes_in_flight < 1:
             raise ValueError(f"writes_in_flight must be at least 1, got {self.writes_in_flight}")
+        if self.write_path not in WRITE_PATHS:
+            raise ValueError(
+                f"write_path must be one of {', '.join(WRITE_PATHS)}, got {self.write_path!r}"
+            )
+        if self.write_path == "coalesced" and (not self.staging or self.sglang_peers):
+            raise ValueError(
+                "write_path 'coalesced' goes through the staging buffers: it needs staging on "
+                "and kvbridge peers (SGLang's decode ranks have no staging ring)"
+            )
         if self.peer_protocol not in PEER_PROTOCOLS:
             raise ValueError(
                 f"peer_protocol must be one of {', '.join(PEER_PROTOCOLS)}, "

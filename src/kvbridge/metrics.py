@@ -36,6 +36,7 @@ class Snapshot:
     counters: Mapping[str, float] = field(default_factory=dict)
     rooms_by_state: Mapping[str, int] = field(default_factory=dict)
     rooms_finished: Mapping[tuple[str, str], int] = field(default_factory=dict)  # (outcome, kind)
+    chunks_written: Mapping[tuple[str, str], int] = field(default_factory=dict)  # (path, reason)
 
 
 class _SnapshotCollector(Collector):
@@ -65,6 +66,15 @@ class _SnapshotCollector(Collector):
         for (outcome, kind), count in sorted(snapshot.rooms_finished.items()):
             finished.add_metric([*values, outcome, kind], count)
         yield finished
+        chunks = CounterMetricFamily(
+            "kvbridge_chunks_written",
+            "chunk writes handed to the engine (prefill), by path (direct, page_rows, ring) "
+            "and why it took it",
+            labels=[*names, "path", "reason"],
+        )
+        for (path, reason), count in sorted(snapshot.chunks_written.items()):
+            chunks.add_metric([*values, path, reason], count)
+        yield chunks
 
 
 class ManagerMetrics:

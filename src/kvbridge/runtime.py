@@ -132,7 +132,12 @@ class RankRuntime:
                 "rooms_started": stats.rooms_started,
                 **self._side_counters(),
             }
-            return Snapshot(counters, dict(protocol.rooms_by_state()), dict(stats.rooms_finished))
+            return Snapshot(
+                counters,
+                dict(protocol.rooms_by_state()),
+                dict(stats.rooms_finished),
+                protocol.chunks_written(),
+            )
 
     def register(self, regions: Sequence[MemoryRegion]) -> None:
         """Register the rank's memory with the engine, once, when the manager starts (never on

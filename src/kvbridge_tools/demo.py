@@ -19,8 +19,8 @@ import signal
 import sys
 import threading
 import time
-from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections import Counter, deque
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from multiprocessing.synchronize import Barrier, Event
 from typing import Any
@@ -184,11 +184,12 @@ class DemoConfig:
 
     def memory_needed(self) -> int:
         """Bytes of host memory the run takes, about: both groups' KV (decode's pool with its
-        slack), the staging buffers where the TP sizes differ, each process's own."""
+        slack), the staging buffers where chunks are gathered, each process's own."""
         prefill = self.prefill_tp * self.kv_bytes_per_rank(self.prefill_tp)
         decode = self.decode_tp * self.kv_bytes_per_rank(self.decode_tp) * self.decode_pool_factor
         processes = self.prefill_tp + self.decode_ranks
-        staging = 2 * DEFAULT_STAGING_BYTES * processes if self.prefill_tp != self.decode_tp else 0
+        gathered = self.prefill_tp != self.decode_tp or self.transfer.write_path == "coalesced"
+        staging = 2 * DEFAULT_STAGING_BYTES * processes if gathered else 0
         return int(prefill + decode + staging + PROCESS_BYTES * processes)
 
     def check(self) -> None:
@@ -272,6 +273,8 @@ class RankReport:
     timed_started_at: float = 0.0
     staged_chunks: int = 0
     staging_fallbacks: int = 0
+    # Prefill: chunk writes by "path (reason)" (`PrefillStats.chunks_written`).
+    chunk_paths: dict[str, int] = field(default_factory=dict)
     blocks_written: int = 0
     timings: dict[str, float] = field(default_factory=dict)
     latencies_ms: list[float] = field(default_factory=list)
@@ -482,6 +485,10 @@ def run_prefill(
         report.rooms = len(active)
         report.staged_chunks = manager.stats.staged_chunks
         report.staging_fallbacks = manager.stats.staging_fallbacks
+        report.chunk_paths = {
+            f"{path.value} ({reason.value})": count
+            for (path, reason), count in manager.stats.chunks_written.items()
+        }
         writes = manager.pipeline.stats
         report.blocks_written = writes.blocks_written
         report.timings = {
@@ -770,6 +777,14 @@ class DemoResult:
     def total_bytes(self) -> int:
         return sum(r.bytes for r in self.decode_reports)
 
+    @property
+    def chunk_paths(self) -> dict[str, int]:
+        """Every prefill rank's chunk writes by "path (reason)"."""
+        paths: Counter[str] = Counter()
+        for report in self.reports:
+            paths.update(report.chunk_paths)
+        return dict(paths)
+
     def summary(self) -> dict[str, Any]:
         """The run as one JSON-ready record (`kvbridge demo --json`)."""
         config = self.config
@@ -785,6 +800,8 @@ class DemoResult:
             "engine": config.engine,
             "transport": sorted({r.transport for r in self.reports if r.transport}),
             "requests_verified": self.requests_verified,
+            "write_path": config.transfer.write_path,
+            "chunks": self.chunk_paths,
             "bytes": self.total_bytes,
             "gbps": round(self.gbps, 3),
             "p50_ms": round(self.latency_ms(0.5), 1),
@@ -954,3 +971,9 @@ def run_demo(config: DemoConfig, on_progress: Any = None) -> DemoResult:
             error = f"exited with {process.exitcode} before reporting"
             reports.append(RankReport(role, int(rank), ok=False, error=error))
     return DemoResult(config, reports)
+
+
+def chunk_paths_text(paths: Mapping[str, int]) -> str:
+    """Chunk writes by path, most first: "ring (configured) 32, direct (too_big) 2"."""
+    ranked = sorted(paths.items(), key=lambda item: (-item[1], item[0]))
+    return ", ".join(f"{path} {count}" for path, count in ranked) or "none"

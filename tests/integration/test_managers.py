@@ -761,6 +761,9 @@ def test_metrics_are_served_and_scraped() -> None:
     aborted = frozenset({**on_decode, "outcome": "Failed", "kind": "aborted"}.items())
     assert decode_metrics[("kvbridge_rooms_started_total", frozenset(on_decode.items()))] == 2
     assert prefill_metrics[("kvbridge_rooms_started_total", on_prefill)] == 2
+    # Its one chunk went as page runs (equal TP), and says why.
+    direct = frozenset({**dict(on_prefill), "path": "direct", "reason": "whole_pages"}.items())
+    assert prefill_metrics[("kvbridge_chunks_written_total", direct)] == 1
     assert decode_metrics[("kvbridge_rooms_finished_total", success)] == 1
     assert decode_metrics[("kvbridge_rooms_finished_total", aborted)] == 1
     decode_labels = frozenset(on_decode.items())

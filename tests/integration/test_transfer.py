@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from kvbridge import ManagerConfig
-from kvbridge.cache.plan import DIRECT_MIN_BLOCK_BYTES
+from kvbridge.cache.pairing import DIRECT_MIN_BLOCK_BYTES
 from kvbridge.engines import unavailable_reason
 from kvbridge_tools.demo import RAW_STRATEGIES, DemoConfig, DemoConfigError, run_demo
 

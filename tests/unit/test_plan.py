@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 from kv_cache import RankCache, rank_cache
 
 from kvbridge.cache import PlanError, TransferPlan, page_runs, plan_kv, plan_slots
-from kvbridge.cache.plan import PlanArena, pair
+from kvbridge.cache.pairing import pair
+from kvbridge.cache.plan import PlanArena
 from kvbridge.engines.base import EngineError
 from kvbridge.engines.loopback import LoopbackEngine
 from kvbridge.wire import KVLayout

@@ -13,8 +13,9 @@ import itertools
 import numpy as np
 import pytest
 
+from kvbridge.cache.pairing import pair
 from kvbridge.cache.peer import kv_args_of, registration_for
-from kvbridge.cache.plan import PlanError, check_state_slicing, pair, plan_state_slices
+from kvbridge.cache.plan import PlanError, check_state_slicing, plan_state_slices
 from kvbridge.cache.spec import GeometryError, KVArgs, StatePart
 from kvbridge.cache.topology import rank_heads, topology
 from kvbridge.wire.messages import KVLayout

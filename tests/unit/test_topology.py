@@ -19,10 +19,9 @@ import numpy as np
 import pytest
 
 from kvbridge.cache import BufferSpec, KVArgs, PlanError, TransferPlan, plan_kv
+from kvbridge.cache.pairing import DIRECT_MIN_BLOCK_BYTES, pair
 from kvbridge.cache.plan import (
-    DIRECT_MIN_BLOCK_BYTES,
     check_state_slicing,
-    pair,
     plan_gathered,
     plan_state_slices,
     plan_tokens,

@@ -14,7 +14,8 @@ import pytest
 from kv_cache import rank_cache
 
 from kvbridge.cache import GeometryError, PlanError
-from kvbridge.cache.plan import pair, plan_slots, plan_state_slices
+from kvbridge.cache.pairing import pair
+from kvbridge.cache.plan import plan_slots, plan_state_slices
 from kvbridge.cache.topology import rank_heads, topology
 from kvbridge.core.room import Destination, Unpaired
 from kvbridge.integrations.vllm_blocks import (
@@ -29,13 +30,8 @@ from kvbridge.integrations.vllm_blocks import (
     from_position_zero,
     state_block,
 )
-from kvbridge.integrations.vllm_cache import (
-    MambaState,
-    RoomContents,
-    VLLMCache,
-    describe_kv_caches,
-    layer_index,
-)
+from kvbridge.integrations.vllm_cache import RoomContents, VLLMCache
+from kvbridge.integrations.vllm_kv_views import MambaState, describe_kv_caches, layer_index
 from kvbridge.wire import KVLayout, TransferRequest
 
 torch_missing = importlib.util.find_spec("torch") is None

@@ -12,7 +12,7 @@ import zmq
 
 from kvbridge.integrations.vllm_handoff import SendInbox, SendOutbox
 from kvbridge.integrations.vllm_options import OptionsError
-from kvbridge.integrations.vllm_requests import SendSpec
+from kvbridge.integrations.vllm_steps import SendSpec
 
 SEND = SendSpec("req-1", 2**62 + 5, ((3, 4, 5), (9,)))
 

@@ -8,8 +8,9 @@ from typing import Any
 
 from kvbridge.integrations.vllm_blocks import Group, GroupKind
 from kvbridge.integrations.vllm_load_plan import SchedulerConfig
-from kvbridge.integrations.vllm_requests import SendSpec, decode_first_request
+from kvbridge.integrations.vllm_requests import decode_first_request
 from kvbridge.integrations.vllm_scheduler import SchedulerSide
+from kvbridge.integrations.vllm_steps import SendSpec
 
 PARAMS = "kv_transfer_params"
 HYBRID = (Group(GroupKind.STATE, 64), Group(GroupKind.FULL, 4))

@@ -8,8 +8,8 @@ from __future__ import annotations
 from typing import Any
 
 from kvbridge.integrations.vllm_cache import VLLMCache
-from kvbridge.integrations.vllm_requests import RestRun, StreamAbort, StreamSpec
 from kvbridge.integrations.vllm_stats import ConnectorCounters
+from kvbridge.integrations.vllm_steps import RestRun, StreamAbort, StreamSpec
 from kvbridge.integrations.vllm_streams import (
     Streams,
     joined_runs,

@@ -14,14 +14,11 @@ from kvbridge.integrations.vllm_blocks import Group, GroupKind, blocks_to_stream
 from kvbridge.integrations.vllm_load_plan import SchedulerConfig
 from kvbridge.integrations.vllm_requests import (
     RemotePrefill,
-    RestRun,
-    SendSpec,
-    StreamAbort,
-    StreamSpec,
     decode_first_request,
     stream_prefill_request,
 )
 from kvbridge.integrations.vllm_scheduler import SchedulerSide
+from kvbridge.integrations.vllm_steps import RestRun, SendSpec, StreamAbort, StreamSpec
 
 FULL = (Group(GroupKind.FULL, 4),)
 MAMBA = (Group(GroupKind.STATE, 64), Group(GroupKind.FULL, 4))  # state first, as vLLM orders it

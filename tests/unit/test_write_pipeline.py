@@ -13,8 +13,8 @@ import pytest
 from kv_cache import RankCache, rank_cache
 
 from kvbridge.cache import TransferPlan
+from kvbridge.cache.pairing import pair
 from kvbridge.cache.peer import memory_regions
-from kvbridge.cache.plan import pair
 from kvbridge.cache.regions import MemoryRegion
 from kvbridge.core.prefill_events import Connect, Write
 from kvbridge.core.room import ChunkJob

@@ -35,9 +35,10 @@ from vllm.v1.worker.utils import allocate_kv_cache
 from vllm_views import execute, layer_views
 
 from kvbridge.cache import GeometryError
-from kvbridge.cache.plan import pair
+from kvbridge.cache.pairing import pair
 from kvbridge.integrations.vllm import KVBridgeConnector
-from kvbridge.integrations.vllm_cache import REQUIRED_LAYOUT, RoomContents, describe_kv_caches
+from kvbridge.integrations.vllm_cache import RoomContents
+from kvbridge.integrations.vllm_kv_views import REQUIRED_LAYOUT, describe_kv_caches
 from kvbridge.integrations.vllm_specs import mamba_state
 from kvbridge.wire import KVLayout
 

@@ -10,6 +10,7 @@ import signal
 import sys
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 import click
 from rich.console import Console
@@ -18,6 +19,7 @@ from rich.table import Table
 
 import kvbridge
 from kvbridge import samples
+from kvbridge.cache.pairing import WRITE_PATHS
 from kvbridge.config import ManagerConfig
 from kvbridge.control.bootstrap import BootstrapServer
 from kvbridge.engines import DEFAULT_ENGINE, PROCESS_ENGINES, REGISTRY, unavailable_reason
@@ -48,6 +50,7 @@ from kvbridge_tools.demo import (
     DemoConfig,
     DemoConfigError,
     DemoResult,
+    chunk_paths_text,
     run_demo,
 )
 from kvbridge_tools.layerwise import LayerwiseConfig, run_layerwise
@@ -209,6 +212,14 @@ def _engine_options(
 def _fail(message: str) -> click.exceptions.Exit:
     error_console.print(f"[red]error:[/red] {message}", highlight=False)
     return click.exceptions.Exit(2)
+
+
+def _manager_config(**settings: Any) -> ManagerConfig:
+    """The managers' settings from command-line options; one that cannot work fails here."""
+    try:
+        return ManagerConfig(**settings)
+    except ValueError as exc:
+        raise _fail(str(exc)) from None
 
 
 def _read_frames(
@@ -453,7 +464,16 @@ def protocol_doc_command(output: Path | None, check: Path | None) -> None:
     "--staging/--no-staging",
     default=True,
     show_default=True,
-    help="Staging path where the TP sizes differ.",
+    help="Staging buffers (gathered writes; the staging path between TP sizes).",
+)
+@click.option(
+    "--write-path",
+    type=click.Choice(WRITE_PATHS),
+    default="auto",
+    show_default=True,
+    help="How prefill writes a chunk: auto (staged between TP sizes, page runs at equal TP), "
+    "direct (planned blocks only) or coalesced (gathered, one block into decode's ring, "
+    "scattered there; MHA and MLA, equal TP included).",
 )
 @click.option(
     "--chunks",
@@ -499,6 +519,7 @@ def demo_command(
     engine_options: tuple[tuple[str, str], ...],
     dcp: int,
     staging: bool,
+    write_path: str,
     chunks: int,
     memory: str,
     layerwise: bool,
@@ -529,7 +550,12 @@ def demo_command(
         dcp=dcp,
         log_level=log_level,
         memory=memory,
-        transfer=ManagerConfig(engine=engine, engine_options=dict(engine_options), staging=staging),
+        transfer=_manager_config(
+            engine=engine,
+            engine_options=dict(engine_options),
+            staging=staging,
+            write_path=write_path,
+        ),
     )
     reason = unavailable_reason(engine)
     if reason is not None:
@@ -623,12 +649,7 @@ def _print_demo(result: DemoResult) -> None:
     console.print(table)
     transports = ", ".join(sorted({r.transport for r in result.reports if r.transport}))
     console.print(f"engine: {result.config.engine} ({transports})", highlight=False)
-    staged = sum(r.staged_chunks for r in result.reports)
-    fallbacks = sum(r.staging_fallbacks for r in result.reports)
-    if staged or fallbacks:
-        console.print(
-            f"staging: {staged} chunks staged, {fallbacks} sent token by token", highlight=False
-        )
+    console.print(f"chunks: {chunk_paths_text(result.chunk_paths)}", highlight=False)
     for report in result.reports:
         for room, why in sorted(report.failed_rooms.items()):
             console.print(f"[red]{report.role} {report.rank} room {room} failed:[/red] {why}")

@@ -5,14 +5,15 @@ connection made, a write ended), its settings and its counters. Pure data."""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import numpy.typing as npt
 
 from kvbridge.cache import KVArgs
-from kvbridge.cache.plan import Pairing
+from kvbridge.cache.pairing import Pairing, PathReason, WritePath
 from kvbridge.core.protocol import RankStats, RoomsChanged, Send
 from kvbridge.core.room import Chunk, ChunkJob, Failure
 from kvbridge.wire import ChunkReady, FailureKind
@@ -162,6 +163,7 @@ class PrefillSettings:
     request_timeout_s: float
     staging_timeout_s: float
     staging_bytes: int | None = None  # the local staging buffer's size; None: none
+    write_path: str = "auto"  # how chunks go (`kvbridge.cache.pairing.WRITE_PATHS`)
     # Write jobs handed out per decode peer at once (to the engine, or waiting for ring
     # space): the next ones are planned and gathered while earlier ones move.
     writes_in_flight: int = 4
@@ -177,9 +179,26 @@ class PrefillSettings:
         return self.kv_args.attn_tp_rank
 
 
+# Chunks that fell back from the staging path to planned blocks.
+FALLBACKS = frozenset({PathReason.TOO_BIG, PathReason.NEVER_FITS})
+
+
 @dataclass
 class PrefillStats(RankStats):
-    staged_chunks: int = 0
     leases_renewed: int = 0  # rooms whose request deadline a decode lease started again
-    staging_fallbacks: int = 0
     staging_wait_s: float = 0.0  # waiting for decode's ring space
+    # Chunk writes handed to the engine (a layer range of one counts once), by path and why.
+    chunks_written: Counter[tuple[WritePath, PathReason]] = field(default_factory=Counter)
+
+    def chunk_written(self, path: WritePath, reason: PathReason) -> None:
+        self.chunks_written[path, reason] += 1
+
+    @property
+    def staged_chunks(self) -> int:
+        """Chunks gathered into the staging buffer (into decode's pages or its ring)."""
+        return sum(n for (path, _), n in self.chunks_written.items() if path != WritePath.DIRECT)
+
+    @property
+    def staging_fallbacks(self) -> int:
+        """Chunks the staging path would have taken that went as planned blocks instead."""
+        return sum(n for (_, reason), n in self.chunks_written.items() if reason in FALLBACKS)

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvbridge.cache import GeometryError, KVArgs, PlanError
+from kvbridge.cache.pairing import Pairing, pair
 from kvbridge.cache.peer import kv_args_of
-from kvbridge.cache.plan import Pairing, pair
 from kvbridge.core.liveness import Liveness
 from kvbridge.core.prefill_events import Action, Connect, Connected, PrefillSettings
 from kvbridge.core.protocol import Send
@@ -141,7 +141,13 @@ class PrefillPeers:
         peer = DecodePeer(registration, endpoint)
         try:
             peer.kv_args = kv_args_of(registration)
-            peer.pairing = pair(self.settings.kv_args, peer.kv_args)
+            peer.pairing = pair(self.settings.kv_args, peer.kv_args, self.settings.write_path)
+            log.info(
+                "decode %s: chunks go %s (%s)",
+                registration.peer_id[:100],
+                peer.pairing.path.value,
+                peer.pairing.reason.value,
+            )
         except (GeometryError, PlanError) as exc:
             reason = f"decode {registration.peer_id} cannot be served: {exc}"
             peer.error = Failure(FailureKind.INCOMPATIBLE, reason)

@@ -116,6 +116,12 @@ class PrefillProtocol(ProtocolCore):
 
     # --- queries ---------------------------------------------------------------------------
 
+    def chunks_written(self) -> dict[tuple[str, str], int]:
+        return {
+            (path.value, reason.value): count
+            for (path, reason), count in self.stats.chunks_written.items()
+        }
+
     def lease_problem(self, peer_id: str, now: float) -> str | None:
         """Why this rank may not write to the peer now, or None (`PrefillPeers`); safe
         without the manager's lock."""

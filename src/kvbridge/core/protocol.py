@@ -113,3 +113,7 @@ class ProtocolCore:
 
     def rooms_by_state(self) -> Counter[str]:
         return Counter(state.status.poll.name for state in self.rooms.values())
+
+    def chunks_written(self) -> dict[tuple[str, str], int]:
+        """Chunk writes by (path, reason): prefill's; none on decode."""
+        return {}

@@ -16,6 +16,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvbridge.cache import KVArgs
+from kvbridge.cache.pairing import Pairing, PathReason, WritePath
 from kvbridge.cache.plan import token_rows
 from kvbridge.core.prefill_events import (
     Action,
@@ -149,14 +150,14 @@ class WriteScheduler:
             failure = Failure(FailureKind.ENGINE, f"room {state.room}: {why}")
             return [*self.rooms.fail(state, failure), *self.job_ended(entry)]
         # Layer ranges are not gathered, nor a gated chunk (its data is not computed yet).
-        if not peer.pairing.stageable or job.layers is not None or job.gate is not None:
+        direct = unstaged(peer.pairing, job)
+        if direct is not None:
             self._hand_out(state, entry)
-            return [self._write(entry, peer, None)]
+            return [self._write(entry, peer, None, direct)]
         gather = gathering(self.settings.kv_args, self._local, job, peer)
         if gather is None:  # nothing to gather, or too big for a staging buffer
-            self.stats.staging_fallbacks += 1
             self._hand_out(state, entry)
-            return [self._write(entry, peer, None)]
+            return [self._write(entry, peer, None, PathReason.TOO_BIG)]
         src_rows, dst_rows, column, width, nbytes = gather
         assert self._local is not None
         entry.local = self._local.allocate(nbytes)
@@ -167,8 +168,7 @@ class WriteScheduler:
             staged = StagedChunk(
                 src_rows, column, width, nbytes, entry.local.offset, PageRows(dst_rows)
             )
-            self.stats.staged_chunks += 1
-            return [self._write(entry, peer, staged)]
+            return [self._write(entry, peer, staged, peer.pairing.reason)]
         request = StagingRequest(
             room=job.room,
             chunk_idx=job.chunk_idx,
@@ -182,10 +182,14 @@ class WriteScheduler:
         self._staging_due.compact(len(self.jobs), self._staging_entries)
         return [Send(peer.endpoint, request)]
 
-    def _write(self, entry: WriteJob, peer: DecodePeer, staged: StagedChunk | None) -> Write:
+    def _write(
+        self, entry: WriteJob, peer: DecodePeer, staged: StagedChunk | None, reason: PathReason
+    ) -> Write:
+        """The job's write, by the path `staged` says (None: planned blocks), for `reason`."""
         assert peer.kv_args is not None
         assert peer.pairing is not None
         job = entry.job
+        self.stats.chunk_written(path_of(staged), reason)
         rank = self.settings.rank
         # sglang's decode reads no engine notification (a room ends on its status frames).
         sglang = self.settings.sglang_peers
@@ -234,11 +238,10 @@ class WriteScheduler:
             return self.job_ended(entry) + self.dispatch(now)
         job, peer = entry.job, self.peers.by_id[entry.job.peer_id]
         if answer.never_fits:
-            self.stats.staging_fallbacks += 1
             if entry.local is not None and self._local is not None:
                 self._local.free(entry.local)
                 entry.local = None
-            return [self._write(entry, peer, None)]
+            return [self._write(entry, peer, None, PathReason.NEVER_FITS)]
         assert peer.kv_args is not None
         assert peer.kv_args.staging_buffer is not None
         assert entry.local is not None
@@ -261,8 +264,8 @@ class WriteScheduler:
             entry.local.offset,
             RingSpace(peer.kv_args.staging_buffer.ptr + answer.offset, ready),
         )
-        self.stats.staged_chunks += 1
-        return [self._write(entry, peer, staged)]
+        assert peer.pairing is not None
+        return [self._write(entry, peer, staged, peer.pairing.reason)]
 
     def on_write_ended(self, ended: WriteEnded, now: float) -> list[Action]:
         job = ended.write.job
@@ -325,6 +328,21 @@ class WriteScheduler:
         for key, entry in self.jobs.by_key.items():
             if entry.staging is not None:
                 yield entry.staging.asked_at + timeout_s, (entry.staging.asked_at, key)
+
+
+def unstaged(pairing: Pairing, job: ChunkJob) -> PathReason | None:
+    """Why the job goes as planned blocks, without a gather; None: it may be gathered."""
+    if job.layers is not None:
+        return PathReason.LAYER_RANGE if pairing.stageable else pairing.reason
+    if job.gate is not None:
+        return PathReason.GATED if pairing.stageable else pairing.reason
+    return None if pairing.stageable else pairing.reason
+
+
+def path_of(staged: StagedChunk | None) -> WritePath:
+    if staged is None:
+        return WritePath.DIRECT
+    return WritePath.PAGE_ROWS if isinstance(staged.destination, PageRows) else WritePath.RING
 
 
 def gathering(

@@ -35,8 +35,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvbridge.integrations.vllm_blocks import GroupKind
-from kvbridge.integrations.vllm_cache import REQUIRED_LAYOUT
 from kvbridge.integrations.vllm_handoff import SendOutbox
+from kvbridge.integrations.vllm_kv_views import REQUIRED_LAYOUT
 from kvbridge.integrations.vllm_load_plan import SchedulerConfig, stream_group
 from kvbridge.integrations.vllm_metrics import KVBridgePromMetrics, KVBridgeStats
 from kvbridge.integrations.vllm_options import (
@@ -45,7 +45,6 @@ from kvbridge.integrations.vllm_options import (
     log_through_vllm,
     rank_bootstrap_port,
 )
-from kvbridge.integrations.vllm_requests import SendSpec, StepMetadata
 from kvbridge.integrations.vllm_scheduler import SchedulerSide
 from kvbridge.integrations.vllm_specs import (
     attention_block_size,
@@ -54,6 +53,7 @@ from kvbridge.integrations.vllm_specs import (
     transfer_groups,
 )
 from kvbridge.integrations.vllm_stats import ConnectorCounters
+from kvbridge.integrations.vllm_steps import SendSpec, StepMetadata
 from kvbridge.integrations.vllm_worker import WorkerConfig, WorkerSide
 
 if TYPE_CHECKING:

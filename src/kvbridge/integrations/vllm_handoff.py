@@ -21,7 +21,7 @@ from collections.abc import Callable
 import zmq
 
 from kvbridge.integrations.vllm_options import OptionsError
-from kvbridge.integrations.vllm_requests import SendSpec
+from kvbridge.integrations.vllm_steps import SendSpec
 from kvbridge.wire.address import tcp_endpoint
 
 log = logging.getLogger("kvbridge.vllm")

@@ -15,7 +15,8 @@ from kvbridge.integrations.vllm_blocks import (
     blocks_to_load,
     decode_first_layout,
 )
-from kvbridge.integrations.vllm_requests import LoadSpec, RemotePrefill
+from kvbridge.integrations.vllm_requests import RemotePrefill
+from kvbridge.integrations.vllm_steps import LoadSpec
 
 
 @dataclass(frozen=True)

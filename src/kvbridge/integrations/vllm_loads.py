@@ -18,12 +18,9 @@ from kvbridge.control.bootstrap import BootstrapError
 from kvbridge.decode import DecodeManager, KVReceiver
 from kvbridge.integrations.vllm_blocks import LoadPlanError
 from kvbridge.integrations.vllm_cache import RoomContents, VLLMCache
-from kvbridge.integrations.vllm_requests import (
-    LoadSpec,
-    RemotePrefill,
-    stage_room,
-)
+from kvbridge.integrations.vllm_requests import RemotePrefill, stage_room
 from kvbridge.integrations.vllm_stats import LOAD_SECONDS, ConnectorCounters, Interval
+from kvbridge.integrations.vllm_steps import LoadSpec
 from kvbridge.wire.messages import FailureKind, KVPoll
 
 log = logging.getLogger("kvbridge.vllm")

@@ -18,15 +18,9 @@ from kvbridge.integrations.vllm_load_plan import (
     unloaded_blocks,
 )
 from kvbridge.integrations.vllm_options import OptionsError
-from kvbridge.integrations.vllm_requests import (
-    LoadSpec,
-    RemotePrefill,
-    SendSpec,
-    StepMetadata,
-    StreamAbort,
-    tokens_to_load,
-)
+from kvbridge.integrations.vllm_requests import RemotePrefill, tokens_to_load
 from kvbridge.integrations.vllm_stats import LOADS_IN_FLIGHT, SENDS_IN_FLIGHT
+from kvbridge.integrations.vllm_steps import LoadSpec, SendSpec, StepMetadata, StreamAbort
 from kvbridge.integrations.vllm_streamed import StreamBook, Streamed, streamed_room
 
 log = logging.getLogger("kvbridge.vllm")

@@ -11,8 +11,9 @@ import threading
 from dataclasses import dataclass
 
 from kvbridge.integrations.vllm_cache import VLLMCache
-from kvbridge.integrations.vllm_requests import SendSpec, stage_room
+from kvbridge.integrations.vllm_requests import stage_room
 from kvbridge.integrations.vllm_stats import ConnectorCounters, Interval
+from kvbridge.integrations.vllm_steps import SendSpec
 from kvbridge.prefill import KVSender, PrefillManager
 from kvbridge.wire.messages import FailureKind, KVPoll
 

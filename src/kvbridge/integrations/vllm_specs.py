@@ -19,7 +19,7 @@ from vllm.v1.kv_cache_interface import (
 
 from kvbridge.cache.spec import GeometryError
 from kvbridge.integrations.vllm_blocks import Group, GroupKind
-from kvbridge.integrations.vllm_cache import MambaState
+from kvbridge.integrations.vllm_kv_views import MambaState
 
 log = logging.getLogger("kvbridge.vllm")
 

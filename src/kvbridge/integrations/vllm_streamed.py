@@ -19,13 +19,8 @@ from kvbridge.integrations.vllm_blocks import (
     decode_first_layout,
     from_position_zero,
 )
-from kvbridge.integrations.vllm_requests import (
-    ROOM_KEY,
-    STREAM_KEY,
-    RestRun,
-    StreamAbort,
-    StreamSpec,
-)
+from kvbridge.integrations.vllm_requests import ROOM_KEY, STREAM_KEY
+from kvbridge.integrations.vllm_steps import RestRun, StreamAbort, StreamSpec
 
 log = logging.getLogger("kvbridge.vllm")
 

@@ -20,8 +20,8 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
 from kvbridge.integrations.vllm_cache import RoomContents, VLLMCache
-from kvbridge.integrations.vllm_requests import StreamAbort, StreamSpec
 from kvbridge.integrations.vllm_stats import ConnectorCounters
+from kvbridge.integrations.vllm_steps import StreamAbort, StreamSpec
 from kvbridge.prefill import KVSender, PrefillManager
 from kvbridge.wire.messages import KVPoll
 from kvbridge.write_gate import WriteGate

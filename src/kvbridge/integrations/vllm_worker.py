@@ -18,13 +18,14 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from kvbridge.decode import DecodeManager
-from kvbridge.integrations.vllm_cache import MambaState, VLLMCache, describe_kv_caches
+from kvbridge.integrations.vllm_cache import VLLMCache
 from kvbridge.integrations.vllm_handoff import SendInbox
+from kvbridge.integrations.vllm_kv_views import MambaState, describe_kv_caches
 from kvbridge.integrations.vllm_loads import Loads
 from kvbridge.integrations.vllm_options import ConnectorOptions, StepTimes, cpu_list
-from kvbridge.integrations.vllm_requests import SendSpec, StepMetadata, StreamAbort, StreamSpec
 from kvbridge.integrations.vllm_sends import Sends
 from kvbridge.integrations.vllm_stats import WRITE_BYTES, WRITE_SECONDS, ConnectorCounters, Interval
+from kvbridge.integrations.vllm_steps import SendSpec, StepMetadata, StreamAbort, StreamSpec
 from kvbridge.integrations.vllm_streams import Streams, stream_positions
 from kvbridge.prefill import PrefillManager
 from kvbridge.wire.messages import MemoryKind
