@@ -88,6 +88,9 @@ class ManagerConfig:
         blocks always: a page run, head slice or token row each) or "coalesced" (gathered,
         one block into decode's ring, scattered there, wherever the layout's token rows
         allow: MHA and MLA, equal TP included; needs staging).
+    write_costs: a calibration file of what each path costs, by memory kind
+        (`kvbridge.cache.costs.load_costs`); None: the defaults measured for host memory
+        over CMA and for an H200 over cuda_ipc. "auto" chooses by them at equal TP.
     staging_bytes: decode's ring, and prefill's local staging buffer, in bytes; a chunk that
         does not fit falls back to the per-token path.
     staging_timeout_s: how long prefill waits for ring space for one chunk.
@@ -120,6 +123,7 @@ class ManagerConfig:
     writes_in_flight: int = 4
     staging: bool = True
     write_path: str = "auto"
+    write_costs: str | None = None
     staging_bytes: int = DEFAULT_STAGING_BYTES
     staging_timeout_s: float = 30.0
     staging_kernels: str = "auto"

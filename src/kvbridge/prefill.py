@@ -24,6 +24,7 @@ import logging
 import time
 
 from kvbridge.cache import KVArgs, PlanError
+from kvbridge.cache.costs import DEFAULT_COSTS, WriteCosts, load_costs
 from kvbridge.cache.peer import memory_regions
 from kvbridge.cache.sglang_route import sglang_dtype_name, sglang_rank_problem
 from kvbridge.config import ManagerConfig
@@ -59,6 +60,7 @@ from kvbridge.engines import EngineError, WriteFenced
 from kvbridge.prefill_sender import KVSender
 from kvbridge.runtime import RankManager, RankRuntime
 from kvbridge.wire import FailureKind, Message
+from kvbridge.wire.messages import MemoryKind
 from kvbridge.write_pipeline import WritePipeline
 from kvbridge.write_transfers import WriteObserver
 
@@ -85,6 +87,13 @@ def _kind_of(exc: Exception) -> FailureKind:
     return FailureKind.INTERNAL
 
 
+def write_costs(path: str | None, memory: MemoryKind) -> WriteCosts:
+    """The cost figures `write_path` "auto" chooses by: from the calibration file if given
+    (ValueError naming what is wrong in it), else the defaults, for this memory kind."""
+    costs = load_costs(path) if path is not None else DEFAULT_COSTS
+    return costs[memory]
+
+
 class PrefillManager(RankManager):
     def __init__(self, kv_args: KVArgs, config: ManagerConfig) -> None:
         if config.bootstrap_url is None and not config.run_bootstrap:
@@ -92,6 +101,7 @@ class PrefillManager(RankManager):
         problem = sglang_rank_problem(kv_args) if config.sglang_peers else None
         if problem is not None:
             raise ValueError(problem)
+        costs = write_costs(config.write_costs, kv_args.memory_kind)  # (refused before binding)
         self.kv_args = kv_args
         self.config = config
         self.rank = kv_args.attn_tp_rank
@@ -113,6 +123,7 @@ class PrefillManager(RankManager):
                 staging_timeout_s=config.staging_timeout_s,
                 staging_bytes=self._staging.length if self._staging is not None else None,
                 write_path=config.write_path,
+                write_costs=costs,
                 writes_in_flight=config.writes_in_flight,
                 engine_notifies=self.engine.delivers_notifications,
                 sglang_peers=config.sglang_peers,

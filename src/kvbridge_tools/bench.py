@@ -28,7 +28,13 @@ from kvbridge.config import ManagerConfig
 from kvbridge.engines import PROCESS_ENGINES, engine_spec, unavailable_reason
 from kvbridge.wire import KVLayout
 from kvbridge_tools.bench_results import provenance
-from kvbridge_tools.demo import DemoConfig, DemoResult, available_memory, run_demo
+from kvbridge_tools.demo import (
+    DemoConfig,
+    DemoResult,
+    available_memory,
+    chunk_paths_text,
+    run_demo,
+)
 
 ENGINES = PROCESS_ENGINES
 TP_PAIRS = ((1, 1), (2, 4), (4, 2))
@@ -97,12 +103,14 @@ class Cell:
     page_size: int
     prefill_tp: int
     decode_tp: int
+    write_path: str = "auto"  # ManagerConfig.write_path
 
     @property
     def label(self) -> str:
+        path = "" if self.write_path == "auto" else f" {self.write_path}"
         return (
             f"{self.engine} {self.model} {self.tokens} tok page {self.page_size} "
-            f"TP {self.prefill_tp}→{self.decode_tp}"
+            f"TP {self.prefill_tp}→{self.decode_tp}{path}"
         )
 
 
@@ -122,6 +130,7 @@ class CellResult:
     plan_ms_per_request: float = 0.0
     control_cpu_ms_per_request: float = 0.0
     latencies_ms: list[float] = field(default_factory=list)
+    chunks: dict[str, int] = field(default_factory=dict)  # chunk writes by "path (reason)"
 
     @property
     def ratio(self) -> float | None:
@@ -139,7 +148,7 @@ class CellResult:
         return cls(cell=Cell(**row["cell"]), **fields)
 
 
-def cells(preset: Preset, engines: tuple[str, ...]) -> list[Cell]:
+def cells(preset: Preset, engines: tuple[str, ...], write_path: str = "auto") -> list[Cell]:
     """The preset's cells in run order: engine, model, length, then page size and TP pair."""
     found = []
     for engine in engines:
@@ -157,7 +166,11 @@ def cells(preset: Preset, engines: tuple[str, ...]) -> list[Cell]:
                         )
                         if not (default or swept):
                             continue
-                        found.append(Cell(engine, model, tokens, page_size, prefill_tp, decode_tp))
+                        found.append(
+                            Cell(
+                                engine, model, tokens, page_size, prefill_tp, decode_tp, write_path
+                            )
+                        )
     return found
 
 
@@ -183,7 +196,7 @@ def demo_config(
         decode_pool_factor=1.0,
         timeout_s=600.0,
         log_level=log_level,
-        transfer=ManagerConfig(engine=cell.engine),
+        transfer=ManagerConfig(engine=cell.engine, write_path=cell.write_path),
     )
     per_request = cell.tokens * config.shape.bytes_per_token()  # one full copy of the cache
     # Both groups hold a copy; a replicated (MLA) cache is held by every rank.
@@ -216,6 +229,7 @@ def summarize(cell: Cell, result: DemoResult) -> CellResult:
     row.p50_ms = round(result.latency_ms(0.5), 2)
     row.p99_ms = round(result.latency_ms(0.99), 2)
     row.latencies_ms = [round(v, 2) for r in result.decode_reports for v in r.latencies_ms]
+    row.chunks = result.chunk_paths
     requests = config.requests
     row.descriptors_per_request = round(sum(r.blocks_written for r in prefill) / requests, 1)
     plan_s = sum(r.timings.get("plan_s", 0.0) for r in prefill)
@@ -297,10 +311,11 @@ def run_matrix(
     engines: tuple[str, ...],
     on_cell: Callable[[CellResult], None] = lambda row: None,
     log_level: int = logging.WARNING,
+    write_path: str = "auto",
 ) -> Iterator[CellResult]:
     preset, budget = PRESETS[preset_name], memory_budget()
     unavailable = {engine: engine_unavailable(engine) for engine in engines}
-    for cell in cells(preset, engines):
+    for cell in cells(preset, engines, write_path):
         reason = unavailable[cell.engine]
         if reason is not None:
             row = CellResult(cell, skipped=f"{cell.engine}: {reason}")
@@ -472,6 +487,7 @@ MARKDOWN_COLUMNS = (
     "descriptors / request",
     "plan ms / request",
     "control CPU ms / request",
+    "chunks by path",
 )
 
 
@@ -500,6 +516,7 @@ def markdown(rows: list[CellResult]) -> str:
                 f"{row.descriptors_per_request:g}",
                 f"{row.plan_ms_per_request:.2f}",
                 f"{row.control_cpu_ms_per_request:.1f}",
+                chunk_paths_text(row.chunks) if row.chunks else "-",
             ]
         lines.append("| " + " | ".join(head + rest) + " |")
     return "\n".join(lines) + "\n"

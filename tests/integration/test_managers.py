@@ -761,8 +761,8 @@ def test_metrics_are_served_and_scraped() -> None:
     aborted = frozenset({**on_decode, "outcome": "Failed", "kind": "aborted"}.items())
     assert decode_metrics[("kvbridge_rooms_started_total", frozenset(on_decode.items()))] == 2
     assert prefill_metrics[("kvbridge_rooms_started_total", on_prefill)] == 2
-    # Its one chunk went as page runs (equal TP), and says why.
-    direct = frozenset({**dict(on_prefill), "path": "direct", "reason": "whole_pages"}.items())
+    # Its one chunk (two pages, one run) went as page runs: the cost model's choice.
+    direct = frozenset({**dict(on_prefill), "path": "direct", "reason": "cost"}.items())
     assert prefill_metrics[("kvbridge_chunks_written_total", direct)] == 1
     assert decode_metrics[("kvbridge_rooms_finished_total", success)] == 1
     assert decode_metrics[("kvbridge_rooms_finished_total", aborted)] == 1

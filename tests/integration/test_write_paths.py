@@ -7,6 +7,8 @@ the ring going direct."""
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
 import numpy as np
 import numpy.typing as npt
@@ -149,6 +151,37 @@ def test_direct_between_tp_sizes_gathers_nothing() -> None:
     for rank, cache in enumerate(sources):
         for got, want in zip(dst.kv, cache.kv, strict=True):
             assert np.array_equal(got[dst_pages][:, :, 2 * rank : 2 * rank + 2], want[src_pages])
+
+
+def test_auto_at_equal_tp_chooses_each_chunk_by_the_calibrated_costs(tmp_path: Path) -> None:
+    """A calibration file where a block costs 1 ms and the ring's round trip 2.5: the chunk
+    of scattered pages goes gathered through decode's ring, the one of a single run as it
+    is, and the room's bytes all land."""
+    figures = dict(per_block_s=1e-3, engine_bytes_per_s=1e12, copy_bytes_per_s=1e12)
+    figures |= dict(per_piece_s=0.0, per_ring_chunk_s=2.5e-3)
+    (tmp_path / "costs.json").write_text(json.dumps({"DRAM": figures}))
+    src = rank_cache(num_pages=16, seed=5, page_size=4, **MHA)
+    dst = rank_cache(num_pages=24, seed=None, page_size=4, **MHA)
+    config = ManagerConfig(engine=ENGINE, write_costs=str(tmp_path / "costs.json"))
+    dst_pages = np.array([10, 11, 12, 13])
+    chunks = [np.array([3, 5]), np.array([6, 7])]  # two runs, then one
+    stats, scattered = move([src], dst, config, dst_pages, chunks)
+    assert stats[0].chunks_written == {
+        (THROUGH_RING, PathReason.COST): 1,
+        (WritePath.DIRECT, PathReason.COST): 1,
+    }
+    assert scattered == 1
+    for got, want in zip(dst.kv, src.kv, strict=True):
+        assert np.array_equal(got[dst_pages], want[np.concatenate(chunks)])
+
+
+def test_a_calibration_file_that_is_wrong_is_refused_at_start(tmp_path: Path) -> None:
+    (tmp_path / "costs.json").write_text('{"DRAM": {"per_block_s": -1}}')
+    config = ManagerConfig(
+        engine=ENGINE, run_bootstrap=True, write_costs=str(tmp_path / "costs.json")
+    )
+    with pytest.raises(ValueError, match=r"write costs .*costs\.json: DRAM"):
+        PrefillManager(rank_cache(seed=1, **MHA).args, config)
 
 
 @pytest.mark.parametrize(

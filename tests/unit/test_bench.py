@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from kvbridge_tools.bench import PRESETS, Cell, cells, demo_config
+from kvbridge_tools.bench import PRESETS, Cell, CellResult, cells, demo_config
 
 
 def test_the_full_preset_is_the_whole_matrix() -> None:
@@ -50,3 +50,17 @@ def test_a_replicated_latent_counts_once_per_rank() -> None:
     assert demo_config(mla, PRESETS["quick"], budget=300 << 20) == (
         "one request needs 0.4 GiB, over this machine's budget of 0.3 GiB"
     )
+
+
+def test_a_write_path_runs_every_cell_and_rows_written_before_it_read_back() -> None:
+    direct = cells(PRESETS["quick"], ("nixl",), "direct")
+    assert {c.write_path for c in direct} == {"direct"}
+    assert direct[0].label.endswith("TP 1→1 direct")
+    config = demo_config(direct[0], PRESETS["quick"], budget=1 << 40)
+    assert not isinstance(config, str)
+    assert config.transfer.write_path == "direct"
+    # A row from before write paths: no chunks, no write_path in its cell.
+    row = CellResult(cells(PRESETS["quick"], ("nixl",))[0], chunks={"ring (cost)": 2}).as_json()
+    del row["chunks"], row["cell"]["write_path"]
+    old = CellResult.from_json(row)
+    assert (old.chunks, old.cell.write_path) == ({}, "auto")

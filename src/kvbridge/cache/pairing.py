@@ -10,7 +10,8 @@ which of its heads go there, and the path a chunk's KV takes (`WritePath`):
   its pages, for two copies more.
 
 `WRITE_PATHS` are the choices a rank is configured with: "auto" (between TP sizes the
-staging path, page rows where decode's pages are big enough blocks; equal TP direct),
+staging path, page rows where decode's pages are big enough blocks; at equal TP each chunk
+direct or through the ring, whichever `kvbridge.cache.costs` says is cheaper),
 "direct" (never gathered) or "coalesced" (through decode's ring wherever the layout's token
 rows allow it, equal TP included).
 """
@@ -64,6 +65,7 @@ class PathReason(enum.Enum):
     BIG_PAGES = "big_pages"  # auto: one source, decode's pages big enough blocks
     SMALL_PAGES = "small_pages"  # auto: one source, decode's pages too small to write into
     SHARED_ROWS = "shared_rows"  # auto: several prefill ranks' heads share decode's rows
+    COST = "cost"  # auto at equal TP: the cheaper path by the cost model
     # Per chunk, against the pairing's path:
     LAYER_RANGE = "layer_range"  # layer-wise: its data is not computed when handed out
     GATED = "gated"  # the same, behind a gate
@@ -92,6 +94,9 @@ class Pairing:
     stageable: bool = False
     direct: bool = False
     reason: PathReason = PathReason.WHOLE_PAGES  # why chunks take `path`
+    # auto at equal TP: each chunk may go either way, direct or through decode's ring; the
+    # cost model (`kvbridge.cache.costs`) chooses per chunk.
+    coalescible: bool = False
 
     @property
     def through_ring(self) -> bool:
@@ -199,9 +204,11 @@ def pair(src: KVArgs, dst: KVArgs, write_path: str = "auto") -> Pairing:
         if not ring:
             return Pairing(mapping, source, whole, reason=PathReason.NO_RING)
         return Pairing(mapping, source, whole, stageable=True, reason=PathReason.CONFIGURED)
-    # auto: pages of every head at equal TP go direct, head slices of token rows are gathered.
+    # auto: pages of every head at equal TP go as page runs or, where the cost model says
+    # so, through decode's ring; head slices of token rows are gathered.
     if whole:
-        return Pairing(mapping, source, whole)
+        coalescible = src.kv_layout in RING_LAYOUTS and ring
+        return Pairing(mapping, source, whole, coalescible=coalescible)
     if src.kv_layout != KVLayout.MHA:
         return Pairing(mapping, source, whole, reason=PathReason.LAYOUT)
     # Several prefill ranks' heads interleave in each of decode's token rows: only a ring

@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import sys
+from collections import Counter
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -783,6 +784,14 @@ def vllm_proxy_command(
     help="Folder for bench.json, bench.md and bench.png.",
 )
 @click.option(
+    "--write-path",
+    type=click.Choice(WRITE_PATHS),
+    default="auto",
+    show_default=True,
+    help="How prefill writes each chunk, in every cell (the demo's --write-path); the "
+    "chunks by path column says what each cell did.",
+)
+@click.option(
     "--wide",
     is_flag=True,
     help="Every column (descriptors, planning and control CPU per request); "
@@ -800,6 +809,7 @@ def bench_command(
     preset: str,
     engines: tuple[str, ...],
     output: Path,
+    write_path: str,
     wide: bool,
     as_json: bool,
 ) -> None:
@@ -827,7 +837,7 @@ def bench_command(
             progress.update(task, advance=1, description=row.cell.label)
 
         try:
-            rows.extend(run_matrix(preset, chosen, done, log_level))
+            rows.extend(run_matrix(preset, chosen, done, log_level, write_path))
         except KeyboardInterrupt as exc:
             raise _interrupted(exc, "bench stopped, rank processes ended") from None
     write_json(rows, preset, output / "bench.json")
@@ -837,6 +847,10 @@ def bench_command(
         sys.stdout.write(json.dumps(bench_document(rows, preset)) + "\n")
     else:
         console.print(_bench_table(rows, preset, wide))
+        chunks: Counter[str] = Counter()
+        for row in rows:
+            chunks.update(row.chunks)
+        console.print(f"chunks by path: {chunk_paths_text(chunks)}", highlight=False)
         for row in rows:
             if row.skipped or row.error:
                 why = f"skipped: {row.skipped}" if row.skipped else f"failed: {row.error}"
@@ -851,6 +865,7 @@ def _bench_table(rows: list[CellResult], preset: str, wide: bool) -> Table:
     columns = ["engine", "model", "tokens", "page", "TP", "GB/s", "raw", "ratio", "p50 ms"]
     if wide:
         columns[-1:-1] = ["req"]
+        columns[5:5] = ["path"]
         columns += ["p99 ms", "desc/req", "plan ms/req", "ctrl CPU ms/req"]
     table = Table(
         title=f"kvbridge bench ({preset})",
@@ -878,7 +893,12 @@ def _bench_table(rows: list[CellResult], preset: str, wide: bool) -> Table:
             mark = "[yellow]skipped[/yellow]" if row.skipped else "[red]failed[/red]"
             table.add_row(*[values.get(column, "") for column in columns[:5]], mark)
             continue
+        # The paths its chunks took (`chunks`: by "path (reason)"), most used first.
+        paths: Counter[str] = Counter()
+        for key, count in row.chunks.items():
+            paths[key.split(" ")[0]] += count
         values |= {
+            "path": "+".join(path for path, _ in paths.most_common()) or "-",
             "req": str(row.requests),
             "GB/s": f"{row.kvbridge_gbps:.2f}",
             "raw": f"{row.raw_gbps:.2f}",

@@ -13,10 +13,12 @@ import numpy as np
 import numpy.typing as npt
 
 from kvbridge.cache import KVArgs
+from kvbridge.cache.costs import DEFAULT_COSTS, WriteCosts
 from kvbridge.cache.pairing import Pairing, PathReason, WritePath
 from kvbridge.core.protocol import RankStats, RoomsChanged, Send
 from kvbridge.core.room import Chunk, ChunkJob, Failure
 from kvbridge.wire import ChunkReady, FailureKind
+from kvbridge.wire.messages import MemoryKind
 
 JobKey = tuple[int, int, str]  # room, chunk index, decode peer id
 
@@ -164,6 +166,8 @@ class PrefillSettings:
     staging_timeout_s: float
     staging_bytes: int | None = None  # the local staging buffer's size; None: none
     write_path: str = "auto"  # how chunks go (`kvbridge.cache.pairing.WRITE_PATHS`)
+    # What each path costs (auto chooses by it per chunk at equal TP).
+    write_costs: WriteCosts = DEFAULT_COSTS[MemoryKind.DRAM]
     # Write jobs handed out per decode peer at once (to the engine, or waiting for ring
     # space): the next ones are planned and gathered while earlier ones move.
     writes_in_flight: int = 4

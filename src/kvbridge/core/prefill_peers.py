@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvbridge.cache import GeometryError, KVArgs, PlanError
-from kvbridge.cache.pairing import Pairing, pair
+from kvbridge.cache.pairing import Pairing, PathReason, pair
 from kvbridge.cache.peer import kv_args_of
 from kvbridge.core.liveness import Liveness
 from kvbridge.core.prefill_events import Action, Connect, Connected, PrefillSettings
@@ -142,12 +142,10 @@ class PrefillPeers:
         try:
             peer.kv_args = kv_args_of(registration)
             peer.pairing = pair(self.settings.kv_args, peer.kv_args, self.settings.write_path)
-            log.info(
-                "decode %s: chunks go %s (%s)",
-                registration.peer_id[:100],
-                peer.pairing.path.value,
-                peer.pairing.reason.value,
-            )
+            pairing = peer.pairing
+            path = "direct or ring" if pairing.coalescible else pairing.path.value
+            why = PathReason.COST.value if pairing.coalescible else pairing.reason.value
+            log.info("decode %s: chunks go %s (%s)", registration.peer_id[:100], path, why)
         except (GeometryError, PlanError) as exc:
             reason = f"decode {registration.peer_id} cannot be served: {exc}"
             peer.error = Failure(FailureKind.INCOMPATIBLE, reason)

@@ -124,6 +124,9 @@ class PrefillRoom:
     # Decode peers whose last write went with a complete notification: that was their
     # success report.
     completed_by_notification: set[str] = field(default_factory=set)
+    # Decode peers a chunk of the room went to through their ring: their last write carries
+    # no complete notification (decode scatters the chunk first).
+    ring_peers: set[str] = field(default_factory=set)
 
     def step(self, step: Step) -> Phase:
         """Move the room's phase by `TRANSITIONS`; LifecycleError for a step it does not

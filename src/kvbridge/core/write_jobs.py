@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from kvbridge.cache.pairing import PathReason
 from kvbridge.core.prefill_events import JobKey, Write
 from kvbridge.core.room import ChunkJob
 from kvbridge.staging.ring import Allocation
@@ -35,6 +36,7 @@ class WriteJob:
     staging: AwaitedStaging | None = None
     write: Write | None = None
     local: Allocation | None = None  # its space in this rank's staging buffer
+    reason: PathReason | None = None  # why it takes its path, once handed out
 
     @property
     def key(self) -> JobKey:

@@ -12,12 +12,7 @@ import heapq
 from collections import Counter, deque
 from collections.abc import Iterator
 
-import numpy as np
-import numpy.typing as npt
-
-from kvbridge.cache import KVArgs
-from kvbridge.cache.pairing import Pairing, PathReason, WritePath
-from kvbridge.cache.plan import token_rows
+from kvbridge.cache.pairing import PathReason
 from kvbridge.core.prefill_events import (
     Action,
     JobKey,
@@ -35,7 +30,7 @@ from kvbridge.core.prefill_rooms import PrefillRooms
 from kvbridge.core.protocol import DueQueue, Send
 from kvbridge.core.room import ChunkJob, Failure
 from kvbridge.core.write_jobs import AwaitedStaging, JobTable, WriteJob
-from kvbridge.staging.kernels import staged_size
+from kvbridge.core.write_paths import chunk_path, gathering, path_of
 from kvbridge.staging.ring import StagingRing
 from kvbridge.wire import ChunkReady, FailureKind, StagingRequest, StagingResponse
 from kvbridge.wire.notifications import COMPLETING_NOTIFICATIONS, notification_for
@@ -149,12 +144,12 @@ class WriteScheduler:
             why = peer.error.reason if peer is not None and peer.error else "not connected"
             failure = Failure(FailureKind.ENGINE, f"room {state.room}: {why}")
             return [*self.rooms.fail(state, failure), *self.job_ended(entry)]
-        # Layer ranges are not gathered, nor a gated chunk (its data is not computed yet).
-        direct = unstaged(peer.pairing, job)
-        if direct is not None:
+        local = self.settings.kv_args
+        gathered, entry.reason = chunk_path(peer.pairing, job, local, self.settings.write_costs)
+        if not gathered:
             self._hand_out(state, entry)
-            return [self._write(entry, peer, None, direct)]
-        gather = gathering(self.settings.kv_args, self._local, job, peer)
+            return [self._write(entry, peer, None, entry.reason)]
+        gather = gathering(local, self._local, job, peer)
         if gather is None:  # nothing to gather, or too big for a staging buffer
             self._hand_out(state, entry)
             return [self._write(entry, peer, None, PathReason.TOO_BIG)]
@@ -168,7 +163,8 @@ class WriteScheduler:
             staged = StagedChunk(
                 src_rows, column, width, nbytes, entry.local.offset, PageRows(dst_rows)
             )
-            return [self._write(entry, peer, staged, peer.pairing.reason)]
+            return [self._write(entry, peer, staged, entry.reason)]
+        state.ring_peers.add(job.peer_id)
         request = StagingRequest(
             room=job.room,
             chunk_idx=job.chunk_idx,
@@ -195,9 +191,11 @@ class WriteScheduler:
         sglang = self.settings.sglang_peers
         notify = notification_for(job.room, rank) if job.last and not sglang else b""
         notify_complete, complete_with = b"", frozenset[int]()
+        state = self.rooms.get(job.room)
         if (
             job.last
-            and not peer.pairing.through_ring
+            and state is not None
+            and job.peer_id not in state.ring_peers
             and COMPLETING_NOTIFICATIONS in peer.registration.capabilities
             and self.settings.engine_notifies
         ):
@@ -264,8 +262,8 @@ class WriteScheduler:
             entry.local.offset,
             RingSpace(peer.kv_args.staging_buffer.ptr + answer.offset, ready),
         )
-        assert peer.pairing is not None
-        return [self._write(entry, peer, staged, peer.pairing.reason)]
+        assert entry.reason is not None
+        return [self._write(entry, peer, staged, entry.reason)]
 
     def on_write_ended(self, ended: WriteEnded, now: float) -> list[Action]:
         job = ended.write.job
@@ -328,52 +326,3 @@ class WriteScheduler:
         for key, entry in self.jobs.by_key.items():
             if entry.staging is not None:
                 yield entry.staging.asked_at + timeout_s, (entry.staging.asked_at, key)
-
-
-def unstaged(pairing: Pairing, job: ChunkJob) -> PathReason | None:
-    """Why the job goes as planned blocks, without a gather; None: it may be gathered."""
-    if job.layers is not None:
-        return PathReason.LAYER_RANGE if pairing.stageable else pairing.reason
-    if job.gate is not None:
-        return PathReason.GATED if pairing.stageable else pairing.reason
-    return None if pairing.stageable else pairing.reason
-
-
-def path_of(staged: StagedChunk | None) -> WritePath:
-    if staged is None:
-        return WritePath.DIRECT
-    return WritePath.PAGE_ROWS if isinstance(staged.destination, PageRows) else WritePath.RING
-
-
-def gathering(
-    local: KVArgs, buffer: StagingRing | None, job: ChunkJob, peer: DecodePeer
-) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], int, int, int] | None:
-    """What gathering the chunk's head slices into this rank's staging `buffer` takes —
-    (source rows, decode's rows, first byte, width, bytes) — or None to send it token by
-    token: no staging buffer here (or, through the ring, on decode), or the chunk does not fit
-    one."""
-    peer_args, pairing = peer.kv_args, peer.pairing
-    assert peer_args is not None
-    assert pairing is not None
-    assert pairing.source is not None
-    ring = peer_args.staging_buffer
-    if buffer is None or (not pairing.direct and ring is None):
-        return None
-    token_start = job.page_offset * local.page_size
-    src_rows, dst_rows = token_rows(
-        job.src_pages,
-        local.page_size,
-        token_start,
-        np.asarray(job.dst_pages, dtype=np.int64),
-        peer_args.page_size,
-        peer_args.dcp_size,
-        peer_args.dcp_rank,
-    )
-    column, width = pairing.source.columns(local.head_bytes, "src")
-    nbytes = staged_size(len(local.kv_buffers), src_rows.size, width)
-    too_big = not buffer.fits_ever(nbytes) or (
-        not pairing.direct and ring is not None and nbytes > ring.length
-    )
-    if nbytes == 0 or too_big:
-        return None
-    return src_rows, dst_rows, column, width, nbytes

@@ -1,0 +1,85 @@
+"""The path each write job's chunk takes to its decode peer (pure): gathered or as planned
+blocks (`chunk_path`, by the peer's pairing and, where either path can carry it, by the cost
+model), and what gathering it takes (`gathering`)."""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+
+from kvbridge.cache import KVArgs
+from kvbridge.cache.costs import WriteCosts
+from kvbridge.cache.pairing import Pairing, PathReason, WritePath
+from kvbridge.cache.plan import page_runs, token_rows
+from kvbridge.core.prefill_events import PageRows, StagedChunk
+from kvbridge.core.prefill_peers import DecodePeer
+from kvbridge.core.room import ChunkJob
+from kvbridge.staging.kernels import staged_size
+from kvbridge.staging.ring import StagingRing
+
+
+def chunk_path(
+    pairing: Pairing, job: ChunkJob, local: KVArgs, costs: WriteCosts
+) -> tuple[bool, PathReason]:
+    """Whether the job's chunk is gathered (else written as planned blocks), and why."""
+    if job.layers is not None or job.gate is not None:  # its data is not computed yet
+        if not (pairing.stageable or pairing.coalescible):
+            return False, pairing.reason
+        return False, PathReason.LAYER_RANGE if job.layers is not None else PathReason.GATED
+    if pairing.coalescible:
+        return coalesces(job, local, costs), PathReason.COST
+    return pairing.stageable, pairing.reason
+
+
+def coalesces(job: ChunkJob, local: KVArgs, costs: WriteCosts) -> bool:
+    """Whether a chunk of whole pages goes cheaper gathered through decode's ring than as
+    its page runs (a block per run and KV buffer; the gather copies a page per buffer)."""
+    pages, buffers = job.src_pages.size, len(local.kv_buffers)
+    pieces, nbytes = pages * buffers, pages * buffers * local.page_bytes
+    if not costs.coalesces(pieces, pieces, nbytes):
+        return False  # not even with a block per page: no need to count the runs
+    dst_pages = np.asarray(job.dst_pages, dtype=np.int64)[job.page_offset : job.page_offset + pages]
+    if dst_pages.size != pages:  # (its plan says what is wrong)
+        return False
+    runs = page_runs(job.src_pages, dst_pages)[2].size
+    return costs.coalesces(runs * buffers, pieces, nbytes)
+
+
+def path_of(staged: StagedChunk | None) -> WritePath:
+    if staged is None:
+        return WritePath.DIRECT
+    return WritePath.PAGE_ROWS if isinstance(staged.destination, PageRows) else WritePath.RING
+
+
+def gathering(
+    local: KVArgs, buffer: StagingRing | None, job: ChunkJob, peer: DecodePeer
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], int, int, int] | None:
+    """What gathering the chunk's head slices into this rank's staging `buffer` takes —
+    (source rows, decode's rows, first byte, width, bytes) — or None to send it token by
+    token: no staging buffer here (or, through the ring, on decode), or the chunk does not fit
+    one."""
+    peer_args, pairing = peer.kv_args, peer.pairing
+    assert peer_args is not None
+    assert pairing is not None
+    assert pairing.source is not None
+    ring = peer_args.staging_buffer
+    if buffer is None or (not pairing.direct and ring is None):
+        return None
+    token_start = job.page_offset * local.page_size
+    src_rows, dst_rows = token_rows(
+        job.src_pages,
+        local.page_size,
+        token_start,
+        np.asarray(job.dst_pages, dtype=np.int64),
+        peer_args.page_size,
+        peer_args.dcp_size,
+        peer_args.dcp_rank,
+    )
+    column, width = pairing.source.columns(local.head_bytes, "src")
+    nbytes = staged_size(len(local.kv_buffers), src_rows.size, width)
+    too_big = not buffer.fits_ever(nbytes) or (
+        not pairing.direct and ring is not None and nbytes > ring.length
+    )
+    if nbytes == 0 or too_big:
+        return None
+    return src_rows, dst_rows, column, width, nbytes

@@ -1,0 +1,237 @@
+"""The cost model `write_path` "auto" chooses by at equal TP (`kvbridge.cache.costs`): its
+arithmetic, its choices for the shapes the benchmarks measured, its calibration file; and in
+prefill's protocol, each chunk's path by it, and no complete notification for a room one of
+whose chunks went through decode's ring."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from kv_cache import rank_cache
+
+from kvbridge.cache import BufferSpec
+from kvbridge.cache.costs import DEFAULT_COSTS, WriteCosts, load_costs
+from kvbridge.cache.pairing import PathReason, WritePath
+from kvbridge.cache.peer import registration_for
+from kvbridge.core.prefill_events import (
+    ChunkSubmitted,
+    Connected,
+    PrefillSettings,
+    RingSpace,
+    SenderOpened,
+    Write,
+)
+from kvbridge.core.prefill_protocol import PrefillProtocol
+from kvbridge.core.protocol import Send
+from kvbridge.core.room import Chunk, ChunkJob
+from kvbridge.core.write_paths import chunk_path
+from kvbridge.wire import Heartbeat, MemoryKind, StagingRequest, StagingResponse, TransferRequest
+from kvbridge.wire.notifications import COMPLETING_NOTIFICATIONS
+from kvbridge.write_gate import WriteGate
+
+HOST, GPU = DEFAULT_COSTS[MemoryKind.DRAM], DEFAULT_COSTS[MemoryKind.VRAM]
+MiB = 1 << 20
+
+
+def test_the_estimates_add_up() -> None:
+    costs = WriteCosts(1e-6, 1e9, 2e9, 1e-7, 1e-4, margin=1.0)
+    assert costs.direct_s(blocks=100, nbytes=10**9) == pytest.approx(100e-6 + 1.0)
+    # Gather and scatter (10 pieces and 0.5 s each), one engine block, the ring's round trip.
+    assert costs.coalesced_s(pieces=10, nbytes=10**9) == pytest.approx(
+        2 * (1e-6 + 0.5) + 1e-6 + 1.0 + 1e-4
+    )
+
+
+def chunk_of(token_bytes: int, page_size: int, tokens: int, layers: int) -> tuple[int, int, int]:
+    """(blocks, pieces, bytes) of a chunk of scattered pages: a block and a piece per page
+    and KV buffer (K and V of each layer)."""
+    pages, buffers = tokens // page_size, 2 * layers
+    return pages * buffers, pages * buffers, pages * buffers * page_size * token_bytes
+
+
+LLAMA_3_8B = 8 * 128 * 2  # bytes of a token in one KV buffer: 8 KV heads of 128 bfloat16
+QWEN_2_5_7B = 4 * 128 * 2
+DEEPSEEK_V3 = 576 * 2  # MLA's latent row
+
+
+@pytest.mark.parametrize(
+    ("costs", "token_bytes", "page_size", "layers", "coalesced"),
+    [
+        # Host memory over CMA (measured 2026-12-06, TP 1→1, 1024 tokens): gathering pays
+        # for blocks of a few KiB (pages of 1 and 4 tokens: 2.6 and 2.5 GB/s against 0.68
+        # and 2.0 direct), not for 16 KiB and up (page 16: 3.2 against 4.5).
+        (HOST, LLAMA_3_8B, 1, 32, True),
+        (HOST, LLAMA_3_8B, 4, 32, True),
+        (HOST, LLAMA_3_8B, 16, 32, False),
+        (HOST, LLAMA_3_8B, 64, 32, False),
+        (HOST, QWEN_2_5_7B, 16, 28, False),
+        (HOST, DEEPSEEK_V3, 16, 61, False),
+        # An H200 over cuda_ipc: ~7 µs a block against copies at 100 GB/s and more.
+        (GPU, LLAMA_3_8B, 16, 32, True),
+        (GPU, LLAMA_3_8B, 64, 32, True),
+        (GPU, DEEPSEEK_V3, 16, 61, True),
+    ],
+)
+def test_what_the_defaults_choose_for_the_measured_shapes(
+    costs: WriteCosts, token_bytes: int, page_size: int, layers: int, coalesced: bool
+) -> None:
+    blocks, pieces, nbytes = chunk_of(token_bytes, page_size, 512, layers)
+    assert costs.coalesces(blocks, pieces, nbytes) is coalesced
+
+
+def test_a_chunk_of_one_run_per_buffer_goes_direct_and_a_small_one_pays_the_round_trip() -> None:
+    _, pieces, nbytes = chunk_of(LLAMA_3_8B, 1, 512, 32)
+    assert not HOST.coalesces(2 * 32, pieces, nbytes)  # its pages contiguous on both sides
+    assert not HOST.coalesces(2, 2, 4096)  # a few KiB: the ring's round trip dominates
+
+
+def test_a_calibration_file_replaces_the_kinds_it_names(tmp_path: Path) -> None:
+    path = tmp_path / "costs.json"
+    figures: dict[str, Any] = {"per_block_s": 1e-5, "engine_bytes_per_s": 5e9}
+    figures |= {"copy_bytes_per_s": 5e9, "per_piece_s": 0.0, "per_ring_chunk_s": 1e-4}
+    figures["measured"] = "here, today"
+    path.write_text(json.dumps({"DRAM": figures}))
+    costs = load_costs(path)
+    assert costs[MemoryKind.DRAM] == WriteCosts(**figures)
+    assert costs[MemoryKind.VRAM] == GPU
+
+
+@pytest.mark.parametrize(
+    ("document", "problem"),
+    [
+        ("[1, 2]", "not a JSON object by memory kind"),
+        ("{", "Expecting property name"),
+        ('{"HBM": {}}', "unknown memory kind 'HBM' \\(DRAM, VRAM\\)"),
+        ('{"DRAM": 3}', "DRAM is not an object"),
+        ('{"DRAM": {"per_block": 1}}', "unknown field\\(s\\) \\['per_block'\\]"),
+        ('{"DRAM": {"per_block_s": 1}}', "missing 4 required positional arguments"),
+        (
+            '{"DRAM": {"per_block_s": 1, "engine_bytes_per_s": 0, "copy_bytes_per_s": 1,'
+            ' "per_piece_s": 0, "per_ring_chunk_s": 0}}',
+            "engine_bytes_per_s must be a number > 0, got 0",
+        ),
+        (
+            '{"DRAM": {"per_block_s": "fast", "engine_bytes_per_s": 1, "copy_bytes_per_s": 1,'
+            ' "per_piece_s": 0, "per_ring_chunk_s": 0}}',
+            "per_block_s must be a number ≥ 0, got 'fast'",
+        ),
+    ],
+)
+def test_a_calibration_file_that_is_wrong_says_what_is_wrong(
+    tmp_path: Path, document: str, problem: str
+) -> None:
+    path = tmp_path / "costs.json"
+    path.write_text(document)
+    with pytest.raises(ValueError, match=problem):
+        load_costs(path)
+
+
+def test_a_missing_calibration_file_is_named() -> None:
+    with pytest.raises(ValueError, match=r"write costs /nonexistent/costs\.json"):
+        load_costs("/nonexistent/costs.json")
+
+
+# --- in prefill's protocol -----------------------------------------------------------------
+
+GEOMETRY = dict(layer_ids=(0, 1), page_size=4, total_kv_heads=2, head_dim=8)
+DECODE_ENDPOINT = "tcp://10.0.0.2:7100"
+PEER = f"decode-0@{DECODE_ENDPOINT}"
+RING = BufferSpec(0x7000_0000, MiB, 1)
+DECODE = rank_cache(seed=None, **GEOMETRY)  # alive for the module: one address each run
+# A block costs 1 ms, the ring's round trip 2.5: a chunk of two runs (8 blocks over 4 KV
+# buffers, 8 ms) is cheaper gathered (~3.5 ms × the margin 1.3), one of one run (4 ms) not.
+RUNS_DECIDE = WriteCosts(1e-3, 1e12, 1e12, 0.0, 2.5e-3)
+
+
+def leased_protocol(costs: WriteCosts) -> PrefillProtocol:
+    prefill = PrefillProtocol(
+        PrefillSettings(
+            kv_args=rank_cache(seed=1, **GEOMETRY).args,
+            endpoint="tcp://10.0.0.1:7000",
+            engine="nixl",
+            heartbeat_interval_s=0.5,
+            peer_timeout_s=3.0,
+            request_timeout_s=30.0,
+            staging_timeout_s=5.0,
+            staging_bytes=MiB,
+            writes_in_flight=4,
+            engine_notifies=True,
+            write_costs=costs,
+        )
+    )
+    registration = registration_for(
+        dataclasses.replace(DECODE.args, staging_buffer=RING),
+        peer_id=PEER,
+        host="10.0.0.2",
+        control_port=7100,
+        engine="nixl",
+        engine_descriptor=PEER.encode(),
+        capabilities=frozenset({COMPLETING_NOTIFICATIONS}),
+        session_token=b"d" * 16,
+    )
+    (beat,) = [a.message for a in prefill.handle(registration, 0.0) if isinstance(a, Send)]
+    assert isinstance(beat, Heartbeat)
+    prefill.handle(Connected(PEER), 0.0)
+    prefill.handle(Heartbeat(DECODE_ENDPOINT, 1, 3000, beat.sequence), 0.0)
+    return prefill
+
+
+def test_each_chunk_goes_the_way_the_costs_say_and_a_ringed_room_has_no_complete_notification() -> (
+    None
+):
+    prefill = leased_protocol(RUNS_DECIDE)
+    pairing = prefill.decode_peers.by_id[PEER].pairing
+    assert pairing is not None
+    assert (pairing.coalescible, pairing.path) == (True, WritePath.DIRECT)
+    prefill.handle(SenderOpened(1), 0.0)
+    prefill.handle(ChunkSubmitted(1, Chunk(np.array([3, 5]), last=False)), 0.0)  # two runs
+    prefill.handle(ChunkSubmitted(1, Chunk(np.array([6, 7]), last=True)), 0.0)  # one run
+    actions = prefill.handle(
+        TransferRequest(1, PEER, False, np.arange(10, 14, dtype=np.int32), 0, [], 1), 0.1
+    )
+    (ask,) = [a.message for a in actions if isinstance(a, Send)]
+    (last,) = [a for a in actions if isinstance(a, Write)]
+    assert last.staged is None  # direct, by cost
+    assert last.notify_complete == b""  # decode scatters the first chunk before it succeeds
+    assert isinstance(ask, StagingRequest)
+    answer = StagingResponse(1, ask.chunk_idx, 0, 0, ask.nbytes, PEER)
+    (first,) = [a for a in prefill.handle(answer, 0.2) if isinstance(a, Write)]
+    assert first.staged is not None
+    assert isinstance(first.staged.destination, RingSpace)
+    assert prefill.stats.chunks_written == {
+        (WritePath.RING, PathReason.COST): 1,
+        (WritePath.DIRECT, PathReason.COST): 1,
+    }
+    # A room whose chunks all went direct keeps its complete notification.
+    prefill.handle(SenderOpened(2), 0.3)
+    prefill.handle(ChunkSubmitted(2, Chunk(np.array([8, 9]), last=True)), 0.3)
+    request = TransferRequest(2, PEER, False, np.arange(20, 22, dtype=np.int32), 0, [], 1)
+    (only,) = [a for a in prefill.handle(request, 0.4) if isinstance(a, Write)]
+    assert (only.staged, only.notify_complete) == (None, b"kvbridge:2:0:complete")
+
+
+def job(layers: tuple[int, int] | None = None, gate: WriteGate | None = None) -> ChunkJob:
+    """A chunk of two scattered pages (two runs) toward the peer."""
+    pages = np.array([1, 3])
+    return ChunkJob(
+        1, PEER, 0, pages, 0, np.array([5, 9], np.int32), True, None, None, (), (), layers, gate
+    )
+
+
+def test_layer_ranges_and_gated_chunks_go_direct_whatever_the_costs() -> None:
+    """Their data is not computed when their writes are handed out: nothing to gather yet."""
+    pairing = leased_protocol(RUNS_DECIDE).decode_peers.by_id[PEER].pairing
+    assert pairing is not None
+    local = rank_cache(seed=1, **GEOMETRY).args
+    assert chunk_path(pairing, job(), local, RUNS_DECIDE) == (True, PathReason.COST)
+    layered = chunk_path(pairing, job(layers=(0, 1)), local, RUNS_DECIDE)
+    assert layered == (False, PathReason.LAYER_RANGE)
+    gated = chunk_path(pairing, job(gate=WriteGate()), local, RUNS_DECIDE)
+    assert gated == (False, PathReason.GATED)
+    never = WriteCosts(0.0, 1e12, 1e12, 0.0, 0.0)  # a block costs nothing: direct
+    assert chunk_path(pairing, job(), local, never) == (False, PathReason.COST)
