@@ -9,6 +9,7 @@ never fits. What a job's end means for its room is `PrefillRooms.job_ended`."""
 from __future__ import annotations
 
 import heapq
+import logging
 from collections import Counter, deque
 from collections.abc import Iterator
 
@@ -34,6 +35,8 @@ from kvbridge.core.write_paths import chunk_path, gathering, path_of
 from kvbridge.staging.ring import StagingRing
 from kvbridge.wire import ChunkReady, FailureKind, StagingRequest, StagingResponse
 from kvbridge.wire.notifications import COMPLETING_NOTIFICATIONS, notification_for
+
+log = logging.getLogger("kvbridge.prefill")
 
 # Chunks gathered into this rank's staging buffer start on this boundary.
 RING_ALIGNMENT = 64
@@ -185,7 +188,17 @@ class WriteScheduler:
         assert peer.kv_args is not None
         assert peer.pairing is not None
         job = entry.job
-        self.stats.chunk_written(path_of(staged), reason)
+        path = path_of(staged)
+        self.stats.chunk_written(path, reason)
+        log.debug(
+            "room %d chunk %d to %s: %s (%s), %d pages",
+            job.room,
+            job.chunk_idx,
+            job.peer_id,
+            path.value,
+            reason.value,
+            job.src_pages.size,
+        )
         rank = self.settings.rank
         # sglang's decode reads no engine notification (a room ends on its status frames).
         sglang = self.settings.sglang_peers
