@@ -52,6 +52,10 @@ def test_options_come_from_extra_config_with_their_types_checked() -> None:
         ConnectorOptions.from_extra_config({"staging": 1})
     with pytest.raises(OptionsError, match="'loopback' is not a transfer engine between"):
         ConnectorOptions.from_extra_config({"engine": "loopback"})
+    coalesced = ConnectorOptions.from_extra_config({"write_path": "coalesced"})
+    assert coalesced.manager.write_path == "coalesced"
+    with pytest.raises(OptionsError, match="write_path 'coalesced' goes through the staging"):
+        ConnectorOptions.from_extra_config({"write_path": "coalesced", "staging": False})
 
 
 def test_only_the_supported_vllm_release_starts() -> None:

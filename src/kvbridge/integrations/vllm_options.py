@@ -51,6 +51,8 @@ MANAGER_OPTIONS = (
     "heartbeat_interval_s",
     "staging",
     "staging_bytes",
+    "write_path",
+    "write_costs",
     "metrics_port",
     "secret",
 )
@@ -125,7 +127,13 @@ class ConnectorOptions:
                 manager_values[name] = _option_value(name, of_manager[name].type, value)
             else:
                 own_values[name] = _option_value(name, own[name].type, value)
-        options = ConnectorOptions(manager=ManagerConfig(**manager_values), **own_values)
+        try:
+            manager = ManagerConfig(**manager_values)
+        except (
+            ValueError
+        ) as exc:  # a combination that cannot work (write_path coalesced, no staging)
+            raise OptionsError(f"kv_connector_extra_config: {exc}") from None
+        options = ConnectorOptions(manager=manager, **own_values)
         if options.manager.engine not in PROCESS_ENGINES:
             raise OptionsError(
                 f"kv_connector_extra_config.engine: {options.manager.engine!r} is not a transfer "
