@@ -25,6 +25,7 @@ import time
 from collections.abc import Sequence
 
 from kvbridge.cache import BufferSpec, KVArgs
+from kvbridge.cache.pairing import STAGED_WHOLE_ROWS
 from kvbridge.cache.peer import memory_regions, registration_for
 from kvbridge.cache.sglang_peer import sglang_nixl_registration_for, sglang_registration_for
 from kvbridge.cache.sglang_route import group_problem, sglang_rank_problem, sglang_route
@@ -130,10 +131,9 @@ class DecodeManager(RankManager):
         # A room's last write notifies this rank; its complete form (`COMPLETING_NOTIFICATIONS`)
         # spares prefill a success status per room, and the room half a round trip. Not with
         # a secret: an engine's notifications are not authenticated, statuses are.
-        self._capabilities = (
-            frozenset({COMPLETING_NOTIFICATIONS})
-            if self.engine.delivers_notifications and not config.secret
-            else frozenset()
+        completing = self.engine.delivers_notifications and not config.secret
+        self._capabilities = frozenset(
+            {STAGED_WHOLE_ROWS, *([COMPLETING_NOTIFICATIONS] if completing else [])}
         )
         self._poll_often = False
         self._notifications_due = 0.0  # (a hint: racing pollers may both collect)

@@ -72,7 +72,11 @@ class ScatterThread:
             args.dcp_size,
             args.dcp_rank,
         )
-        column, width = scatter.source.columns(args.head_bytes, "dst")
+        # A source of every head sends whole rows (`STAGED_WHOLE_ROWS`), else its heads' columns.
+        every_head = scatter.source.heads.count == args.kv_heads
+        column, width = (
+            (0, args.token_bytes) if every_head else scatter.source.columns(args.head_bytes, "dst")
+        )
         started = time.perf_counter()
         ring.scatter(scatter.allocation.offset, scatter.allocation.end, rows, column, width)
         with self._runtime.lock:

@@ -99,6 +99,32 @@ def test_equal_tp_coalesced_gathers_each_chunk_into_one_ring_block(
     )
 
 
+WHOLE_ROWS = {
+    "head_major": dict(kv_layout=KVLayout.MHA_HEAD_MAJOR, total_kv_heads=2, head_dim=8),
+    "kv_packed": dict(kv_layout=KVLayout.MHA_KV_PACKED, total_kv_heads=2, head_dim=8),
+    "pages": dict(kv_layout=KVLayout.PAGES, total_kv_heads=1, head_dim=64, page_size=1),
+}
+
+
+@pytest.mark.parametrize("layout", sorted(WHOLE_ROWS))
+def test_equal_tp_coalesced_moves_whole_rows_of_any_layout(layout: str) -> None:
+    """vLLM's head-major blocks, a packed K and V, a hybrid's opaque pages: every head,
+    page for page, gathered as whole rows of the buffers and scattered the same way."""
+    geometry = {"page_size": 4, **WHOLE_ROWS[layout]}
+    src = rank_cache(num_pages=16, seed=8, **geometry)
+    dst = rank_cache(num_pages=24, seed=None, **geometry)
+    config = ManagerConfig(engine=ENGINE, write_path="coalesced")
+    dst_pages = np.array([20, 3, 7, 11, 0, 9])
+    chunks = [np.array([2, 3]), np.array([8, 9, 10]), np.array([14])]
+    stats, scattered = move([src], dst, config, dst_pages, chunks)
+    assert stats[0].chunks_written == {(THROUGH_RING, CONFIGURED): 3}
+    assert scattered == 3
+    for got, want in zip(dst.kv, src.kv, strict=True):
+        assert np.array_equal(got[dst_pages], want[np.concatenate(chunks)])
+    untouched = np.setdiff1d(np.arange(24), dst_pages)
+    assert not any(got[untouched].any() for got in dst.kv)
+
+
 @pytest.mark.parametrize("prefix", [0, 4])
 def test_coalesced_chunks_skip_the_positions_decode_does_not_want(prefix: int) -> None:
     """Decode skips room pages (-1) and, with a prefix, the first page: the others land in

@@ -27,7 +27,7 @@ def rank(
     ring: bool = False,
 ) -> KVArgs:
     """A rank's KV (`tp`: its rank and the TP size), head_dim 8 in 2-byte elements."""
-    total = 1 if layout == KVLayout.MLA else heads
+    total = 1 if layout in (KVLayout.MLA, KVLayout.PAGES) else heads
     args = rank_cache(
         kv_layout=layout,
         layer_ids=layers,
@@ -99,6 +99,12 @@ BIG = DIRECT_MIN_BLOCK_BYTES // (2 * 8 * 2)
             "coalesced",
             rank(KVLayout.MHA_HEAD_MAJOR),
             rank(KVLayout.MHA_HEAD_MAJOR, ring=True),
+            (THROUGH_RING, PathReason.CONFIGURED),
+        ),
+        (  # head slices of head-major pages are not token rows: never gathered
+            "coalesced",
+            rank(KVLayout.MHA_HEAD_MAJOR),
+            rank(KVLayout.MHA_HEAD_MAJOR, (1, 2), ring=True),
             (DIRECT, PathReason.LAYOUT),
         ),
         # direct: never gathered, even where only a ring puts the heads together.
@@ -111,3 +117,16 @@ def test_a_pairings_path_and_its_reason(
     pairing = pair(src, dst, path)
     assert (pairing.path, pairing.reason) == expected
     assert pairing.through_ring == (pairing.path == THROUGH_RING)
+
+
+@pytest.mark.parametrize("layout", [KVLayout.MHA_HEAD_MAJOR, KVLayout.PAGES])
+def test_whole_rows_of_other_layouts_go_through_the_ring_only_to_a_decode_that_scatters_them(
+    layout: KVLayout,
+) -> None:
+    """An older decode scatters a staged chunk by its heads' columns: half of a head-major
+    page's row. Prefill sends it such pages as page runs."""
+    src, dst = rank(layout, page_size=1), rank(layout, page_size=1, ring=True)
+    assert pair(src, dst, "auto").coalescible
+    assert not pair(src, dst, "auto", whole_rows=False).coalescible
+    old = pair(src, dst, "coalesced", whole_rows=False)
+    assert (old.path, old.reason) == (DIRECT, PathReason.OLD_DECODE)

@@ -43,6 +43,14 @@ WRITE_PATHS = ("auto", "direct", "coalesced")
 # Layouts whose token rows hold a token's every head of a buffer (K or V): one gather and
 # one scatter of token rows move any head slice of them, or all of a rank's heads.
 RING_LAYOUTS = frozenset({KVLayout.MHA, KVLayout.MLA})
+# Layouts whose pages go through the ring only whole (every head, the same page size, no
+# DCP): copied as whole rows of the buffer, they land byte for byte whatever is inside
+# them (vLLM's head-major blocks, a hybrid's opaque pages). Only a decode rank that scatters
+# whole rows of such chunks (`STAGED_WHOLE_ROWS`) gets them.
+WHOLE_ROW_LAYOUTS = frozenset({KVLayout.MHA_HEAD_MAJOR, KVLayout.MHA_KV_PACKED, KVLayout.PAGES})
+# A decode rank's registration capability: it scatters a staged chunk from a prefill rank
+# that sends it every head as whole rows of its buffers (else the heads' columns of them).
+STAGED_WHOLE_ROWS = "staged-whole-rows"
 
 
 class WritePath(enum.Enum):
@@ -59,9 +67,10 @@ class PathReason(enum.Enum):
     CONFIGURED = "configured"  # write_path direct or coalesced
     NO_HEADS = "no_heads"  # this rank holds none of decode's heads (its dummy requests)
     WHOLE_PAGES = "whole_pages"  # auto: every head, page for page, as page runs
-    LAYOUT = "layout"  # auto (MHA only) or coalesced (MHA, MLA) gathers no other layout
+    LAYOUT = "layout"  # a layout not gathered here (auto between TP sizes: MHA only)
     LAYERS_DIFFER = "layers_differ"  # pipeline stages: decode scatters into every layer
     NO_RING = "no_ring"  # decode registered no staging ring
+    OLD_DECODE = "old_decode"  # decode does not scatter whole rows (`STAGED_WHOLE_ROWS`)
     BIG_PAGES = "big_pages"  # auto: one source, decode's pages big enough blocks
     SMALL_PAGES = "small_pages"  # auto: one source, decode's pages too small to write into
     SHARED_ROWS = "shared_rows"  # auto: several prefill ranks' heads share decode's rows
@@ -149,10 +158,11 @@ class Pairing:
         )
 
 
-def pair(src: KVArgs, dst: KVArgs, write_path: str = "auto") -> Pairing:
+def pair(src: KVArgs, dst: KVArgs, write_path: str = "auto", whole_rows: bool = True) -> Pairing:
     """The pairing of a prefill rank with a decode rank, its chunks' path as `write_path`
-    (one of `WRITE_PATHS`) says; `PlanError` naming what makes the pair impossible
-    (different model, heads that do not divide, state at different TP)."""
+    (one of `WRITE_PATHS`) says (`whole_rows`: decode scatters `WHOLE_ROW_LAYOUTS` chunks);
+    `PlanError` naming what makes the pair impossible (different model, heads that do not
+    divide, state at different TP)."""
     check_same_model(src, dst)
     try:
         mapping = topology(src.attn_tp_size, dst.attn_tp_size, src.total_kv_heads, src.kv_layout)
@@ -198,17 +208,19 @@ def pair(src: KVArgs, dst: KVArgs, write_path: str = "auto") -> Pairing:
     if src.layer_ids != dst.layer_ids:
         return Pairing(mapping, source, whole, reason=PathReason.LAYERS_DIFFER)
     ring = dst.staging_buffer is not None
+    layout = src.kv_layout
+    ringable = layout in RING_LAYOUTS or (whole and layout in WHOLE_ROW_LAYOUTS and whole_rows)
     if write_path == "coalesced":  # one block per chunk into decode's ring, where it can
-        if src.kv_layout not in RING_LAYOUTS:
-            return Pairing(mapping, source, whole, reason=PathReason.LAYOUT)
+        if not ringable:
+            why = PathReason.OLD_DECODE if whole and layout in WHOLE_ROW_LAYOUTS else None
+            return Pairing(mapping, source, whole, reason=why or PathReason.LAYOUT)
         if not ring:
             return Pairing(mapping, source, whole, reason=PathReason.NO_RING)
         return Pairing(mapping, source, whole, stageable=True, reason=PathReason.CONFIGURED)
     # auto: pages of every head at equal TP go as page runs or, where the cost model says
     # so, through decode's ring; head slices of token rows are gathered.
     if whole:
-        coalescible = src.kv_layout in RING_LAYOUTS and ring
-        return Pairing(mapping, source, whole, coalescible=coalescible)
+        return Pairing(mapping, source, whole, coalescible=ringable and ring)
     if src.kv_layout != KVLayout.MHA:
         return Pairing(mapping, source, whole, reason=PathReason.LAYOUT)
     # Several prefill ranks' heads interleave in each of decode's token rows: only a ring

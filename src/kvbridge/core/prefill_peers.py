@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvbridge.cache import GeometryError, KVArgs, PlanError
-from kvbridge.cache.pairing import Pairing, PathReason, pair
+from kvbridge.cache.pairing import STAGED_WHOLE_ROWS, Pairing, PathReason, pair
 from kvbridge.cache.peer import kv_args_of
 from kvbridge.core.liveness import Liveness
 from kvbridge.core.prefill_events import Action, Connect, Connected, PrefillSettings
@@ -141,7 +141,10 @@ class PrefillPeers:
         peer = DecodePeer(registration, endpoint)
         try:
             peer.kv_args = kv_args_of(registration)
-            peer.pairing = pair(self.settings.kv_args, peer.kv_args, self.settings.write_path)
+            whole_rows = STAGED_WHOLE_ROWS in registration.capabilities
+            peer.pairing = pair(
+                self.settings.kv_args, peer.kv_args, self.settings.write_path, whole_rows
+            )
             pairing = peer.pairing
             path = "direct or ring" if pairing.coalescible else pairing.path.value
             why = PathReason.COST.value if pairing.coalescible else pairing.reason.value

@@ -75,7 +75,9 @@ def gathering(
         peer_args.dcp_size,
         peer_args.dcp_rank,
     )
-    column, width = pairing.source.columns(local.head_bytes, "src")
+    # Every head, page for page: whole rows, whatever the layout puts inside them.
+    whole = (0, local.token_bytes) if pairing.whole_pages else None
+    column, width = whole or pairing.source.columns(local.head_bytes, "src")
     nbytes = staged_size(len(local.kv_buffers), src_rows.size, width)
     too_big = not buffer.fits_ever(nbytes) or (
         not pairing.direct and ring is not None and nbytes > ring.length
