@@ -90,7 +90,7 @@ class ManagerConfig:
         allow: MHA and MLA, equal TP included; needs staging).
     write_costs: a calibration file of what each path costs, by memory kind
         (`kvbridge.cache.costs.load_costs`); None: the defaults measured for host memory
-        over CMA and for an H200 over cuda_ipc. "auto" chooses by them at equal TP.
+        over CMA and for an H200 over cuda_ipc. "auto" chooses by them for pages of every head.
     staging_bytes: decode's ring, and prefill's local staging buffer, in bytes; a chunk that
         does not fit falls back to the per-token path.
     staging_timeout_s: how long prefill waits for ring space for one chunk.

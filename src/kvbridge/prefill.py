@@ -303,7 +303,9 @@ class PrefillManager(RankManager):
         with self._lock:
             state = self.protocol.rooms.get(write.room)
             going = state is not None and not state.status.finished
-            return going and self.protocol.jobs.alone_to_peer(write.job)
+            # (a chunk of the room through the peer's ring: decode scatters it first)
+            ringed = state is not None and write.job.peer_id in state.ring_peers
+            return going and not ringed and self.protocol.jobs.alone_to_peer(write.job)
 
     def write_ended(self, write: Write, failure: Exception | None, completed: bool) -> None:
         """Report a write's end to the protocol, with the failure (or, written, whether its

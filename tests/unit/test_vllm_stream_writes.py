@@ -189,6 +189,11 @@ def test_a_room_that_fails_before_anything_of_it_streamed_fails_at_once() -> Non
     stream = worker.take("r")  # the request's end finds it failed
     assert stream is not None
     assert stream.done
+    # An abort that comes after the request's send took its stream opens nothing again.
+    fake.senders.clear()
+    worker.abort("r", StreamAbort(9, "late"))
+    assert fake.senders == {}
+    assert worker.take("r") is None
 
 
 def test_a_hybrids_state_goes_as_the_rooms_last_chunk_after_the_forward() -> None:

@@ -148,7 +148,7 @@ DECODE = rank_cache(seed=None, **GEOMETRY)  # alive for the module: one address 
 RUNS_DECIDE = WriteCosts(1e-3, 1e12, 1e12, 0.0, 2.5e-3)
 
 
-def leased_protocol(costs: WriteCosts) -> PrefillProtocol:
+def leased_protocol(costs: WriteCosts, staging_bytes: int | None = MiB) -> PrefillProtocol:
     prefill = PrefillProtocol(
         PrefillSettings(
             kv_args=rank_cache(seed=1, **GEOMETRY).args,
@@ -158,7 +158,7 @@ def leased_protocol(costs: WriteCosts) -> PrefillProtocol:
             peer_timeout_s=3.0,
             request_timeout_s=30.0,
             staging_timeout_s=5.0,
-            staging_bytes=MiB,
+            staging_bytes=staging_bytes,
             writes_in_flight=4,
             engine_notifies=True,
             write_costs=costs,
@@ -213,6 +213,34 @@ def test_each_chunk_goes_the_way_the_costs_say_and_a_ringed_room_has_no_complete
     request = TransferRequest(2, PEER, False, np.arange(20, 22, dtype=np.int32), 0, [], 1)
     (only,) = [a for a in prefill.handle(request, 0.4) if isinstance(a, Write)]
     assert (only.staged, only.notify_complete) == (None, b"kvbridge:2:0:complete")
+
+
+def test_a_gated_last_chunk_handed_out_before_a_queued_one_does_not_complete_the_room() -> None:
+    """A gated chunk is handed out at once, ahead of the room's queued chunks: the queued one
+    may yet go through the ring, so the gated last write carries no complete notification."""
+    prefill = leased_protocol(RUNS_DECIDE)
+    prefill.handle(SenderOpened(1), 0.0)
+    gate = WriteGate()
+    prefill.handle(ChunkSubmitted(1, Chunk(np.array([3, 5]), last=False)), 0.0)
+    prefill.handle(ChunkSubmitted(1, Chunk(np.array([6, 7]), last=True, gate=gate)), 0.0)
+    request = TransferRequest(1, PEER, False, np.arange(10, 14, dtype=np.int32), 0, [], 1)
+    actions = prefill.handle(request, 0.1)
+    (gated,) = [a for a in actions if isinstance(a, Write)]
+    assert gated.job.gate is gate
+    assert (gated.notify, gated.notify_complete) == (b"kvbridge:1:0", b"")
+    (ask,) = [a.message for a in actions if isinstance(a, Send)]
+    assert isinstance(ask, StagingRequest)  # the queued chunk went through the ring after all
+
+
+def test_without_a_staging_buffer_every_chunk_goes_direct_and_says_so() -> None:
+    prefill = leased_protocol(RUNS_DECIDE, staging_bytes=None)
+    prefill.handle(SenderOpened(1), 0.0)
+    prefill.handle(ChunkSubmitted(1, Chunk(np.array([3, 5]), last=True)), 0.0)
+    request = TransferRequest(1, PEER, False, np.arange(10, 12, dtype=np.int32), 0, [], 1)
+    (write,) = [a for a in prefill.handle(request, 0.1) if isinstance(a, Write)]
+    assert write.staged is None
+    assert prefill.stats.chunks_written == {(WritePath.DIRECT, PathReason.NO_STAGING): 1}
+    assert prefill.stats.staging_fallbacks == 1
 
 
 def job(layers: tuple[int, int] | None = None, gate: WriteGate | None = None) -> ChunkJob:

@@ -9,11 +9,12 @@ which of its heads go there, and the path a chunk's KV takes (`WritePath`):
   into decode's staging ring and scattered there — one engine block per chunk, whatever
   its pages, for two copies more.
 
-`WRITE_PATHS` are the choices a rank is configured with: "auto" (between TP sizes the
-staging path, page rows where decode's pages are big enough blocks; at equal TP each chunk
-direct or through the ring, whichever `kvbridge.cache.costs` says is cheaper),
-"direct" (never gathered) or "coalesced" (through decode's ring wherever the layout's token
-rows allow it, equal TP included).
+`WRITE_PATHS` are the choices a rank is configured with: "auto" (head slices between TP
+sizes: the staging path, page rows where decode's pages are big enough blocks; pages of
+every head — equal TP, or MLA's latent at any TP — each chunk direct or through the ring,
+whichever `kvbridge.cache.costs` says is cheaper), "direct" (never gathered) or
+"coalesced" (through decode's ring wherever it can: whole pages of any layout, head slices
+of token rows).
 """
 
 from __future__ import annotations
@@ -74,11 +75,13 @@ class PathReason(enum.Enum):
     BIG_PAGES = "big_pages"  # auto: one source, decode's pages big enough blocks
     SMALL_PAGES = "small_pages"  # auto: one source, decode's pages too small to write into
     SHARED_ROWS = "shared_rows"  # auto: several prefill ranks' heads share decode's rows
-    COST = "cost"  # auto at equal TP: the cheaper path by the cost model
+    COST = "cost"  # auto, pages of every head: the cheaper path by the cost model
     # Per chunk, against the pairing's path:
     LAYER_RANGE = "layer_range"  # layer-wise: its data is not computed when handed out
     GATED = "gated"  # the same, behind a gate
     TOO_BIG = "too_big"  # bigger than a staging buffer
+    NO_STAGING = "no_staging"  # this rank has no staging buffer (its staging failed to open)
+    EMPTY = "empty"  # nothing of it for this decode rank (DCP): no block either way
     NEVER_FITS = "never_fits"  # decode answered that it never fits its ring
 
 
@@ -103,8 +106,8 @@ class Pairing:
     stageable: bool = False
     direct: bool = False
     reason: PathReason = PathReason.WHOLE_PAGES  # why chunks take `path`
-    # auto at equal TP: each chunk may go either way, direct or through decode's ring; the
-    # cost model (`kvbridge.cache.costs`) chooses per chunk.
+    # auto, pages of every head (equal TP; MLA at any TP): each chunk may go either way,
+    # direct or through decode's ring; the cost model (`kvbridge.cache.costs`) chooses.
     coalescible: bool = False
 
     @property
@@ -217,8 +220,8 @@ def pair(src: KVArgs, dst: KVArgs, write_path: str = "auto", whole_rows: bool = 
         if not ring:
             return Pairing(mapping, source, whole, reason=PathReason.NO_RING)
         return Pairing(mapping, source, whole, stageable=True, reason=PathReason.CONFIGURED)
-    # auto: pages of every head at equal TP go as page runs or, where the cost model says
-    # so, through decode's ring; head slices of token rows are gathered.
+    # auto: pages of every head (equal TP; MLA at any TP) go as page runs or, where the cost
+    # model says so, through decode's ring; head slices of token rows are gathered.
     if whole:
         return Pairing(mapping, source, whole, coalescible=ringable and ring)
     if src.kv_layout != KVLayout.MHA:

@@ -184,7 +184,7 @@ class PrefillSettings:
 
 
 # Chunks that fell back from the staging path to planned blocks.
-FALLBACKS = frozenset({PathReason.TOO_BIG, PathReason.NEVER_FITS})
+FALLBACKS = frozenset({PathReason.TOO_BIG, PathReason.NEVER_FITS, PathReason.NO_STAGING})
 
 
 @dataclass

@@ -53,18 +53,20 @@ def path_of(staged: StagedChunk | None) -> WritePath:
 
 def gathering(
     local: KVArgs, buffer: StagingRing | None, job: ChunkJob, peer: DecodePeer
-) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], int, int, int] | None:
-    """What gathering the chunk's head slices into this rank's staging `buffer` takes —
-    (source rows, decode's rows, first byte, width, bytes) — or None to send it token by
-    token: no staging buffer here (or, through the ring, on decode), or the chunk does not fit
-    one."""
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], int, int, int] | PathReason:
+    """What gathering the chunk into this rank's staging `buffer` takes — (source rows,
+    decode's rows, first byte, width, bytes) — or why it goes as planned blocks instead: no
+    staging buffer here (or, through the ring, on decode), nothing of it for this decode
+    rank, or a chunk bigger than a staging buffer."""
     peer_args, pairing = peer.kv_args, peer.pairing
     assert peer_args is not None
     assert pairing is not None
     assert pairing.source is not None
     ring = peer_args.staging_buffer
-    if buffer is None or (not pairing.direct and ring is None):
-        return None
+    if buffer is None:
+        return PathReason.NO_STAGING
+    if not pairing.direct and ring is None:
+        return PathReason.NO_RING
     token_start = job.page_offset * local.page_size
     src_rows, dst_rows = token_rows(
         job.src_pages,
@@ -79,9 +81,11 @@ def gathering(
     whole = (0, local.token_bytes) if pairing.whole_pages else None
     column, width = whole or pairing.source.columns(local.head_bytes, "src")
     nbytes = staged_size(len(local.kv_buffers), src_rows.size, width)
+    if nbytes == 0:
+        return PathReason.EMPTY
     too_big = not buffer.fits_ever(nbytes) or (
         not pairing.direct and ring is not None and nbytes > ring.length
     )
-    if nbytes == 0 or too_big:
-        return None
+    if too_big:
+        return PathReason.TOO_BIG
     return src_rows, dst_rows, column, width, nbytes

@@ -13,7 +13,7 @@ import logging
 from collections import Counter, deque
 from collections.abc import Iterator
 
-from kvbridge.cache.pairing import PathReason
+from kvbridge.cache.pairing import Pairing, PathReason
 from kvbridge.core.prefill_events import (
     Action,
     JobKey,
@@ -153,9 +153,9 @@ class WriteScheduler:
             self._hand_out(state, entry)
             return [self._write(entry, peer, None, entry.reason)]
         gather = gathering(local, self._local, job, peer)
-        if gather is None:  # nothing to gather, or too big for a staging buffer
+        if isinstance(gather, PathReason):  # no staging buffer, nothing to gather, too big
             self._hand_out(state, entry)
-            return [self._write(entry, peer, None, PathReason.TOO_BIG)]
+            return [self._write(entry, peer, None, gather)]
         src_rows, dst_rows, column, width, nbytes = gather
         assert self._local is not None
         entry.local = self._local.allocate(nbytes)
@@ -209,6 +209,7 @@ class WriteScheduler:
             job.last
             and state is not None
             and job.peer_id not in state.ring_peers
+            and not self._may_go_through_ring(entry, peer.pairing)
             and COMPLETING_NOTIFICATIONS in peer.registration.capabilities
             and self.settings.engine_notifies
         ):
@@ -231,6 +232,22 @@ class WriteScheduler:
             complete_with,
         )
         return entry.write
+
+    def _may_go_through_ring(self, entry: WriteJob, pairing: Pairing) -> bool:
+        """Whether another job of the room toward the same peer, not handed out yet, may still
+        go through its ring (a gated last chunk is handed out before the queued chunks ahead
+        of it): then the room's last write may not complete it (decode scatters first)."""
+        if not (pairing.through_ring or pairing.coalescible):
+            return False
+        job = entry.job
+        return any(
+            other is not entry
+            and other.job.peer_id == job.peer_id
+            and not other.handed_out
+            and other.job.layers is None
+            and other.job.gate is None
+            for other in self.jobs.of(job.room)
+        )
 
     def on_staging_response(self, answer: StagingResponse, now: float) -> list[Action]:
         entry = self.jobs.get((answer.room, answer.chunk_idx, answer.session_id))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import deque
 from collections.abc import Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ from kvbridge.write_gate import WriteGate
 log = logging.getLogger("kvbridge.vllm")
 
 ASKED = (KVPoll.WaitingForInput, KVPoll.Transferring)  # every decode rank sent its request
+TAKEN_KEPT = 4096  # requests whose sends took their streams, remembered
 
 
 # A run of a room's pages: where the first goes among the room's pages (None: after the
@@ -112,6 +114,9 @@ class Streams:
             name: ends.index(at) if at in ends else len(ends) for name, at in positions.items()
         }
         self._streams: dict[str, Stream] = {}
+        # Requests whose streams their sends took over (the latest ones): an abort that comes
+        # after must not open their rooms again.
+        self._taken: deque[str] = deque(maxlen=TAKEN_KEPT)
         self._step: ForwardStep | None = None  # the forward under way (no `end` yet)
         self._lock = threading.Lock()  # `take` comes from the send inbox's thread
 
@@ -224,6 +229,9 @@ class Streams:
         """The request's room fails; nothing more of it goes out. A request nothing was
         streamed of yet (its first step failed) has its room opened here to fail it: decode
         hears now, not when the request ends."""
+        with self._lock:
+            if request_id in self._taken:
+                return  # its send has the room now
         stream = self._open(abort.room, request_id)
         if stream is not None and not stream.done:
             self._abort(stream, abort.reason)
@@ -238,6 +246,7 @@ class Streams:
     def take(self, request_id: str) -> Stream | None:
         """The request's stream, handed to its send (None: it was never streamed here)."""
         with self._lock:
+            self._taken.append(request_id)
             return self._streams.pop(request_id, None)
 
     def _open(self, room: int, request_id: str) -> Stream | None:
