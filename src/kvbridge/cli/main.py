@@ -215,6 +215,19 @@ def _fail(message: str) -> click.exceptions.Exit:
     return click.exceptions.Exit(2)
 
 
+# `--write-path` of the demo and the bench (ManagerConfig.write_path).
+_write_path_option = click.option(
+    "--write-path",
+    type=click.Choice(WRITE_PATHS),
+    default="auto",
+    show_default=True,
+    help="How prefill writes a chunk: auto (the cost model picks page runs or decode's ring "
+    "for pages of every head; head slices between TP sizes through the ring), direct "
+    "(planned blocks only) or coalesced (through decode's ring wherever it can). What each "
+    "chunk took: the demo's chunks line, the bench's chunks by path.",
+)
+
+
 def _manager_config(**settings: Any) -> ManagerConfig:
     """The managers' settings from command-line options; one that cannot work fails here."""
     try:
@@ -467,15 +480,7 @@ def protocol_doc_command(output: Path | None, check: Path | None) -> None:
     show_default=True,
     help="Staging buffers (gathered writes; the staging path between TP sizes).",
 )
-@click.option(
-    "--write-path",
-    type=click.Choice(WRITE_PATHS),
-    default="auto",
-    show_default=True,
-    help="How prefill writes a chunk: auto (staged between TP sizes, page runs at equal TP), "
-    "direct (planned blocks only) or coalesced (gathered, one block into decode's ring, "
-    "scattered there; MHA and MLA, equal TP included).",
-)
+@_write_path_option
 @click.option(
     "--chunks",
     type=click.IntRange(1),
@@ -783,14 +788,7 @@ def vllm_proxy_command(
     show_default=True,
     help="Folder for bench.json, bench.md and bench.png.",
 )
-@click.option(
-    "--write-path",
-    type=click.Choice(WRITE_PATHS),
-    default="auto",
-    show_default=True,
-    help="How prefill writes each chunk, in every cell (the demo's --write-path); the "
-    "chunks by path column says what each cell did.",
-)
+@_write_path_option
 @click.option(
     "--wide",
     is_flag=True,

@@ -166,7 +166,7 @@ class PrefillSettings:
     staging_timeout_s: float
     staging_bytes: int | None = None  # the local staging buffer's size; None: none
     write_path: str = "auto"  # how chunks go (`kvbridge.cache.pairing.WRITE_PATHS`)
-    # What each path costs (auto chooses by it per chunk at equal TP).
+    # What each path costs (auto chooses by it per chunk for pages of every head).
     write_costs: WriteCosts = DEFAULT_COSTS[MemoryKind.DRAM]
     # Write jobs handed out per decode peer at once (to the engine, or waiting for ring
     # space): the next ones are planned and gathered while earlier ones move.
