@@ -104,13 +104,15 @@ class Cell:
     prefill_tp: int
     decode_tp: int
     write_path: str = "auto"  # ManagerConfig.write_path
+    cross_layer: bool = False  # DemoConfig.cross_layer: one buffer of whole blocks
 
     @property
     def label(self) -> str:
         path = "" if self.write_path == "auto" else f" {self.write_path}"
+        layout = " cross-layer" if self.cross_layer else ""
         return (
             f"{self.engine} {self.model} {self.tokens} tok page {self.page_size} "
-            f"TP {self.prefill_tp}→{self.decode_tp}{path}"
+            f"TP {self.prefill_tp}→{self.decode_tp}{path}{layout}"
         )
 
 
@@ -148,8 +150,11 @@ class CellResult:
         return cls(cell=Cell(**row["cell"]), **fields)
 
 
-def cells(preset: Preset, engines: tuple[str, ...], write_path: str = "auto") -> list[Cell]:
-    """The preset's cells in run order: engine, model, length, then page size and TP pair."""
+def cells(
+    preset: Preset, engines: tuple[str, ...], write_path: str = "auto", cross_layer: bool = False
+) -> list[Cell]:
+    """The preset's cells in run order: engine, model, length, then page size and TP pair;
+    cross-layer, only those of equal TP (it moves whole blocks)."""
     found = []
     for engine in engines:
         for model in preset.models:
@@ -164,11 +169,18 @@ def cells(preset: Preset, engines: tuple[str, ...], write_path: str = "auto") ->
                             None,
                             tokens,
                         )
-                        if not (default or swept):
+                        if not (default or swept) or (cross_layer and prefill_tp != decode_tp):
                             continue
                         found.append(
                             Cell(
-                                engine, model, tokens, page_size, prefill_tp, decode_tp, write_path
+                                engine,
+                                model,
+                                tokens,
+                                page_size,
+                                prefill_tp,
+                                decode_tp,
+                                write_path,
+                                cross_layer,
                             )
                         )
     return found
@@ -197,6 +209,7 @@ def demo_config(
         timeout_s=600.0,
         log_level=log_level,
         transfer=ManagerConfig(engine=cell.engine, write_path=cell.write_path),
+        cross_layer=cell.cross_layer,
     )
     per_request = cell.tokens * config.shape.bytes_per_token()  # one full copy of the cache
     # Both groups hold a copy; a replicated (MLA) cache is held by every rank.
@@ -312,10 +325,11 @@ def run_matrix(
     on_cell: Callable[[CellResult], None] = lambda row: None,
     log_level: int = logging.WARNING,
     write_path: str = "auto",
+    cross_layer: bool = False,
 ) -> Iterator[CellResult]:
     preset, budget = PRESETS[preset_name], memory_budget()
     unavailable = {engine: engine_unavailable(engine) for engine in engines}
-    for cell in cells(preset, engines, write_path):
+    for cell in cells(preset, engines, write_path, cross_layer):
         reason = unavailable[cell.engine]
         if reason is not None:
             row = CellResult(cell, skipped=f"{cell.engine}: {reason}")
@@ -498,7 +512,7 @@ def markdown(rows: list[CellResult]) -> str:
         cell = row.cell
         head = [
             cell.engine,
-            cell.model,
+            f"{cell.model} (cross-layer)" if cell.cross_layer else cell.model,
             str(cell.tokens),
             str(cell.page_size),
             f"{cell.prefill_tp}→{cell.decode_tp}",

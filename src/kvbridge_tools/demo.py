@@ -129,6 +129,10 @@ class DemoConfig:
     # own, 5 ms), how long a thread that gave up the GIL may wait to take it back.
     prefill_busy_loop: bool = False
     prefill_switch_interval_s: float | None = None
+    # Cross-layer KV (as vLLM's block-outermost layouts): every buffer's page of a block side
+    # by side in one allocation, registered as one buffer of whole blocks, so that a run of
+    # pages is one descriptor for every layer. Equal TP, no DCP, host memory.
+    cross_layer: bool = False
 
     @property
     def shape(self) -> ModelShape:
@@ -213,6 +217,14 @@ class DemoConfig:
                 raise DemoConfigError("--memory cuda needs torch, which is not installed") from None
             if not torch.cuda.is_available():
                 raise DemoConfigError("--memory cuda needs a CUDA GPU; torch sees none here")
+        if self.cross_layer and (
+            self.prefill_tp != self.decode_tp or self.dcp != 1 or self.memory != "host"
+        ):
+            raise DemoConfigError(
+                "--cross-layer moves whole blocks of every layer: it needs equal TP sizes, no "
+                f"DCP and host memory (TP {self.prefill_tp}→{self.decode_tp}, DCP {self.dcp}, "
+                f"{self.memory} memory)"
+            )
         if self.prefill_switch_interval_s is not None and self.prefill_switch_interval_s <= 0:
             raise DemoConfigError(
                 "the prefill switch interval must be a positive number of "
@@ -360,10 +372,14 @@ def allocate_rank(config: DemoConfig, rank: int, tp: int, pool_pages: int) -> Ra
     shape = config.shape
     heads = rank_head_range(config, rank, tp).count
     per_layer = 2 if shape.kv_layout == KVLayout.MHA else 1
-    kv: list[npt.NDArray[Any]] = [
-        np.empty((pool_pages, config.page_size, heads, shape.head_dim), dtype=np.uint16)
-        for _ in range(per_layer * shape.layers)
-    ]
+    page, buffers = (config.page_size, heads, shape.head_dim), per_layer * shape.layers
+    # Cross-layer: each buffer a view of one allocation, its pages a block of every buffer's.
+    backing = np.empty((pool_pages if config.cross_layer else 0, buffers, *page), np.uint16)
+    kv: list[npt.NDArray[Any]] = (
+        [backing[:, buffer] for buffer in range(buffers)]
+        if config.cross_layer
+        else [np.empty((pool_pages, *page), dtype=np.uint16) for _ in range(buffers)]
+    )
     for array in kv:
         # Touch every page now, as a serving engine's preallocated pool is: otherwise the
         # first transfer into it pays the kernel's page faults and the demo measures those.
@@ -379,6 +395,13 @@ def allocate_rank(config: DemoConfig, rank: int, tp: int, pool_pages: int) -> Ra
         attn_tp_size=tp,
         state_dims=[STATE_ROWS // tp] if state is not None else [],
     )
+    if config.cross_layer:  # one buffer of opaque pages, a block of every buffer each
+        blocks = backing.view(np.uint8).reshape(pool_pages, 1, 1, -1)
+        geometry.update(kv_layout=KVLayout.PAGES, total_kv_heads=1, layer_ids=[0])
+        args = KVArgs.from_numpy(
+            [blocks], aux=[aux], state=[state] if state is not None else [], **geometry
+        )
+        return RankMemory(kv, aux, state, args)
     if config.memory == "host":
         args = KVArgs.from_numpy(
             kv, aux=[aux], state=[state] if state is not None else [], **geometry
@@ -442,9 +465,12 @@ def run_prefill(
             for buffer, array in enumerate(kv):
                 words = shape.head_dim // 4
                 content = kv_content(room, buffer, config.tokens, heads, shape.kv_heads, words)
-                # The pool's pages for this room are contiguous: a view, written in place.
-                view = array[pages[0] : pages[-1] + 1].reshape(-1, heads.count, shape.head_dim)
-                view[: config.tokens].view(np.uint64)[:] = content
+                # The pool's pages for this room are contiguous: one block of the array, its
+                # rows written from the content (through a copy where pages are a block apart).
+                block = array[pages[0] : pages[-1] + 1]
+                filled = np.zeros((block.shape[0] * config.page_size, *block.shape[2:]), np.uint16)
+                filled[: config.tokens].view(np.uint64)[:] = content
+                block[...] = filled.reshape(block.shape)
             aux[room] = np.frombuffer(np.uint64(room).tobytes() * (AUX_BYTES // 8), np.uint8)
             if state is not None:
                 rows = STATE_ROWS // tp
@@ -731,7 +757,8 @@ def run_decode(
             results.put({"progress": room})
             if room in done and receivers[room].poll() == KVPoll.Success:
                 report.latencies_ms.append((done[room] - sent_at[room]) * 1e3)
-                report.bytes += tokens * args.token_bytes * len(kv) + AUX_BYTES
+                # A token's row of one buffer (`args` may see opaque pages: cross-layer).
+                report.bytes += tokens * kv[0][0, 0].nbytes * len(kv) + AUX_BYTES
         report.rooms = len(timed)
         report.timings = {
             "scatter_s": manager.stats.scatter_s,

@@ -121,3 +121,12 @@ def test_an_engine_option_the_engine_does_not_have() -> None:
 
 def test_an_engine_option_without_a_value() -> None:
     said_once(kvbridge("demo", "--engine-option", "progress_thread"), 2, "not NAME=VALUE")
+
+
+def test_cross_layer_kv_between_tp_sizes() -> None:
+    said_once(
+        kvbridge("demo", "--cross-layer", "--prefill-tp", "2", "--decode-tp", "4"),
+        2,
+        "--cross-layer moves whole blocks",
+        "equal TP sizes",
+    )

@@ -175,6 +175,44 @@ def test_torch_tensors_arrive_byte_exact(memory: str, prefill_tp: int, decode_tp
     assert (staged > 0) == (prefill_tp != decode_tp)
 
 
+@pytest.mark.parametrize(("model", "tp"), [("llama3-8b", 1), ("llama3-8b", 2), ("deepseek-v3", 2)])
+def test_cross_layer_kv_moves_a_run_of_pages_in_one_descriptor_for_every_layer(
+    model: str, tp: int
+) -> None:
+    """Block-outermost KV (each buffer a view of one allocation, every buffer's page of a
+    block side by side): every byte of every layer arrives, and prefill writes each request
+    in one descriptor per run of pages — decode's pages are scattered, so one per page, not
+    one per page and buffer as laid out layer by layer. State and aux move beside it."""
+    require("nixl")
+    runs = {}
+    for cross_layer in (False, True):
+        config = DemoConfig(
+            model=model,
+            requests=3,
+            tokens=200,
+            prefill_tp=tp,
+            decode_tp=tp,
+            cross_layer=cross_layer,
+            transfer=ManagerConfig(engine="nixl", write_path="direct"),
+        )
+        result = run_demo(config)
+        assert result.ok, result.reports
+        expected = tp * 3 * (200 * config.shape.bytes_per_token(tp) + 64)
+        assert result.total_bytes == expected
+        runs[cross_layer] = sum(r.blocks_written for r in result.reports if r.role == "prefill")
+    # A descriptor per page at most, beside aux and state; laid out layer by layer, one per
+    # page and buffer (runs of adjacent pages aside): 64 or 61 buffers here.
+    assert runs[True] <= 3 * tp * (-(-200 // 16) + 2)
+    assert runs[False] > 30 * runs[True]
+
+
+def test_cross_layer_kv_needs_equal_tp_and_host_memory() -> None:
+    for changes in ({"decode_tp": 2}, {"dcp": 2}, {"memory": "torch-cpu"}):
+        config = DemoConfig(requests=1, tokens=16, cross_layer=True, **changes)  # type: ignore[arg-type]
+        with pytest.raises(DemoConfigError, match="--cross-layer moves whole blocks"):
+            config.check()
+
+
 @pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(1, 1), (4, 2), (1, 2)])
 def test_mla_model_arrives_byte_exact(prefill_tp: int, decode_tp: int) -> None:
     """MLA: one prefill rank feeds each decode rank, the others answer dummy requests."""

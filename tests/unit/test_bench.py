@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from kvbridge_tools.bench import PRESETS, Cell, CellResult, cells, demo_config
+from kvbridge_tools.bench import PRESETS, Cell, CellResult, cells, demo_config, markdown
 
 
 def test_the_full_preset_is_the_whole_matrix() -> None:
@@ -64,3 +64,21 @@ def test_a_write_path_runs_every_cell_and_rows_written_before_it_read_back() -> 
     del row["chunks"], row["cell"]["write_path"]
     old = CellResult.from_json(row)
     assert (old.chunks, old.cell.write_path) == ({}, "auto")
+
+
+def test_cross_layer_runs_the_cells_of_equal_tp_and_says_so() -> None:
+    cross = cells(PRESETS["quick"], ("nixl",), cross_layer=True)
+    everything = cells(PRESETS["quick"], ("nixl",))
+    assert cross
+    assert all(c.cross_layer and c.prefill_tp == c.decode_tp for c in cross)
+    equal = [c for c in everything if c.prefill_tp == c.decode_tp]
+    assert [replace(c, cross_layer=False) for c in cross] == equal
+    assert cross[0].label.endswith("TP 1→1 cross-layer")
+    config = demo_config(cross[0], PRESETS["quick"], budget=1 << 40)
+    assert not isinstance(config, str)
+    assert config.cross_layer
+    row = CellResult(cross[0]).as_json()
+    assert CellResult.from_json(row).cell == cross[0]
+    del row["cell"]["cross_layer"]  # a row from before it
+    assert not CellResult.from_json(row).cell.cross_layer
+    assert "| nixl | llama3-8b (cross-layer) |" in markdown([CellResult(cross[0], requests=1)])

@@ -299,9 +299,21 @@ def test_unsupported_views_are_refused_with_the_reason() -> None:
     from vllm_views import layer_views
 
     interleaved = layer_views(2, 4, 2, 16, 16, torch.bfloat16, "BLHNC")
-    with pytest.raises(GeometryError, match="block-outermost layout"):
+    with pytest.raises(GeometryError, match="views hold 4 blocks of its 8"):
         describe_kv_caches(
             interleaved,
+            use_mla=False,
+            total_kv_heads=2,
+            attn_tp_rank=0,
+            attn_tp_size=1,
+            block_size=16,
+            num_blocks=8,
+        )
+    two_strides = {**interleaved, **layer_views(1, 8, 2, 16, 16, torch.bfloat16, "BLHNC", "cpu", 5)}
+    two_strides["model.layers.5.self_attn.attn"] = interleaved["model.layers.0.self_attn.attn"][:2]
+    with pytest.raises(GeometryError, match="not as a block-outermost layout"):
+        describe_kv_caches(
+            two_strides,
             use_mla=False,
             total_kv_heads=2,
             attn_tp_rank=0,
@@ -321,6 +333,69 @@ def test_unsupported_views_are_refused_with_the_reason() -> None:
             attn_tp_rank=0,
             attn_tp_size=1,
             block_size=16,
+        )
+
+
+@needs_torch
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", ["BLHNC", "BLNHC", "BHLNC"])
+@pytest.mark.parametrize("use_mla", [False, True])
+def test_a_block_outermost_cache_moves_every_layer_in_one_descriptor_per_run(
+    device: str, layout: str, use_mla: bool
+) -> None:
+    """vLLM's cross-layer layouts (every layer's page of a block side by side): one buffer
+    whose page is a whole block of every layer, so a run of blocks is one descriptor for all
+    layers (against one per layer and run laid out layer by layer), and each layer's blocks
+    arrive byte for byte."""
+    import torch
+    from vllm_views import execute, layer_views
+
+    heads, content = (1, 16) if use_mla else (2, 16)
+    caches = []
+    for _ in range(2):
+        views = layer_views(LAYERS, BLOCKS, heads, 16, content, torch.bfloat16, layout, device)
+        cache = describe_kv_caches(
+            views,
+            use_mla=use_mla,
+            total_kv_heads=heads,
+            attn_tp_rank=0,
+            attn_tp_size=1,
+            block_size=16,
+            num_blocks=BLOCKS,
+        )
+        caches.append((views, cache))
+    (src_views, src), (dst_views, dst) = caches
+    args = src.kv_args
+    page = heads * 16 * content * 2
+    assert (args.kv_layout, len(args.kv_buffers), args.head_dim) == (
+        KVLayout.PAGES,
+        1,
+        LAYERS * page,
+    )
+    assert args.kv_buffers[0].ptr == min(int(v.data_ptr()) for v in src_views.values())
+    assert (src.pages_per_block, src.layer_positions) == (1, {})
+    src_blocks, dst_blocks = [4, 5, 6, 9], [0, 1, 2, 7]
+    plan = pair(args, dst.kv_args).plan(args, dst.kv_args, np.array(src_blocks), 0, dst_blocks)
+    assert plan.length.tolist() == [3 * LAYERS * page, LAYERS * page]
+    execute(plan, args, dst.kv_args)
+    for name, view in dst_views.items():
+        assert torch_equal(view[dst_blocks], src_views[name][src_blocks]), name
+    untouched = [b for b in range(BLOCKS) if b not in dst_blocks]
+    assert not any(
+        view[untouched].view(torch.uint8).eq(src_views[name][untouched].view(torch.uint8)).all()
+        for name, view in dst_views.items()
+    )
+    layer_outer = describe_kv_caches(
+        layer_views(LAYERS, BLOCKS, heads, 16, content, torch.bfloat16, "LBHNC", device),
+        use_mla=use_mla,
+        total_kv_heads=heads,
+        attn_tp_rank=0,
+        attn_tp_size=1,
+        block_size=16,
+    ).kv_args
+    with pytest.raises(PlanError, match="KV layouts differ"):
+        pair(layer_outer, dst.kv_args).plan(
+            layer_outer, dst.kv_args, np.array(src_blocks), 0, dst_blocks
         )
 
 
@@ -530,7 +605,7 @@ def test_every_token_decode_loads_comes_from_the_block_prefill_computed_it_in(
 @needs_torch
 def test_pages_that_are_not_one_block_each_are_refused() -> None:
     """State-only pages laid out block-outermost (each layer's page one page apart within a
-    block of every layer) would overlap as buffers; a hybrid's blocks split into kernel
+    block of every layer) are one buffer of whole blocks; a hybrid's blocks split into kernel
     blocks are not one page a block."""
     import torch
 
@@ -541,9 +616,26 @@ def test_pages_that_are_not_one_block_each_are_refused() -> None:
         for layer in range(2)
     }
     names = frozenset(interleaved)
-    with pytest.raises(GeometryError, match="overlap"):
+    block_outermost = describe_kv_caches(
+        interleaved,
+        use_mla=False,
+        total_kv_heads=1,
+        attn_tp_rank=0,
+        attn_tp_size=1,
+        block_size=16,
+        state_layers=names,
+    ).kv_args
+    assert [(b.ptr, b.length, b.item_len) for b in block_outermost.kv_buffers] == [
+        (raw.data_ptr(), 4 * 512, 512)
+    ]
+    short = torch.zeros(1700, dtype=torch.int8)  # the last block's padding is not there
+    past_the_end = {
+        name: short[layer * 256 :].as_strided((3, 1, 1, 200), (600, 200, 200, 1))
+        for layer, name in enumerate(interleaved)
+    }
+    with pytest.raises(GeometryError, match="3 blocks of 600 B run past its memory"):
         describe_kv_caches(
-            interleaved,
+            past_the_end,
             use_mla=False,
             total_kv_heads=1,
             attn_tp_rank=0,

@@ -56,6 +56,10 @@ def test_options_come_from_extra_config_with_their_types_checked() -> None:
     assert coalesced.manager.write_path == "coalesced"
     with pytest.raises(OptionsError, match="write_path 'coalesced' goes through the staging"):
         ConnectorOptions.from_extra_config({"write_path": "coalesced", "staging": False})
+    cross_layer = ConnectorOptions.from_extra_config({"kv_cache_layout": "BLHNC"})
+    assert (cross_layer.kv_cache_layout, ConnectorOptions().kv_cache_layout) == ("BLHNC", None)
+    with pytest.raises(OptionsError, match="'LHBNC' is not a layout kvbridge moves; choose LBHNC"):
+        ConnectorOptions.from_extra_config({"kv_cache_layout": "LHBNC"})
 
 
 def test_only_the_supported_vllm_release_starts() -> None:

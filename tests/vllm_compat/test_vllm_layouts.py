@@ -39,6 +39,7 @@ from kvbridge.cache.pairing import pair
 from kvbridge.integrations.vllm import KVBridgeConnector
 from kvbridge.integrations.vllm_cache import RoomContents
 from kvbridge.integrations.vllm_kv_views import REQUIRED_LAYOUT, describe_kv_caches
+from kvbridge.integrations.vllm_options import KV_CACHE_LAYOUTS
 from kvbridge.integrations.vllm_specs import mamba_state
 from kvbridge.wire import KVLayout
 
@@ -79,11 +80,61 @@ def test_the_connector_asks_for_head_major_pages_and_leaves_mla_alone() -> None:
 
     class Config:
         model_config = Model()
+        kv_transfer_config: Any = None
 
     assert KVBridgeConnector.get_required_kvcache_layout(Config()) == REQUIRED_LAYOUT == "LBHNC"
     Model.use_mla = True
     assert KVBridgeConnector.get_required_kvcache_layout(Config()) is None
     assert KVCacheLayout[REQUIRED_LAYOUT] == KVCacheLayout.LBHNC
+    # Asked for: a layout of the option's (every one of them vLLM's); a bad one is left to
+    # the constructor to report.
+    Config.kv_transfer_config = SimpleNamespace(kv_connector_extra_config={"kv_cache_layout": ""})
+    for layout in KV_CACHE_LAYOUTS:
+        Config.kv_transfer_config.kv_connector_extra_config["kv_cache_layout"] = layout
+        assert KVBridgeConnector.get_required_kvcache_layout(Config()) == layout
+        assert KVCacheLayout[layout].name == layout
+    Config.kv_transfer_config.kv_connector_extra_config["kv_cache_layout"] = "LHBNC"
+    assert KVBridgeConnector.get_required_kvcache_layout(Config()) is None
+
+
+@pytest.mark.parametrize("layout", ["BLHNC", "BLNHC", "BHLNC"])
+@pytest.mark.parametrize("use_mla", [False, True])
+def test_vllms_block_outermost_caches_move_a_run_of_blocks_in_one_descriptor(
+    layout: str, use_mla: bool
+) -> None:
+    """vLLM's own allocator's cross-layer views: one buffer of whole blocks (every layer's
+    page), a run of blocks one descriptor, each layer's blocks arriving byte for byte."""
+    spec = (
+        MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
+        if use_mla
+        else FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.bfloat16)
+    )
+    src_views, dst_views = (
+        allocated(spec, KVCacheLayout[layout]),
+        allocated(spec, KVCacheLayout[layout]),
+    )
+
+    def describe(views: dict[str, torch.Tensor]) -> Any:
+        return describe_kv_caches(
+            views,
+            use_mla=use_mla,
+            total_kv_heads=1 if use_mla else 2,
+            attn_tp_rank=0,
+            attn_tp_size=1,
+            block_size=16,
+            num_blocks=BLOCKS,
+        ).kv_args
+
+    src, dst = describe(src_views), describe(dst_views)
+    assert (src.kv_layout, len(src.kv_buffers)) == (KVLayout.PAGES, 1)
+    assert src.kv_buffers[0].item_len == LAYERS * spec.page_size_bytes
+    plan = pair(src, dst).plan(src, dst, np.array([1, 2, 3]), 0, [3, 4, 5])
+    assert plan.length.tolist() == [3 * LAYERS * spec.page_size_bytes]
+    execute(plan, src, dst)
+    for name, view in dst_views.items():
+        assert torch.equal(
+            view[[3, 4, 5]].view(torch.uint8), src_views[name][[1, 2, 3]].view(torch.uint8)
+        )
 
 
 @pytest.mark.parametrize(
@@ -131,7 +182,7 @@ def test_blocks_of_vllms_views_move_between_tp_sizes(layout: str) -> None:
         )
 
 
-def test_mla_latent_and_a_block_outermost_layout() -> None:
+def test_mla_latent_and_a_layout_with_heads_outside_blocks() -> None:
     mla = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
     views = allocated(mla, KVCacheLayout.LBNHC)
     cache = describe_kv_caches(
@@ -139,9 +190,9 @@ def test_mla_latent_and_a_block_outermost_layout() -> None:
     )
     assert (cache.kv_args.kv_layout, cache.kv_args.head_dim) == (KVLayout.MLA, 576)
     spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.bfloat16)
-    with pytest.raises(GeometryError, match="block-outermost layout"):
+    with pytest.raises(GeometryError, match="heads outside blocks, as in LHBNC"):
         describe_kv_caches(
-            allocated(spec, KVCacheLayout.BLHNC),
+            allocated(spec, KVCacheLayout.LHBNC),
             use_mla=False,
             total_kv_heads=2,
             attn_tp_rank=0,
@@ -216,3 +267,90 @@ def test_a_hybrid_models_state_pages_are_state_slots_beside_its_attention() -> N
     assert sum(part.nbytes for part in conv) == conv_bytes
     assert (ssm.offset, ssm.nbytes) == (conv_bytes, math.prod(ssm_shape) * 4)
     assert cache.send_contents([[3], [4]], {0}) == RoomContents([4], [3])
+
+
+def test_a_hybrid_model_laid_out_block_outermost_moves_whole_blocks_of_every_group() -> None:
+    """A hybrid model block-outermost, as vLLM allocates it (its groups alias from byte 0 of
+    each block): one buffer of whole blocks, whatever group holds a block; the blocks a room
+    names for each group arrive byte for byte, in one descriptor per run."""
+    attention = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.bfloat16)
+    page = attention.page_size_bytes
+    conv_shape, ssm_shape = MambaStateShapeCalculator.mamba2_state_shape(
+        tp_world_size=1,
+        intermediate_size=8,
+        n_groups=1,
+        num_heads=2,
+        head_dim=4,
+        state_size=8,
+        conv_kernel=4,
+    )
+    mamba = MambaSpec(
+        shapes=(conv_shape, ssm_shape),
+        dtypes=(torch.bfloat16, torch.float32),
+        block_size=16,
+        page_size_padded=page,
+    )
+    attention_names = ["model.layers.1.self_attn.attn", "model.layers.3.self_attn.attn"]
+    mamba_names = ["model.layers.0.mixer", "model.layers.2.mixer"]
+    layout = KVCacheLayout.BLHNC
+
+    def instance() -> tuple[dict[str, torch.Tensor], Any]:
+        tensors, groups = [], []
+        for spec, names in ((attention, attention_names), (mamba, mamba_names)):
+            layer_stride, block_stride, *_ = compute_layout_strides(
+                spec, BLOCKS, 2, layout, fixed_strides=(None, 2 * page, None, None, None)
+            )
+            tensors.append(
+                KVCacheTensor(
+                    size=2 * page * BLOCKS,
+                    layers=names,
+                    layer_stride=layer_stride,
+                    block_stride=block_stride,
+                    offset=0,
+                )
+            )
+            groups.append(KVCacheGroupSpec(names, spec))
+        config = KVCacheConfig(
+            num_blocks=BLOCKS,
+            kv_cache_tensors=tensors,
+            kv_cache_groups=groups,
+            kv_cache_layout=layout.name,
+        )
+        views = allocate_kv_cache(config, torch.device("cpu"), layout)
+        for view in views.values():
+            raw = view.view(torch.uint8)
+            raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8))
+        cache = describe_kv_caches(
+            views,
+            use_mla=False,
+            total_kv_heads=2,
+            attn_tp_rank=0,
+            attn_tp_size=1,
+            block_size=16,
+            state_layers=frozenset(mamba_names),
+            num_blocks=BLOCKS,
+        )
+        return views, cache
+
+    (src_views, src), (dst_views, dst) = instance(), instance()
+    args = src.kv_args
+    assert (args.kv_layout, len(args.kv_buffers), args.kv_buffers[0].item_len) == (
+        KVLayout.PAGES,
+        1,
+        2 * page,
+    )
+    sent = src.send_contents([[1, 2], [4]], {1})  # attention blocks 1, 2; the state's 4
+    loaded = dst.load_contents([[3, 4], [0]], [0, 0], [2, 1], {1})
+    assert (sent.pages, loaded.pages) == ([1, 2, 4], [3, 4, 0])
+    plan = pair(args, dst.kv_args).plan(args, dst.kv_args, np.array(sent.pages), 0, loaded.pages)
+    assert plan.length.tolist() == [2 * 2 * page, 2 * page]
+    execute(plan, args, dst.kv_args)
+    for names, src_blocks, dst_blocks in (
+        (attention_names, [1, 2], [3, 4]),
+        (mamba_names, [4], [0]),
+    ):
+        for name in names:
+            assert torch.equal(
+                dst_views[name][dst_blocks].view(torch.uint8),
+                src_views[name][src_blocks].view(torch.uint8),
+            ), name

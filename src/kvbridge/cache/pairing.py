@@ -187,7 +187,8 @@ def pair(src: KVArgs, dst: KVArgs, write_path: str = "auto", whole_rows: bool = 
     )
     if source is not None and not whole and src.kv_layout == KVLayout.PAGES:
         raise PlanError(
-            "opaque pages (a hybrid model's KV and state) move only whole: both sides need "
+            "opaque pages (a hybrid model's KV and state, or a block of every layer) move only "
+            "whole: both sides need "
             f"the same TP size and no DCP, got TP {src.attn_tp_size} → {dst.attn_tp_size}, "
             f"DCP {dst.dcp_size}"
         )

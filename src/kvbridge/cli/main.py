@@ -482,6 +482,13 @@ def protocol_doc_command(output: Path | None, check: Path | None) -> None:
 )
 @_write_path_option
 @click.option(
+    "--cross-layer",
+    is_flag=True,
+    help="Lay each rank's KV out block-outermost (every layer's page of a block side by side, "
+    "as vLLM's BLHNC), one buffer of whole blocks: a run of pages is one descriptor for "
+    "every layer. Equal TP, host memory.",
+)
+@click.option(
     "--chunks",
     type=click.IntRange(1),
     default=2,
@@ -526,6 +533,7 @@ def demo_command(
     dcp: int,
     staging: bool,
     write_path: str,
+    cross_layer: bool,
     chunks: int,
     memory: str,
     layerwise: bool,
@@ -556,6 +564,7 @@ def demo_command(
         dcp=dcp,
         log_level=log_level,
         memory=memory,
+        cross_layer=cross_layer,
         transfer=_manager_config(
             engine=engine,
             engine_options=dict(engine_options),
@@ -578,7 +587,8 @@ def demo_command(
     status = error_console if as_json else console
     status.print(
         f"{config.shape.name}: {requests} request{plural} × {tokens} tokens, page {page_size}, "
-        f"TP {config.prefill_tp}→{config.decode_tp}, DCP {config.dcp}, engine {engine}; "
+        f"TP {config.prefill_tp}→{config.decode_tp}, DCP {config.dcp}, engine {engine}"
+        f"{', cross-layer' if cross_layer else ''}; "
         f"{footprint:.2f} GB of KV per prefill rank",
         highlight=False,
     )
@@ -790,6 +800,12 @@ def vllm_proxy_command(
 )
 @_write_path_option
 @click.option(
+    "--cross-layer",
+    is_flag=True,
+    help="Every cell's KV laid out block-outermost, one buffer of whole blocks (as the demo's "
+    "--cross-layer); the cells of equal TP only.",
+)
+@click.option(
     "--wide",
     is_flag=True,
     help="Every column (descriptors, planning and control CPU per request); "
@@ -808,6 +824,7 @@ def bench_command(
     engines: tuple[str, ...],
     output: Path,
     write_path: str,
+    cross_layer: bool,
     wide: bool,
     as_json: bool,
 ) -> None:
@@ -825,7 +842,7 @@ def bench_command(
     if not chosen:
         raise _fail("no transfer engine is installed (pip install nixl-cu12 or mooncake)")
     _writable_folder(output)
-    planned = len(cells(PRESETS[preset], chosen))
+    planned = len(cells(PRESETS[preset], chosen, write_path, cross_layer))
     rows: list[CellResult] = []
     status = error_console if as_json else console
     with Progress(console=status, transient=True) as progress:
@@ -835,7 +852,7 @@ def bench_command(
             progress.update(task, advance=1, description=row.cell.label)
 
         try:
-            rows.extend(run_matrix(preset, chosen, done, log_level, write_path))
+            rows.extend(run_matrix(preset, chosen, done, log_level, write_path, cross_layer))
         except KeyboardInterrupt as exc:
             raise _interrupted(exc, "bench stopped, rank processes ended") from None
     write_json(rows, preset, output / "bench.json")

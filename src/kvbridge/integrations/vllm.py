@@ -41,6 +41,7 @@ from kvbridge.integrations.vllm_load_plan import SchedulerConfig, stream_group
 from kvbridge.integrations.vllm_metrics import KVBridgePromMetrics, KVBridgeStats
 from kvbridge.integrations.vllm_options import (
     ConnectorOptions,
+    OptionsError,
     check_vllm_version,
     log_through_vllm,
     rank_bootstrap_port,
@@ -156,8 +157,18 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
-        """Head-major pages (LBHNC) move whole or by head slices; MLA's one latent head is
-        the same in any layout."""
+        """The `kv_cache_layout` option; else head-major pages (LBHNC), which move whole or by
+        head slices, and for MLA, whose one latent head is the same in any layout, vLLM's
+        choice. Options that do not parse are left to the connector's constructor to report."""
+        transfer = vllm_config.kv_transfer_config
+        try:
+            options = ConnectorOptions.from_extra_config(
+                None if transfer is None else transfer.kv_connector_extra_config
+            )
+        except OptionsError:
+            options = ConnectorOptions()
+        if options.kv_cache_layout is not None:
+            return options.kv_cache_layout
         model = vllm_config.model_config
         return None if model is not None and model.use_mla else REQUIRED_LAYOUT
 

@@ -5,11 +5,14 @@ vLLM 0.32 hands a connector one 4-D view per layer, ``[blocks, heads, block_size
 with a head's K and V side by side in `content`, laid out in memory by the model's one KV
 cache layout: LBHNC ("HND", each block ``[head][token][content]``: CPU attention always, and
 what this connector asks of the CUDA backends), LBNHC ("NHD", each block
-``[token][head][content]``) or a block-outermost one (BL*, several layers' pages interleaved).
-MLA's latent cache is ``[blocks, 1, block_size, 576]``. With the hybrid KV cache manager, the
-layers of different KV cache groups share memory (layer k of every group views the same
-bytes) and each group has its own block ids; a Mamba layer's view is raw bytes
-``[blocks, 1, 1, state bytes]`` whose blocks are one page apart.
+``[token][head][content]``) or a block-outermost one (BLHNC, BLNHC, BHLNC: every layer's page
+of a block side by side, one block after another — vLLM's cross-layer layout, asked for with
+the connector's `kv_cache_layout` option or VLLM_KV_CACHE_LAYOUT). A block-outermost cache
+moves as opaque pages of every layer, one per block: a run of blocks is one descriptor
+across all layers. MLA's latent cache is ``[blocks, 1, block_size, 576]``. With the hybrid
+KV cache manager, the layers of different KV cache groups share memory (layer k of every
+group views the same bytes) and each group has its own block ids; a Mamba layer's view is raw
+bytes ``[blocks, 1, 1, state bytes]`` whose blocks are one page apart.
 """
 
 from __future__ import annotations
@@ -76,9 +79,9 @@ def _attention_layout(tensor: Any, use_mla: bool) -> tuple[KVLayout, int]:
     if c != size or b != heads * tokens * row:
         raise GeometryError(
             f"vLLM KV tensor of shape {tuple(tensor.shape)} with byte strides {(b, h, n, c)} "
-            f"is not one block after another (a block-outermost layout such as BLHNC?); "
-            f"kvbridge moves the {REQUIRED_LAYOUT} and LBNHC layouts: unset "
-            "VLLM_KV_CACHE_LAYOUT"
+            "is not one block after another (heads outside blocks, as in LHBNC?): kvbridge "
+            f"moves {REQUIRED_LAYOUT}, LBNHC and the block-outermost layouts: unset "
+            "VLLM_KV_CACHE_LAYOUT or choose one of those"
         )
     if use_mla:
         if heads != 1:
@@ -149,6 +152,44 @@ def _packed(tensor: Any) -> bool:
     return _byte_strides(tensor)[0] == used
 
 
+def _block_outermost(views: Sequence[View], num_blocks: int | None) -> BufferSpec:
+    """The one buffer of a block-outermost cache: every view (layer) a block apart (its
+    ``stride(0)``), each layer's page at its own offset within the block, all in one
+    allocation. GeometryError where the views are not that (pages of different block strides
+    or counts interleaved, or past their memory)."""
+    strides = {_byte_strides(tensor)[0] for _, _, tensor in views}
+    counts = {int(tensor.shape[0]) for _, _, tensor in views}
+    storages = {int(tensor.untyped_storage().data_ptr()) for _, _, tensor in views}
+    ends = {
+        int(tensor.untyped_storage().data_ptr()) + int(tensor.untyped_storage().nbytes())
+        for _, _, tensor in views
+    }
+    if len(strides) != 1 or len(counts) != 1 or len(storages) != 1:
+        raise GeometryError(
+            "vLLM's KV buffers overlap, but not as a block-outermost layout (one allocation, "
+            f"every layer a block of one stride apart): block strides {sorted(strides)} B, "
+            f"block counts {sorted(counts)}, {len(storages)} allocation(s)"
+        )
+    block, count = strides.pop(), counts.pop()
+    if num_blocks is not None and count != num_blocks:
+        raise GeometryError(
+            f"vLLM's views hold {count} blocks of its {num_blocks} (kernel blocks of another "
+            "size?): kvbridge moves a block-outermost cache one whole page a block"
+        )
+    base = min(int(tensor.data_ptr()) for _, _, tensor in views)
+    for _, name, tensor in views:
+        used = math.prod(int(n) for n in tensor.shape[1:]) * int(tensor.element_size())
+        if int(tensor.data_ptr()) - base + used > block:
+            raise GeometryError(
+                f"vLLM layer {name}: its page ends past the block of {block} B it starts in"
+            )
+    if base + count * block > ends.pop():
+        raise GeometryError(
+            f"vLLM's block-outermost KV cache: {count} blocks of {block} B run past its memory"
+        )
+    return BufferSpec(base, count * block, block)
+
+
 def describe_kv_caches(
     kv_caches: Mapping[str, Any],
     *,
@@ -169,7 +210,8 @@ def describe_kv_caches(
     allows), and the pages of the state layers (`state_layers`) are state slots beside it: a
     state group's block moves as a slot, split between TP sizes by `mamba`'s parts. Attention
     of several geometries, or padded to the state's page, moves as opaque pages, whole,
-    between equal TP sizes.
+    between equal TP sizes; so does a block-outermost cache, one page per block holding
+    every layer's (a run of blocks: one descriptor for all layers).
     """
     if not kv_caches:
         raise GeometryError("vLLM registered no KV caches")
@@ -190,12 +232,26 @@ def describe_kv_caches(
     on_gpu = first.device.type == "cuda"
 
     buffers = sorted((_buffer(views[0][2]) for views in slots), key=lambda buffer: buffer.ptr)
-    for low, high in itertools.pairwise(buffers):
-        if low.end > high.ptr:  # a block-outermost layout interleaves the layers' pages
-            raise GeometryError(
-                "vLLM's KV buffers overlap (layers' pages interleaved, as in a block-outermost "
-                f"layout such as BLHNC): kvbridge moves the {REQUIRED_LAYOUT} and LBNHC layouts"
+    if any(low.end > high.ptr for low, high in itertools.pairwise(buffers)):
+        # The layers' pages interleave: a block-outermost layout, every layer's page of a
+        # block in one run. It moves as one opaque page per block, whole.
+        cross_layer = _block_outermost([view for views in slots for view in views], num_blocks)
+        return VLLMCache(
+            KVArgs(
+                kv_layout=KVLayout.PAGES,
+                layer_ids=(slots[0][0][0],),
+                total_kv_heads=1,
+                head_dim=cross_layer.item_len,
+                dtype="uint8",
+                page_size=1,
+                kv_buffers=(cross_layer,),
+                attn_tp_rank=attn_tp_rank,
+                attn_tp_size=attn_tp_size,
+                memory_kind=MemoryKind.VRAM if on_gpu else MemoryKind.DRAM,
+                device_id=int(first.device.index or 0) if on_gpu else 0,
+                keepalive=keepalive,
             )
+        )
 
     def kv_args(
         layout: KVLayout,

@@ -63,6 +63,11 @@ CONNECTOR_DEFAULTS: dict[str, Any] = {
 }
 
 
+# vLLM's KV cache layouts whose views kvbridge describes (`vllm_kv_views`): layer by layer,
+# each block one run (LBHNC, LBNHC), or block-outermost (every layer's page of a block in one).
+KV_CACHE_LAYOUTS = ("LBHNC", "LBNHC", "BLHNC", "BLNHC", "BHLNC")
+
+
 def _connector_manager_config() -> ManagerConfig:
     return ManagerConfig(**CONNECTOR_DEFAULTS)
 
@@ -91,11 +96,18 @@ class ConnectorOptions:
         end, the wait is decided anew from a recent compute step, the share of loads still in
         flight and the pace of the ends so far — see StepTimes.batch_window; all of it never
         runs past idle_batch_s after the first end; 0: report each load at once).
+    kv_cache_layout: the KV cache layout the connector asks vLLM for (one of
+        KV_CACHE_LAYOUTS; None: LBHNC, and for MLA vLLM's own choice). A block-outermost one
+        (BLHNC, BLNHC, BHLNC: vLLM's cross-layer layouts) moves a run of blocks as one
+        descriptor across every layer, where vLLM's attention backends take it (vLLM keeps
+        its own choice, with a warning, where they do not: its CPU build's backends do not);
+        both instances need the same one.
     """
 
     manager: ManagerConfig = field(default_factory=_connector_manager_config)
     idle_poll_s: float = 0.005
     idle_batch_s: float = 1.0
+    kv_cache_layout: str | None = None
 
     @staticmethod
     def from_extra_config(extra: Mapping[str, Any] | None) -> ConnectorOptions:
@@ -134,6 +146,11 @@ class ConnectorOptions:
         ) as exc:  # a combination that cannot work (write_path coalesced, no staging)
             raise OptionsError(f"kv_connector_extra_config: {exc}") from None
         options = ConnectorOptions(manager=manager, **own_values)
+        if options.kv_cache_layout not in (None, *KV_CACHE_LAYOUTS):
+            raise OptionsError(
+                f"kv_connector_extra_config.kv_cache_layout: {options.kv_cache_layout!r} is not "
+                f"a layout kvbridge moves; choose {', '.join(KV_CACHE_LAYOUTS)}"
+            )
         if options.manager.engine not in PROCESS_ENGINES:
             raise OptionsError(
                 f"kv_connector_extra_config.engine: {options.manager.engine!r} is not a transfer "
