@@ -5,7 +5,7 @@
 For the demo model shape (Llama-3-8B, page 16), TP 2→4 and 4→2: kvbridge GB/s with staging
 (each chunk's head slice gathered on prefill and written to decode's staging ring, then
 scattered into decode's pages; at 2→4 each decode rank's heads come from one prefill rank, but
-its pages are too small to be written straight into: `DIRECT_MIN_BLOCK_BYTES`), through
+its pages are too small to be written straight into, by the cost model), through
 per-token blocks (staging off), and between equal TP (the prefill size on both sides), with
 the blocks written per request, and the targets of issue 16. Each staged run sits between two
 equal-TP runs (`--repeats` staged runs, one more equal-TP run) and its ratio is against their

@@ -10,7 +10,7 @@ import pytest
 from kv_cache import rank_cache
 
 from kvbridge.cache import BufferSpec, KVArgs
-from kvbridge.cache.pairing import DIRECT_MIN_BLOCK_BYTES, PathReason, WritePath, pair
+from kvbridge.cache.pairing import PathReason, WritePath, pair
 from kvbridge.wire import KVLayout
 
 RING = BufferSpec(1 << 20, 1 << 16, 1)
@@ -41,10 +41,6 @@ def rank(
     return dataclasses.replace(args, staging_buffer=RING if ring else None)
 
 
-# Tokens a page of 2 heads (a TP 1 → 2 decode rank's) needs to reach DIRECT_MIN_BLOCK_BYTES.
-BIG = DIRECT_MIN_BLOCK_BYTES // (2 * 8 * 2)
-
-
 @pytest.mark.parametrize(
     ("path", "src", "dst", "expected"),
     [
@@ -58,13 +54,8 @@ BIG = DIRECT_MIN_BLOCK_BYTES // (2 * 8 * 2)
             (THROUGH_RING, PathReason.SHARED_ROWS),
         ),
         ("auto", rank(KVLayout.MHA, (1, 2)), rank(), (DIRECT, PathReason.NO_RING)),
-        ("auto", rank(), rank(tp=(1, 2), ring=True), (THROUGH_RING, PathReason.SMALL_PAGES)),
-        (
-            "auto",
-            rank(page_size=BIG),
-            rank(tp=(1, 2), page_size=BIG, ring=True),
-            (PAGE_ROWS, PathReason.BIG_PAGES),
-        ),
+        # One source fills decode's rows: page rows or the ring, by cost per chunk.
+        ("auto", rank(), rank(tp=(1, 2), ring=True), (THROUGH_RING, PathReason.COST)),
         ("auto", rank(), rank(tp=(1, 2)), (PAGE_ROWS, PathReason.NO_RING)),
         (
             "auto",
@@ -90,8 +81,8 @@ BIG = DIRECT_MIN_BLOCK_BYTES // (2 * 8 * 2)
         ),
         (
             "coalesced",
-            rank(page_size=BIG),
-            rank(tp=(1, 2), page_size=BIG, ring=True),
+            rank(page_size=64),
+            rank(tp=(1, 2), page_size=64, ring=True),
             (THROUGH_RING, PathReason.CONFIGURED),
         ),
         ("coalesced", rank(), rank(), (DIRECT, PathReason.NO_RING)),
@@ -117,6 +108,11 @@ def test_a_pairings_path_and_its_reason(
     pairing = pair(src, dst, path)
     assert (pairing.path, pairing.reason) == expected
     assert pairing.through_ring == (pairing.path == THROUGH_RING)
+    assert pairing.rows_or_ring == (expected[1] == PathReason.COST)
+    either = "direct or ring" if pairing.coalescible else "page_rows or ring"
+    assert pairing.choice == (
+        either if pairing.coalescible or pairing.rows_or_ring else expected[0].value
+    )
 
 
 @pytest.mark.parametrize("layout", [KVLayout.MHA_HEAD_MAJOR, KVLayout.PAGES])

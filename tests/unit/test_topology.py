@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from kvbridge.cache import BufferSpec, KVArgs, PlanError, TransferPlan, plan_kv
-from kvbridge.cache.pairing import DIRECT_MIN_BLOCK_BYTES, pair
+from kvbridge.cache.pairing import pair
 from kvbridge.cache.plan import (
     check_state_slicing,
     plan_gathered,
@@ -380,10 +380,10 @@ def test_head_slicing_costs_one_block_per_token_per_buffer() -> None:
     assert len(plan) == 2 * LAYERS * 32  # K and V of each layer, 32 tokens
 
 
-def test_one_source_writes_straight_into_pages_big_enough_else_through_the_ring() -> None:
+def test_one_source_writes_straight_into_pages_or_through_the_ring() -> None:
     """Pt < Dt: the decode rank's heads all come from one prefill rank. Its gathered rows go
-    straight into decode's pages when a page of one buffer is at least DIRECT_MIN_BLOCK_BYTES
-    (or decode has no ring); smaller blocks cost the engine more than decode's scatter."""
+    straight into decode's pages or through its ring, as the cost model says per chunk
+    (tests/unit/test_write_costs.py); straight into its pages when decode has no ring."""
     arena = Arena(1 << 22)
     src = make_rank(arena, KVLayout.MHA, 4, 8, 0, 2, 4, 16)  # Pt=2: 4 heads a rank
     ring = BufferSpec(arena.base, 1 << 16, 1)
@@ -392,13 +392,15 @@ def test_one_source_writes_straight_into_pages_big_enough_else_through_the_ring(
         args = make_rank(arena, KVLayout.MHA, 2, 8, 1, 4, 4, page_size).args  # Dt=4: 2 heads
         return dataclasses.replace(args, staging_buffer=ring if with_ring else None)
 
-    row = 2 * HEAD_DIM * 2  # a decode token row of one buffer: 2 heads of bfloat16
-    small = DIRECT_MIN_BLOCK_BYTES // row - 1  # tokens per page just under the limit
-    big = DIRECT_MIN_BLOCK_BYTES // row
-    assert not pair(src.args, decode_rank(small, with_ring=True)).direct
-    assert pair(src.args, decode_rank(small, with_ring=True)).stageable  # through the ring
-    assert pair(src.args, decode_rank(small, with_ring=False)).direct  # no ring: no choice
-    assert pair(src.args, decode_rank(big, with_ring=True)).direct
+    for page_size in (16, 64):
+        either = pair(src.args, decode_rank(page_size, with_ring=True))
+        assert (either.stageable, either.rows_or_ring, either.direct) == (True, True, False)
+        only_rows = pair(src.args, decode_rank(page_size, with_ring=False))  # no choice
+        assert (only_rows.stageable, only_rows.rows_or_ring, only_rows.direct) == (
+            True,
+            False,
+            True,
+        )
 
 
 @pytest.mark.parametrize(

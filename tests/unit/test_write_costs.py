@@ -1,7 +1,8 @@
-"""The cost model `write_path` "auto" chooses by at equal TP (`kvbridge.cache.costs`): its
-arithmetic, its choices for the shapes the benchmarks measured, its calibration file; and in
-prefill's protocol, each chunk's path by it, and no complete notification for a room one of
-whose chunks went through decode's ring."""
+"""The cost model `write_path` "auto" chooses by (`kvbridge.cache.costs`): page runs or
+decode's ring for pages of every head, page rows or the ring for head slices that fill
+decode's rows. Its arithmetic, its choices for the shapes the benchmarks measured, its
+calibration file; and in prefill's protocol, each chunk's path by it, and no complete
+notification for a room one of whose chunks went through decode's ring."""
 
 from __future__ import annotations
 
@@ -14,13 +15,14 @@ import numpy as np
 import pytest
 from kv_cache import rank_cache
 
-from kvbridge.cache import BufferSpec
+from kvbridge.cache import BufferSpec, KVArgs
 from kvbridge.cache.costs import DEFAULT_COSTS, WriteCosts, load_costs
 from kvbridge.cache.pairing import PathReason, WritePath
 from kvbridge.cache.peer import registration_for
 from kvbridge.core.prefill_events import (
     ChunkSubmitted,
     Connected,
+    PageRows,
     PrefillSettings,
     RingSpace,
     SenderOpened,
@@ -44,6 +46,10 @@ def test_the_estimates_add_up() -> None:
     # Gather and scatter (10 pieces and 0.5 s each), one engine block, the ring's round trip.
     assert costs.coalesced_s(pieces=10, nbytes=10**9) == pytest.approx(
         2 * (1e-6 + 0.5) + 1e-6 + 1.0 + 1e-4
+    )
+    # Page rows: the gather only, then a block per decode page.
+    assert costs.page_rows_s(blocks=100, pieces=10, nbytes=10**9) == pytest.approx(
+        1e-6 + 0.5 + 100e-6 + 1.0
     )
 
 
@@ -82,6 +88,28 @@ def test_what_the_defaults_choose_for_the_measured_shapes(
 ) -> None:
     blocks, pieces, nbytes = chunk_of(token_bytes, page_size, 512, layers)
     assert costs.coalesces(blocks, pieces, nbytes) is coalesced
+
+
+@pytest.mark.parametrize(
+    ("costs", "decode_page", "through_ring"),
+    [
+        # Host memory over CMA, TP 2→4 of Llama-3-8B (a decode rank's 2 heads from one
+        # prefill rank), chunks of 512 tokens: page rows moved 0.80× the ring's GB/s into
+        # pages of 16 tokens (8 KiB blocks), 1.05× into 32, 1.06× into 64.
+        (HOST, 16, True),
+        (HOST, 32, False),
+        (HOST, 64, False),
+        # An H200: a block costs more than decode's scatter at any page size.
+        (GPU, 16, True),
+        (GPU, 64, True),
+    ],
+)
+def test_what_the_defaults_choose_for_rows_that_fill_decodes_rows(
+    costs: WriteCosts, decode_page: int, through_ring: bool
+) -> None:
+    tokens, buffers, row = 512, 2 * 32, 2 * 128 * 2
+    blocks, pieces = -(-tokens // decode_page) * buffers, tokens * buffers
+    assert costs.rows_go_through_ring(blocks, pieces, pieces * row) is through_ring
 
 
 def test_a_chunk_of_one_run_per_buffer_goes_direct_and_a_small_one_pays_the_round_trip() -> None:
@@ -148,7 +176,9 @@ DECODE = rank_cache(seed=None, **GEOMETRY)  # alive for the module: one address 
 RUNS_DECIDE = WriteCosts(1e-3, 1e12, 1e12, 0.0, 2.5e-3)
 
 
-def leased_protocol(costs: WriteCosts, staging_bytes: int | None = MiB) -> PrefillProtocol:
+def leased_protocol(
+    costs: WriteCosts, staging_bytes: int | None = MiB, decode: KVArgs = DECODE.args
+) -> PrefillProtocol:
     prefill = PrefillProtocol(
         PrefillSettings(
             kv_args=rank_cache(seed=1, **GEOMETRY).args,
@@ -165,7 +195,7 @@ def leased_protocol(costs: WriteCosts, staging_bytes: int | None = MiB) -> Prefi
         )
     )
     registration = registration_for(
-        dataclasses.replace(DECODE.args, staging_buffer=RING),
+        dataclasses.replace(decode, staging_buffer=RING),
         peer_id=PEER,
         host="10.0.0.2",
         control_port=7100,
@@ -215,6 +245,40 @@ def test_each_chunk_goes_the_way_the_costs_say_and_a_ringed_room_has_no_complete
     assert (only.staged, only.notify_complete) == (None, b"kvbridge:2:0:complete")
 
 
+# A decode rank of TP 2: one of the two heads, all from this (TP 1) rank. A block costs 1 ms,
+# the ring's round trip 5: a chunk of two pages (8 blocks of decode's pages over 4 KV
+# buffers, 8 ms) is cheaper through the ring (6 ms), one of one page (4 ms) as page rows.
+HALF = rank_cache(seed=None, attn_tp_rank=1, attn_tp_size=2, **GEOMETRY)
+ROWS_DECIDE = WriteCosts(1e-3, 1e12, 1e12, 0.0, 5e-3)
+
+
+def test_rows_that_fill_decodes_rows_go_as_page_rows_or_through_the_ring_as_the_costs_say() -> None:
+    prefill = leased_protocol(ROWS_DECIDE, decode=HALF.args)
+    pairing = prefill.decode_peers.by_id[PEER].pairing
+    assert pairing is not None
+    assert (pairing.rows_or_ring, pairing.choice) == (True, "page_rows or ring")
+    prefill.handle(SenderOpened(1), 0.0)
+    prefill.handle(ChunkSubmitted(1, Chunk(np.array([3, 5]), last=False)), 0.0)  # two pages
+    prefill.handle(ChunkSubmitted(1, Chunk(np.array([6]), last=True)), 0.0)  # one page
+    actions = prefill.handle(
+        TransferRequest(1, PEER, False, np.arange(10, 13, dtype=np.int32), 0, [], 1), 0.1
+    )
+    (ask,) = [a.message for a in actions if isinstance(a, Send)]
+    (last,) = [a for a in actions if isinstance(a, Write)]
+    assert last.staged is not None
+    assert isinstance(last.staged.destination, PageRows)
+    assert last.notify_complete == b""  # decode scatters the first chunk before it succeeds
+    assert isinstance(ask, StagingRequest)
+    answer = StagingResponse(1, ask.chunk_idx, 0, 0, ask.nbytes, PEER)
+    (first,) = [a for a in prefill.handle(answer, 0.2) if isinstance(a, Write)]
+    assert first.staged is not None
+    assert isinstance(first.staged.destination, RingSpace)
+    assert prefill.stats.chunks_written == {
+        (WritePath.RING, PathReason.COST): 1,
+        (WritePath.PAGE_ROWS, PathReason.COST): 1,
+    }
+
+
 def test_a_gated_last_chunk_handed_out_before_a_queued_one_does_not_complete_the_room() -> None:
     """A gated chunk is handed out at once, ahead of the room's queued chunks: the queued one
     may yet go through the ring, so the gated last write carries no complete notification."""
@@ -255,11 +319,16 @@ def test_layer_ranges_and_gated_chunks_go_direct_whatever_the_costs() -> None:
     """Their data is not computed when their writes are handed out: nothing to gather yet."""
     pairing = leased_protocol(RUNS_DECIDE).decode_peers.by_id[PEER].pairing
     assert pairing is not None
-    local = rank_cache(seed=1, **GEOMETRY).args
-    assert chunk_path(pairing, job(), local, RUNS_DECIDE) == (True, PathReason.COST)
-    layered = chunk_path(pairing, job(layers=(0, 1)), local, RUNS_DECIDE)
-    assert layered == (False, PathReason.LAYER_RANGE)
-    gated = chunk_path(pairing, job(gate=WriteGate()), local, RUNS_DECIDE)
-    assert gated == (False, PathReason.GATED)
+    local, decode = rank_cache(seed=1, **GEOMETRY).args, DECODE.args
+    ring, direct = (WritePath.RING, PathReason.COST), (WritePath.DIRECT, PathReason.COST)
+    assert chunk_path(pairing, job(), local, decode, RUNS_DECIDE) == ring
+    layered = chunk_path(pairing, job(layers=(0, 1)), local, decode, RUNS_DECIDE)
+    assert layered == (WritePath.DIRECT, PathReason.LAYER_RANGE)
+    gated = chunk_path(pairing, job(gate=WriteGate()), local, decode, RUNS_DECIDE)
+    assert gated == (WritePath.DIRECT, PathReason.GATED)
     never = WriteCosts(0.0, 1e12, 1e12, 0.0, 0.0)  # a block costs nothing: direct
-    assert chunk_path(pairing, job(), local, never) == (False, PathReason.COST)
+    assert chunk_path(pairing, job(), local, decode, never) == direct
+    rows = leased_protocol(ROWS_DECIDE, decode=HALF.args).decode_peers.by_id[PEER].pairing
+    assert rows is not None
+    layered = chunk_path(rows, job(layers=(0, 1)), local, HALF.args, ROWS_DECIDE)
+    assert layered == (WritePath.DIRECT, PathReason.LAYER_RANGE)

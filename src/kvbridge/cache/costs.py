@@ -1,10 +1,16 @@
 """What writing a chunk costs on each path, and which is cheaper: the choice `write_path`
-"auto" makes per chunk where both paths can carry it (pure arithmetic).
+"auto" makes per chunk where more than one path can carry it (pure arithmetic).
 
     direct     blocks × per_block_s + bytes / engine_bytes_per_s
     coalesced  2 × (pieces × per_piece_s + bytes / copy_bytes_per_s)      gather and scatter
                + per_block_s + bytes / engine_bytes_per_s                  one engine block
                + per_ring_chunk_s                   the staging ask, its grant, ChunkReady
+    page rows  pieces × per_piece_s + bytes / copy_bytes_per_s            gather only
+               + blocks × per_block_s + bytes / engine_bytes_per_s   a block per decode page
+
+Pages of every head (equal TP; MLA) go direct or coalesced; head slices that fill decode's
+token rows (one prefill rank feeds them, TP 1→2 say) are gathered either way, and go as page
+rows or coalesced through decode's ring, the cheaper of the two.
 
 `blocks`: the engine descriptors the chunk's plan makes (a page run per KV buffer); `pieces`:
 the contiguous copies the gather and the scatter each make (a page per KV buffer for whole
@@ -70,6 +76,15 @@ class WriteCosts:
     def coalesces(self, blocks: int, pieces: int, nbytes: int) -> bool:
         """Whether the chunk goes cheaper gathered through decode's ring, by the margin."""
         return self.direct_s(blocks, nbytes) > self.margin * self.coalesced_s(pieces, nbytes)
+
+    def page_rows_s(self, blocks: int, pieces: int, nbytes: int) -> float:
+        gather = pieces * self.per_piece_s + nbytes / self.copy_bytes_per_s
+        return gather + self.direct_s(blocks, nbytes)
+
+    def rows_go_through_ring(self, blocks: int, pieces: int, nbytes: int) -> bool:
+        """Whether gathered rows go cheaper through decode's ring (one block, then decode's
+        scatter) than straight into its pages (`blocks`). Both gather: no margin."""
+        return self.page_rows_s(blocks, pieces, nbytes) > self.coalesced_s(pieces, nbytes)
 
 
 # Host memory: this 2-core host, NIXL over UCX's CMA, numpy kernels (2026-12-06: `kvbridge

@@ -72,10 +72,8 @@ class PathReason(enum.Enum):
     LAYERS_DIFFER = "layers_differ"  # pipeline stages: decode scatters into every layer
     NO_RING = "no_ring"  # decode registered no staging ring
     OLD_DECODE = "old_decode"  # decode does not scatter whole rows (`STAGED_WHOLE_ROWS`)
-    BIG_PAGES = "big_pages"  # auto: one source, decode's pages big enough blocks
-    SMALL_PAGES = "small_pages"  # auto: one source, decode's pages too small to write into
     SHARED_ROWS = "shared_rows"  # auto: several prefill ranks' heads share decode's rows
-    COST = "cost"  # auto, pages of every head: the cheaper path by the cost model
+    COST = "cost"  # auto: the cheaper path by the cost model
     # Per chunk, against the pairing's path:
     LAYER_RANGE = "layer_range"  # layer-wise: its data is not computed when handed out
     GATED = "gated"  # the same, behind a gate
@@ -83,14 +81,6 @@ class PathReason(enum.Enum):
     NO_STAGING = "no_staging"  # this rank has no staging buffer (its staging failed to open)
     EMPTY = "empty"  # nothing of it for this decode rank (DCP): no block either way
     NEVER_FITS = "never_fits"  # decode answered that it never fits its ring
-
-
-# Gathered rows written straight into decode's pages make one block per decode page and KV
-# buffer. Below this size the engine's cost per block outweighs decode's scatter out of its
-# ring (NIXL over CMA, TP 2→4 of Llama-3-8B, 16 × 1024 tokens, three runs each way: 8 KiB
-# blocks (page 16) moved 0.80× the ring's GB/s, 16 KiB (page 32) 1.05×, 32 KiB (page 64)
-# 1.06×).
-DIRECT_MIN_BLOCK_BYTES = 16 << 10
 
 
 @dataclass(frozen=True)
@@ -109,6 +99,18 @@ class Pairing:
     # auto, pages of every head (equal TP; MLA at any TP): each chunk may go either way,
     # direct or through decode's ring; the cost model (`kvbridge.cache.costs`) chooses.
     coalescible: bool = False
+    # auto, one source filling decode's token rows, and a ring there: each chunk is gathered
+    # and goes as page rows or through the ring, as the cost model chooses.
+    rows_or_ring: bool = False
+
+    @property
+    def choice(self) -> str:
+        """The paths chunks take, as a log line says them."""
+        if self.coalescible:
+            return "direct or ring"
+        if self.rows_or_ring:
+            return "page_rows or ring"
+        return self.path.value
 
     @property
     def through_ring(self) -> bool:
@@ -229,13 +231,16 @@ def pair(src: KVArgs, dst: KVArgs, write_path: str = "auto", whole_rows: bool = 
         return Pairing(mapping, source, whole, reason=PathReason.LAYOUT)
     # Several prefill ranks' heads interleave in each of decode's token rows: only a ring
     # (and decode's scatter) puts them together. One source fills whole rows itself, and
-    # writes them straight into decode's pages when those blocks are big enough (or decode
-    # has no ring).
+    # writes them straight into decode's pages (a block per page and buffer) or through its
+    # ring, whichever the cost model says per chunk (into its pages only, without a ring).
     if source.heads.count == dst.kv_heads:
-        if dst.page_bytes >= DIRECT_MIN_BLOCK_BYTES or not ring:
-            why = PathReason.BIG_PAGES if ring else PathReason.NO_RING
-            return Pairing(mapping, source, whole, stageable=True, direct=True, reason=why)
-        return Pairing(mapping, source, whole, stageable=True, reason=PathReason.SMALL_PAGES)
+        if not ring:
+            return Pairing(
+                mapping, source, whole, stageable=True, direct=True, reason=PathReason.NO_RING
+            )
+        return Pairing(
+            mapping, source, whole, stageable=True, rows_or_ring=True, reason=PathReason.COST
+        )
     if not ring:
         return Pairing(mapping, source, whole, reason=PathReason.NO_RING)
     return Pairing(mapping, source, whole, stageable=True, reason=PathReason.SHARED_ROWS)

@@ -146,9 +146,13 @@ class PrefillPeers:
                 self.settings.kv_args, peer.kv_args, self.settings.write_path, whole_rows
             )
             pairing = peer.pairing
-            path = "direct or ring" if pairing.coalescible else pairing.path.value
-            why = PathReason.COST.value if pairing.coalescible else pairing.reason.value
-            log.info("decode %s: chunks go %s (%s)", registration.peer_id[:100], path, why)
+            why = PathReason.COST if pairing.coalescible else pairing.reason
+            log.info(
+                "decode %s: chunks go %s (%s)",
+                registration.peer_id[:100],
+                pairing.choice,
+                why.value,
+            )
         except (GeometryError, PlanError) as exc:
             reason = f"decode {registration.peer_id} cannot be served: {exc}"
             peer.error = Failure(FailureKind.INCOMPATIBLE, reason)

@@ -19,16 +19,22 @@ from kvbridge.staging.ring import StagingRing
 
 
 def chunk_path(
-    pairing: Pairing, job: ChunkJob, local: KVArgs, costs: WriteCosts
-) -> tuple[bool, PathReason]:
-    """Whether the job's chunk is gathered (else written as planned blocks), and why."""
+    pairing: Pairing, job: ChunkJob, local: KVArgs, decode: KVArgs, costs: WriteCosts
+) -> tuple[WritePath, PathReason]:
+    """The path the job's chunk takes to `decode` (planned blocks, or gathered into page
+    rows or into decode's ring), and why."""
     if job.layers is not None or job.gate is not None:  # its data is not computed yet
         if not (pairing.stageable or pairing.coalescible):
-            return False, pairing.reason
-        return False, PathReason.LAYER_RANGE if job.layers is not None else PathReason.GATED
+            return WritePath.DIRECT, pairing.reason
+        why = PathReason.LAYER_RANGE if job.layers is not None else PathReason.GATED
+        return WritePath.DIRECT, why
     if pairing.coalescible:
-        return coalesces(job, local, costs), PathReason.COST
-    return pairing.stageable, pairing.reason
+        ring = coalesces(job, local, costs)
+        return WritePath.RING if ring else WritePath.DIRECT, PathReason.COST
+    if pairing.rows_or_ring:
+        ring = rows_go_through_ring(job, local, decode, costs)
+        return WritePath.RING if ring else WritePath.PAGE_ROWS, PathReason.COST
+    return pairing.path, pairing.reason
 
 
 def coalesces(job: ChunkJob, local: KVArgs, costs: WriteCosts) -> bool:
@@ -45,6 +51,17 @@ def coalesces(job: ChunkJob, local: KVArgs, costs: WriteCosts) -> bool:
     return costs.coalesces(runs * buffers, pieces, nbytes)
 
 
+def rows_go_through_ring(job: ChunkJob, local: KVArgs, decode: KVArgs, costs: WriteCosts) -> bool:
+    """Whether a chunk's head slices, which fill decode's token rows, go cheaper through
+    decode's ring than straight into its pages: a block per decode page and KV buffer
+    against decode's scatter (the gather copies a piece per token row and buffer either
+    way)."""
+    tokens, buffers = job.src_pages.size * local.page_size, len(local.kv_buffers)
+    pieces = tokens * buffers
+    blocks = -(-tokens // decode.page_size) * buffers
+    return costs.rows_go_through_ring(blocks, pieces, pieces * decode.token_bytes)
+
+
 def path_of(staged: StagedChunk | None) -> WritePath:
     if staged is None:
         return WritePath.DIRECT
@@ -52,12 +69,12 @@ def path_of(staged: StagedChunk | None) -> WritePath:
 
 
 def gathering(
-    local: KVArgs, buffer: StagingRing | None, job: ChunkJob, peer: DecodePeer
+    local: KVArgs, buffer: StagingRing | None, job: ChunkJob, peer: DecodePeer, path: WritePath
 ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], int, int, int] | PathReason:
-    """What gathering the chunk into this rank's staging `buffer` takes — (source rows,
-    decode's rows, first byte, width, bytes) — or why it goes as planned blocks instead: no
-    staging buffer here (or, through the ring, on decode), nothing of it for this decode
-    rank, or a chunk bigger than a staging buffer."""
+    """What gathering the chunk into this rank's staging `buffer` for `path` (page rows or
+    decode's ring) takes — (source rows, decode's rows, first byte, width, bytes) — or why it
+    goes as planned blocks instead: no staging buffer here (or, through the ring, on decode),
+    nothing of it for this decode rank, or a chunk bigger than a staging buffer."""
     peer_args, pairing = peer.kv_args, peer.pairing
     assert peer_args is not None
     assert pairing is not None
@@ -65,7 +82,8 @@ def gathering(
     ring = peer_args.staging_buffer
     if buffer is None:
         return PathReason.NO_STAGING
-    if not pairing.direct and ring is None:
+    through_ring = path == WritePath.RING
+    if through_ring and ring is None:
         return PathReason.NO_RING
     token_start = job.page_offset * local.page_size
     src_rows, dst_rows = token_rows(
@@ -84,7 +102,7 @@ def gathering(
     if nbytes == 0:
         return PathReason.EMPTY
     too_big = not buffer.fits_ever(nbytes) or (
-        not pairing.direct and ring is not None and nbytes > ring.length
+        through_ring and ring is not None and nbytes > ring.length
     )
     if too_big:
         return PathReason.TOO_BIG

@@ -13,7 +13,7 @@ import logging
 from collections import Counter, deque
 from collections.abc import Iterator
 
-from kvbridge.cache.pairing import Pairing, PathReason
+from kvbridge.cache.pairing import Pairing, PathReason, WritePath
 from kvbridge.core.prefill_events import (
     Action,
     JobKey,
@@ -147,12 +147,12 @@ class WriteScheduler:
             why = peer.error.reason if peer is not None and peer.error else "not connected"
             failure = Failure(FailureKind.ENGINE, f"room {state.room}: {why}")
             return [*self.rooms.fail(state, failure), *self.job_ended(entry)]
-        local = self.settings.kv_args
-        gathered, entry.reason = chunk_path(peer.pairing, job, local, self.settings.write_costs)
-        if not gathered:
+        local, costs = self.settings.kv_args, self.settings.write_costs
+        path, entry.reason = chunk_path(peer.pairing, job, local, peer.kv_args, costs)
+        if path == WritePath.DIRECT:
             self._hand_out(state, entry)
             return [self._write(entry, peer, None, entry.reason)]
-        gather = gathering(local, self._local, job, peer)
+        gather = gathering(local, self._local, job, peer, path)
         if isinstance(gather, PathReason):  # no staging buffer, nothing to gather, too big
             self._hand_out(state, entry)
             return [self._write(entry, peer, None, gather)]
@@ -162,7 +162,7 @@ class WriteScheduler:
         if entry.local is None:
             return None
         self._hand_out(state, entry)
-        if peer.pairing.direct:
+        if path == WritePath.PAGE_ROWS:
             staged = StagedChunk(
                 src_rows, column, width, nbytes, entry.local.offset, PageRows(dst_rows)
             )
