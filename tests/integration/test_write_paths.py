@@ -37,10 +37,12 @@ def move(
     dst_pages: npt.ArrayLike,
     chunks: list[npt.NDArray[np.int64]],
     prefix: int = 0,
+    decode_config: ManagerConfig | None = None,
 ) -> tuple[list[PrefillStats], int]:
     """One room from every prefill rank (TP len(sources)) into one decode rank, in `chunks`
     (the last with aux slot 1 and state slot 2, into decode's 2 and 0); it must succeed.
-    The prefill ranks' stats and decode's scattered chunks."""
+    The prefill ranks' stats and decode's scattered chunks. `decode_config`: decode's own
+    settings (else `config`'s)."""
     first = PrefillManager(sources[0].args, dataclasses.replace(config, run_bootstrap=True))
     url = first.bootstrap_url
     others = [
@@ -48,7 +50,9 @@ def move(
         for src in sources[1:]
     ]
     prefills = [first, *others]
-    decode = DecodeManager(dst.args, dataclasses.replace(config, bootstrap_url=url))
+    decode = DecodeManager(
+        dst.args, dataclasses.replace(decode_config or config, bootstrap_url=url)
+    )
     try:
         receiver = decode.receiver(5)
         slots = dict(aux_index=2, state_indices=[0]) if dst.aux else {}
@@ -144,19 +148,37 @@ def test_coalesced_chunks_skip_the_positions_decode_does_not_want(prefix: int) -
         assert not got[~written].any()
 
 
-def test_a_chunk_bigger_than_decodes_ring_goes_direct() -> None:
+def test_a_chunk_bigger_than_the_staging_buffers_goes_through_the_ring_in_pieces() -> None:
     src = rank_cache(num_pages=16, seed=3, page_size=4, **MHA)
     dst = rank_cache(num_pages=24, seed=None, page_size=4, **MHA)
-    # 2 buffers × 4 tokens × 32 B = 256 B a page: the first chunk fits, the second does not.
+    # 4 buffers × 4 tokens × 32 B = 512 B a page: pieces of one page (half of 1 KiB), each
+    # chunk of its own through decode's ring.
+    assert len(src.args.kv_buffers) * src.args.page_bytes == 512
     config = ManagerConfig(engine=ENGINE, write_path="coalesced", staging_bytes=1024)
     dst_pages = np.array([5, 6, 1, 2, 3, 4, 17])
     chunks = [np.array([0, 1]), np.array([2, 3, 4, 5, 6])]
     stats, scattered = move([src], dst, config, dst_pages, chunks)
+    assert stats[0].chunks_written == {(THROUGH_RING, CONFIGURED): 7}
+    assert (stats[0].staged_chunks, stats[0].staging_fallbacks, scattered) == (7, 0, 7)
+    for got, want in zip(dst.kv, src.kv, strict=True):
+        assert np.array_equal(got[dst_pages], want[np.arange(7)])
+
+
+def test_a_chunk_bigger_than_decodes_ring_goes_direct() -> None:
+    src = rank_cache(num_pages=16, seed=3, page_size=4, **MHA)
+    dst = rank_cache(num_pages=24, seed=None, page_size=4, **MHA)
+    # 512 B a page: prefill gathers pieces of 4 pages (half of 4 KiB), decode's ring holds 2.
+    # The first chunk fits it, the second's first piece does not, its last (one page) does.
+    config = ManagerConfig(engine=ENGINE, write_path="coalesced", staging_bytes=4096)
+    dst_pages = np.array([5, 6, 1, 2, 3, 4, 17])
+    chunks = [np.array([0, 1]), np.array([2, 3, 4, 5, 6])]
+    small_ring = dataclasses.replace(config, staging_bytes=1024)
+    stats, scattered = move([src], dst, config, dst_pages, chunks, decode_config=small_ring)
     assert stats[0].chunks_written == {
-        (THROUGH_RING, CONFIGURED): 1,
+        (THROUGH_RING, CONFIGURED): 2,
         (WritePath.DIRECT, PathReason.TOO_BIG): 1,
     }
-    assert (stats[0].staged_chunks, stats[0].staging_fallbacks, scattered) == (1, 1, 1)
+    assert (stats[0].staged_chunks, stats[0].staging_fallbacks, scattered) == (2, 1, 2)
     for got, want in zip(dst.kv, src.kv, strict=True):
         assert np.array_equal(got[dst_pages], want[np.arange(7)])
 

@@ -657,7 +657,9 @@ def test_a_decode_rank_fed_by_this_rank_alone_gets_the_gathered_rows_in_its_page
 def test_gathered_chunks_wait_for_room_in_the_staging_buffer() -> None:
     local = rank_cache(seed=1, **GEOMETRY).args
     remote = rank_cache(seed=None, **GEOMETRY, attn_tp_size=2).args
-    # Each chunk of 2 pages gathers 4 buffers × 8 tokens × 16 bytes = 512 bytes.
+    # A page of this rank's whole rows is 512 bytes: chunks go in pieces of one page (half
+    # the buffer, rounded down, at least a page), each gathering 4 buffers × 4 tokens × 16
+    # bytes = 256 bytes of decode's head: two at a time in 640.
     prefill = protocol(local, staging_bytes=640, window=4)
     (beat,) = messages(prefill.handle(registration(remote), 0.0), Heartbeat)
     assert isinstance(beat, Heartbeat)
@@ -666,12 +668,14 @@ def test_gathered_chunks_wait_for_room_in_the_staging_buffer() -> None:
     prefill.handle(SenderOpened(1), 0.0)
     prefill.handle(ChunkSubmitted(1, Chunk(np.array([3, 4]), last=False)), 0.0)
     prefill.handle(ChunkSubmitted(1, Chunk(np.array([5, 6]), last=True)), 0.0)
-    (first,) = writes(prefill.handle(request(1, [10, 11, 12, 13]), 0.1))
+    first, second = writes(prefill.handle(request(1, [10, 11, 12, 13]), 0.1))
     assert first.staged is not None
-    assert first.staged.nbytes == 512
-    (second,) = writes(prefill.handle(WriteEnded(first), 0.2))  # its space is free again
     assert second.staged is not None
-    assert second.staged.local_offset == 0
+    assert (first.staged.nbytes, second.staged.nbytes) == (256, 256)
+    assert [first.job.chunk_idx, second.job.chunk_idx] == [0, 1]
+    (third,) = writes(prefill.handle(WriteEnded(first), 0.2))  # its space is free again
+    assert third.staged is not None
+    assert (third.job.chunk_idx, third.staged.local_offset) == (2, 0)
 
 
 def test_a_chunk_that_never_fits_goes_token_by_token() -> None:

@@ -30,7 +30,7 @@ from kvbridge.core.prefill_events import (
 )
 from kvbridge.core.prefill_protocol import PrefillProtocol
 from kvbridge.core.protocol import Send
-from kvbridge.core.room import Chunk, ChunkJob
+from kvbridge.core.room import Chunk, ChunkJob, split_chunk
 from kvbridge.core.write_paths import chunk_path
 from kvbridge.wire import Heartbeat, MemoryKind, StagingRequest, StagingResponse, TransferRequest
 from kvbridge.wire.notifications import COMPLETING_NOTIFICATIONS
@@ -332,3 +332,44 @@ def test_layer_ranges_and_gated_chunks_go_direct_whatever_the_costs() -> None:
     assert rows is not None
     layered = chunk_path(rows, job(layers=(0, 1)), local, HALF.args, ROWS_DECIDE)
     assert layered == (WritePath.DIRECT, PathReason.LAYER_RANGE)
+
+
+# --- chunks bigger than a staging buffer ---------------------------------------------------
+
+
+def test_a_chunk_splits_into_pieces_in_order_its_last_piece_carrying_the_end() -> None:
+    gate = WriteGate()
+    chunk = Chunk(np.arange(10), last=True, aux_index=3, state_indices=(1,), position=6)
+    pieces = split_chunk(chunk, 4)
+    assert [p.src_pages.tolist() for p in pieces] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    assert [(p.last, p.aux_index, p.state_indices, p.position) for p in pieces] == [
+        (False, None, (), 6),
+        (False, None, (), 10),
+        (True, 3, (1,), 14),
+    ]
+    assert [p.last for p in split_chunk(dataclasses.replace(chunk, last=False), 4)] == [False] * 3
+    assert split_chunk(chunk, 10) == [chunk]
+    for whole in (dataclasses.replace(chunk, layers=(0, 1)), dataclasses.replace(chunk, gate=gate)):
+        assert split_chunk(whole, 4) == [whole]  # written as computed: never gathered
+
+
+def test_a_chunk_too_big_to_gather_goes_as_pieces_where_it_would_be_gathered() -> None:
+    """A staging buffer of 2 KiB gathers 2 pages of this rank's whole rows (512 B a page over
+    4 KV buffers) with another piece in flight. A chunk of 10 pages (2.5 KiB of decode's
+    head) would not fit it, and went as planned blocks; it goes through decode's ring as 5
+    chunks instead (4 gathered at once, the 5th once one is written). Where it would go as
+    page runs anyway, it stays whole."""
+    prefill = leased_protocol(ROWS_DECIDE, staging_bytes=2048, decode=HALF.args)
+    prefill.handle(SenderOpened(1), 0.0)
+    prefill.handle(ChunkSubmitted(1, Chunk(np.arange(10), last=True)), 0.0)
+    request = TransferRequest(1, PEER, False, np.arange(10, 20, dtype=np.int32), 0, [], 1)
+    actions = prefill.handle(request, 0.1)
+    asks = [a.message for a in actions if isinstance(a, Send)]
+    assert [(ask.chunk_idx, ask.chunk_num_pages) for ask in asks] == [(i, 2) for i in range(4)]
+    assert not [a for a in actions if isinstance(a, Write)]
+    free = WriteCosts(0.0, 1e12, 1e12, 0.0, 0.0)  # a block costs nothing: page runs, whole
+    direct = leased_protocol(free, staging_bytes=2048)
+    direct.handle(SenderOpened(1), 0.0)
+    direct.handle(ChunkSubmitted(1, Chunk(np.arange(10), last=True)), 0.0)
+    (write,) = [a for a in direct.handle(request, 0.1) if isinstance(a, Write)]
+    assert (write.job.src_pages.size, write.staged) == (10, None)

@@ -138,7 +138,7 @@ class PrefillProtocol(ProtocolCore):
         """Queue the jobs of the room's chunks that can start; report success if it came."""
         was = state.status.poll
         try:
-            jobs = state.next_jobs()
+            jobs = state.next_jobs(self.writes.piece_pages_for(state))
         except Unpaired as exc:  # decode needs a page this rank cannot pair with it
             return self.room_table.fail(state, Failure(FailureKind.INCOMPATIBLE, str(exc)))
         except ValueError as exc:

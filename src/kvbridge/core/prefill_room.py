@@ -28,6 +28,7 @@ from kvbridge.core.room import (
     Failure,
     RoomStatus,
     Unpaired,
+    split_chunk,
 )
 from kvbridge.wire.layout import Message
 from kvbridge.wire.messages import KVPoll
@@ -263,14 +264,17 @@ class PrefillRoom:
             )
         return LayerProgress(chunk.src_pages, chunk.position, stop)
 
-    def next_jobs(self) -> list[ChunkJob]:
+    def next_jobs(self, piece_pages: int | None = None) -> list[ChunkJob]:
         """Write jobs (one per destination) for every chunk queued so far, once the requests
         are in; [] if nothing can start. Chunks keep their order in `chunk_idx`; several
         may be in flight at once, and the room succeeds when the last one's jobs all ended
-        (`maybe_succeed`)."""
+        (`maybe_succeed`). `piece_pages`: a chunk of more pages goes as pieces of that many
+        (`split_chunk`), each a chunk of its own."""
         jobs: list[ChunkJob] = []
         while not self.status.finished and self.pending and self.ready:
-            jobs += self._jobs_for(self.pending.popleft())
+            chunk = self.pending.popleft()
+            for piece in [chunk] if piece_pages is None else split_chunk(chunk, piece_pages):
+                jobs += self._jobs_for(piece)
         return jobs
 
     def _jobs_for(self, chunk: Chunk) -> list[ChunkJob]:

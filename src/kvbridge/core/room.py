@@ -9,7 +9,7 @@ prefill sends, the write jobs made of them and decode's page lists for them are 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import numpy as np
@@ -107,6 +107,30 @@ class Chunk:
     # before. A chunk sent out of order: one page list streams during the forward, the
     # lists before and after it go once it ended.
     position: int | None = None
+
+
+def split_chunk(chunk: Chunk, max_pages: int) -> list[Chunk]:
+    """The chunk as pieces of at most `max_pages` pages, in order, each a chunk of its own
+    (the last piece is the chunk's last, with its aux and state): what a staging buffer can
+    gather in one go. A layer range or a gated chunk stays whole (its data is not computed
+    when it is handed out: never gathered)."""
+    pages = chunk.src_pages
+    if chunk.layers is not None or chunk.gate is not None or pages.size <= max_pages:
+        return [chunk]
+    pieces = []
+    for start in range(0, pages.size, max_pages):
+        final = start + max_pages >= pages.size
+        pieces.append(
+            replace(
+                chunk,
+                src_pages=pages[start : start + max_pages],
+                last=chunk.last and final,
+                aux_index=chunk.aux_index if final else None,
+                state_indices=chunk.state_indices if final else (),
+                position=None if chunk.position is None else chunk.position + start,
+            )
+        )
+    return pieces
 
 
 @dataclass(frozen=True)

@@ -74,6 +74,32 @@ class WriteScheduler:
         # This rank's staging buffer, shared by the chunks gathered into it while they move.
         usable = (settings.staging_bytes or 0) // RING_ALIGNMENT * RING_ALIGNMENT
         self._local = StagingRing(usable, RING_ALIGNMENT) if usable else None
+        # The most pages of a chunk gathered at once: whole rows of every buffer, half the
+        # staging buffer (the next piece is gathered while the engine writes one).
+        whole_page = len(settings.kv_args.kv_buffers) * settings.kv_args.page_bytes
+        self._piece_pages = max(1, usable // 2 // whole_page) if usable else None
+
+    def piece_pages_for(self, state: PrefillRoom) -> int | None:
+        """How many pages the room's chunks may hold at most, so that each can be gathered
+        (a bigger chunk would go as per-token or per-page blocks): where a decode peer of the
+        room gathers chunks, or may (the cost model, for a chunk of that many pages with a
+        block per page); None: chunks go whole."""
+        pages = self._piece_pages
+        if pages is None:
+            return None
+        local = self.settings.kv_args
+        blocks = pages * len(local.kv_buffers)
+        for peer_id, request in state.requests.items():
+            peer = self.peers.get(peer_id)
+            pairing = None if peer is None or request.is_dummy else peer.pairing
+            if pairing is None:
+                continue
+            costs = self.settings.write_costs
+            if pairing.stageable or (
+                pairing.coalescible and costs.coalesces(blocks, blocks, blocks * local.page_bytes)
+            ):
+                return pages
+        return None
 
     def queue(self, state: PrefillRoom, jobs: list[ChunkJob]) -> None:
         """Queue a room's jobs behind those of older rooms toward the same peer (a gated
