@@ -69,6 +69,11 @@ class LayerwiseConfig:
             raise DemoConfigError("--layerwise runs one prefill and one decode rank (TP 1 → 1)")
         if self.layer_ms <= 0:
             raise DemoConfigError(f"--layer-ms must be positive, not {self.layer_ms}")
+        if self.demo.cross_layer:
+            raise DemoConfigError(
+                "--layerwise writes each layer's pages as computed: a --cross-layer cache "
+                "moves whole blocks of every layer"
+            )
         # Both modes' rooms live in decode's pool at once: twice the requests.
         replace(self.demo, requests=2 * self.demo.requests).check()
 

@@ -301,13 +301,14 @@ def move_two_to_one(
 
 @pytest.mark.parametrize("kernels", ["numpy", "torch"])
 @pytest.mark.parametrize(
-    ("ring_bytes", "staged", "fallbacks"), [(1 << 20, 2, 0), (1024, 1, 1), (512, 0, 2)]
+    ("ring_bytes", "staged", "fallbacks"), [(1 << 20, 2, 0), (1024, 3, 0), (512, 5, 0)]
 )
 def test_two_prefill_ranks_into_one_decode_rank_through_the_ring(
     ring_bytes: int, staged: int, fallbacks: int, kernels: str
 ) -> None:
-    """TP 2 → 1: each prefill rank sends its heads; staged through decode's ring, or, when a
-    chunk cannot fit the ring, token by token (counted)."""
+    """TP 2 → 1: each prefill rank sends its heads; staged through decode's ring, a chunk
+    that cannot fit the ring in pieces that do (2 pages of 512 B of whole rows, 1), each
+    counted as a chunk staged."""
     geometry = dict(layer_ids=(0, 1), page_size=4, total_kv_heads=4, head_dim=8)
     sources = [
         rank_cache(num_pages=16, seed=31 + rank, attn_tp_rank=rank, attn_tp_size=2, **geometry)

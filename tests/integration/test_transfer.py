@@ -11,6 +11,7 @@ import pytest
 from kvbridge import ManagerConfig
 from kvbridge.engines import unavailable_reason
 from kvbridge_tools.demo import RAW_STRATEGIES, DemoConfig, DemoConfigError, run_demo
+from kvbridge_tools.layerwise import LayerwiseConfig
 
 
 def _cuda_available() -> bool:
@@ -211,6 +212,9 @@ def test_cross_layer_kv_needs_equal_tp_and_host_memory() -> None:
         config = DemoConfig(requests=1, tokens=16, cross_layer=True, **changes)  # type: ignore[arg-type]
         with pytest.raises(DemoConfigError, match="--cross-layer moves whole blocks"):
             config.check()
+    layerwise = LayerwiseConfig(DemoConfig(requests=1, tokens=16, cross_layer=True))
+    with pytest.raises(DemoConfigError, match="--layerwise writes each layer's pages"):
+        layerwise.check()
 
 
 @pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(1, 1), (4, 2), (1, 2)])

@@ -164,21 +164,35 @@ def test_a_chunk_bigger_than_the_staging_buffers_goes_through_the_ring_in_pieces
         assert np.array_equal(got[dst_pages], want[np.arange(7)])
 
 
-def test_a_chunk_bigger_than_decodes_ring_goes_direct() -> None:
+def test_a_chunk_too_big_for_the_staging_buffers_and_not_split_goes_direct() -> None:
     src = rank_cache(num_pages=16, seed=3, page_size=4, **MHA)
     dst = rank_cache(num_pages=24, seed=None, page_size=4, **MHA)
-    # 512 B a page: prefill gathers pieces of 4 pages (half of 4 KiB), decode's ring holds 2.
-    # The first chunk fits it, the second's first piece does not, its last (one page) does.
+    # 512 B a page, more than half of 640: no pieces. The first chunk fits, the second not.
+    config = ManagerConfig(engine=ENGINE, write_path="coalesced", staging_bytes=640)
+    dst_pages = np.array([5, 6, 1, 2, 3, 4, 17])
+    chunks = [np.array([0]), np.array([1, 2, 3, 4, 5, 6])]
+    stats, scattered = move([src], dst, config, dst_pages, chunks)
+    assert stats[0].chunks_written == {
+        (THROUGH_RING, CONFIGURED): 1,
+        (WritePath.DIRECT, PathReason.TOO_BIG): 1,
+    }
+    assert (stats[0].staged_chunks, stats[0].staging_fallbacks, scattered) == (1, 1, 1)
+    for got, want in zip(dst.kv, src.kv, strict=True):
+        assert np.array_equal(got[dst_pages], want[np.arange(7)])
+
+
+def test_pieces_fit_decodes_ring_when_it_is_smaller() -> None:
+    src = rank_cache(num_pages=16, seed=3, page_size=4, **MHA)
+    dst = rank_cache(num_pages=24, seed=None, page_size=4, **MHA)
+    # 512 B a page: prefill would gather pieces of 4 pages (half of 4 KiB), decode's ring
+    # holds 2: the second chunk goes as pieces of 2 pages.
     config = ManagerConfig(engine=ENGINE, write_path="coalesced", staging_bytes=4096)
     dst_pages = np.array([5, 6, 1, 2, 3, 4, 17])
     chunks = [np.array([0, 1]), np.array([2, 3, 4, 5, 6])]
     small_ring = dataclasses.replace(config, staging_bytes=1024)
     stats, scattered = move([src], dst, config, dst_pages, chunks, decode_config=small_ring)
-    assert stats[0].chunks_written == {
-        (THROUGH_RING, CONFIGURED): 2,
-        (WritePath.DIRECT, PathReason.TOO_BIG): 1,
-    }
-    assert (stats[0].staged_chunks, stats[0].staging_fallbacks, scattered) == (2, 1, 2)
+    assert stats[0].chunks_written == {(THROUGH_RING, CONFIGURED): 4}
+    assert (stats[0].staged_chunks, stats[0].staging_fallbacks, scattered) == (4, 0, 4)
     for got, want in zip(dst.kv, src.kv, strict=True):
         assert np.array_equal(got[dst_pages], want[np.arange(7)])
 

@@ -56,7 +56,9 @@ def rows_go_through_ring(job: ChunkJob, local: KVArgs, decode: KVArgs, costs: Wr
     decode's ring than straight into its pages: a block per decode page and KV buffer
     against decode's scatter (the gather copies a piece per token row and buffer either
     way)."""
-    tokens, buffers = job.src_pages.size * local.page_size, len(local.kv_buffers)
+    # Decode context parallelism: this decode rank holds every dcp_size-th token.
+    tokens = job.src_pages.size * local.page_size // decode.dcp_size
+    buffers = len(local.kv_buffers)
     pieces = tokens * buffers
     blocks = -(-tokens // decode.page_size) * buffers
     return costs.rows_go_through_ring(blocks, pieces, pieces * decode.token_bytes)

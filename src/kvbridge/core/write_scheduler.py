@@ -13,7 +13,7 @@ import logging
 from collections import Counter, deque
 from collections.abc import Iterator
 
-from kvbridge.cache.pairing import Pairing, PathReason, WritePath
+from kvbridge.cache.pairing import PathReason, WritePath
 from kvbridge.core.prefill_events import (
     Action,
     JobKey,
@@ -76,30 +76,35 @@ class WriteScheduler:
         self._local = StagingRing(usable, RING_ALIGNMENT) if usable else None
         # The most pages of a chunk gathered at once: whole rows of every buffer, half the
         # staging buffer (the next piece is gathered while the engine writes one).
-        whole_page = len(settings.kv_args.kv_buffers) * settings.kv_args.page_bytes
-        self._piece_pages = max(1, usable // 2 // whole_page) if usable else None
+        self._whole_page = len(settings.kv_args.kv_buffers) * settings.kv_args.page_bytes
+        pieces = usable // 2 // self._whole_page
+        self._piece_pages = pieces or None  # (a page bigger than that: no piece would fit)
 
     def piece_pages_for(self, state: PrefillRoom) -> int | None:
         """How many pages the room's chunks may hold at most, so that each can be gathered
         (a bigger chunk would go as per-token or per-page blocks): where a decode peer of the
         room gathers chunks, or may (the cost model, for a chunk of that many pages with a
-        block per page); None: chunks go whole."""
-        pages = self._piece_pages
-        if pages is None:
+        block per page), and no more than the peer's ring holds; None: chunks go whole."""
+        if self._piece_pages is None:
             return None
-        local = self.settings.kv_args
-        blocks = pages * len(local.kv_buffers)
+        local, costs = self.settings.kv_args, self.settings.write_costs
+        found: int | None = None
         for peer_id, request in state.requests.items():
             peer = self.peers.get(peer_id)
             pairing = None if peer is None or request.is_dummy else peer.pairing
-            if pairing is None:
+            if pairing is None or peer is None or peer.kv_args is None:
                 continue
-            costs = self.settings.write_costs
-            if pairing.stageable or (
+            pages = self._piece_pages
+            blocks = pages * len(local.kv_buffers)
+            gathers = pairing.stageable or (
                 pairing.coalescible and costs.coalesces(blocks, blocks, blocks * local.page_bytes)
-            ):
-                return pages
-        return None
+            )
+            ring = peer.kv_args.staging_buffer
+            if ring is not None and (pairing.through_ring or pairing.coalescible):
+                pages = min(pages, ring.length // self._whole_page)
+            if gathers and pages:
+                found = pages if found is None else min(found, pages)
+        return found
 
     def queue(self, state: PrefillRoom, jobs: list[ChunkJob]) -> None:
         """Queue a room's jobs behind those of older rooms toward the same peer (a gated
@@ -235,7 +240,7 @@ class WriteScheduler:
             job.last
             and state is not None
             and job.peer_id not in state.ring_peers
-            and not self._may_go_through_ring(entry, peer.pairing)
+            and not self._queued_before(entry)
             and COMPLETING_NOTIFICATIONS in peer.registration.capabilities
             and self.settings.engine_notifies
         ):
@@ -259,19 +264,14 @@ class WriteScheduler:
         )
         return entry.write
 
-    def _may_go_through_ring(self, entry: WriteJob, pairing: Pairing) -> bool:
-        """Whether another job of the room toward the same peer, not handed out yet, may still
-        go through its ring (a gated last chunk is handed out before the queued chunks ahead
-        of it): then the room's last write may not complete it (decode scatters first)."""
-        if not (pairing.through_ring or pairing.coalescible):
-            return False
+    def _queued_before(self, entry: WriteJob) -> bool:
+        """Whether another job of the room toward the same peer is not handed out yet (a
+        gated last chunk is handed out before the queued chunks ahead of it): then the room's
+        last write may not complete it — that job's bytes may land later, or go through
+        decode's ring (decode scatters first)."""
         job = entry.job
         return any(
-            other is not entry
-            and other.job.peer_id == job.peer_id
-            and not other.handed_out
-            and other.job.layers is None
-            and other.job.gate is None
+            other is not entry and other.job.peer_id == job.peer_id and not other.handed_out
             for other in self.jobs.of(job.room)
         )
 
