@@ -3,8 +3,8 @@ script with TRITON_INTERPRET=1 (Triton's interpreter follows the pointer table i
 memory), by tests/unit/test_staging_torch.py where Triton is installed.
 
 Each case is (row bytes, column, width, rows in a buffer, rows copied): slices whose sizes
-allow 8-, 4-, 2- and 1-byte words, more rows than one program's tile, and a slice wider than
-a tile.
+allow 8-, 4-, 2- and 1-byte words, more rows than one program's tile, a slice wider than a
+tile, and whole rows.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ CASES = [
     (30, 5, 3, 50, 33),
     (12, 4, 6, 20, 20),
     (40000, 8, 39992, 6, 4),
+    (256, 0, 256, 30, 17),  # whole rows (pages of every head at equal TP)
 ]
 BUFFERS = 5
 
