@@ -12,8 +12,11 @@ SGLANG_STAMP := $(SGLANG_VENV)/.kvbridge-sglang-installed
 SGLANG_TESTS := SGLANG_HOST_IP=127.0.0.1 PYTHONPATH=src $(SGLANG_VENV)/bin/python -m pytest tests/sglang_compat
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.kvbridge-vllm-installed
-# kvbridge's vLLM connector inside vLLM 0.32's CPU build, next to vLLM's own NixlConnector.
-VLLM_TESTS := $(VLLM_VENV)/bin/python -m pytest -p no:cacheprovider tests/vllm_compat
+# kvbridge's vLLM connector inside vLLM 0.32's CPU build, next to vLLM's own NixlConnector;
+# and the one-launch Triton staging kernels under Triton's interpreter (vLLM's environment
+# has Triton, .venv does not).
+VLLM_TESTS := $(VLLM_VENV)/bin/python -m pytest -p no:cacheprovider tests/vllm_compat \
+	tests/unit/test_staging_torch.py
 
 .PHONY: demo test test-sglang test-vllm lint format docs bench mooncake sglang-env vllm-env goldens clean
 
