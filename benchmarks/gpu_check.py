@@ -3,10 +3,12 @@
 - the ceiling: a device-to-device copy through torch (GB/s of bytes moved);
 - the staging kernels on the GPU: gather and scatter GB/s on their own stream, one Triton
   launch for all KV buffers and, beside it, one torch copy per buffer (the fallback);
-- kvbridge end to end between a prefill and a decode process on the same GPU (KV, aux and
-  state slots in GPU memory, registered as VRAM), the demo model shape, at equal TP and at
-  TP 2→4 through the staging ring, every byte verified; beside each, the raw engine replaying
-  the identical blocks, and the transport the engine reports.
+- kvbridge end to end between prefill and decode processes on the same GPU (KV, aux and
+  state slots in GPU memory, registered as VRAM), every byte verified: the demo model shape
+  at TP 1→1, 2→2, 2→4 and 4→2, and DeepSeek-V3's MLA at 1→1 (issue 46's rows: each against
+  the device copy, target ≥ 0.5×); beside each, the raw engine replaying the identical
+  blocks, how its chunks went (`write_path` auto: the cost model's choice), and the
+  transport the engine reports.
 
     python benchmarks/gpu_check.py [--memory cuda|torch-cpu] [--requests N --tokens L]
 
@@ -68,10 +70,21 @@ def staging_kernels(device: torch.device, tokens: int, one_launch: bool) -> tupl
     return staged.numel() / gather_s / 1e9, staged.numel() / scatter_s / 1e9
 
 
+# (model, prefill TP, decode TP) of each end-to-end row.
+TRANSFERS = (
+    ("llama3-8b", 1, 1),
+    ("llama3-8b", 2, 2),
+    ("llama3-8b", 2, 4),
+    ("llama3-8b", 4, 2),
+    ("deepseek-v3", 1, 1),
+)
+
+
 def transfer(
-    memory: str, prefill_tp: int, decode_tp: int, requests: int, tokens: int
+    memory: str, model: str, prefill_tp: int, decode_tp: int, requests: int, tokens: int
 ) -> dict[str, Any]:
     config = DemoConfig(
+        model=model,
         requests=requests,
         tokens=tokens,
         prefill_tp=prefill_tp,
@@ -83,7 +96,9 @@ def transfer(
     )
     result = run_demo(config)
     return {
+        "model": model,
         "pair": f"{prefill_tp}->{decode_tp}",
+        "chunks": result.chunk_paths,
         "verified": result.ok,
         "errors": [
             r.error or r.failed_rooms or r.mismatched_rooms for r in result.reports if not r.ok
@@ -118,21 +133,27 @@ def main() -> None:
         report[f"gather{name}_gbps"] = round(gather_gbps, 1)
         report[f"scatter{name}_gbps"] = round(scatter_gbps, 1)
     report["transfers"] = [
-        transfer(options.memory, 1, 1, options.requests, options.tokens),
-        transfer(options.memory, 2, 4, options.requests, options.tokens),
+        transfer(options.memory, model, pt, dt, options.requests, options.tokens)
+        for model, pt, dt in TRANSFERS
     ]
+    for row in report["transfers"]:
+        row["vs_copy"] = round(row["kvbridge_gbps"] / report["copy_ceiling_gbps"], 3)
     per_buffer = f"{report['gather_per_buffer_gbps']}, {report['scatter_per_buffer_gbps']}"
     print(
         f"{report['device']}: device copy {report['copy_ceiling_gbps']} GB/s; staging gather "
         f"{report['gather_gbps']} GB/s, scatter {report['scatter_gbps']} GB/s (one copy per "
         f"buffer: {per_buffer})"
     )
-    print("TP | verified | kvbridge GB/s | raw GB/s | staged chunks | p50 ms | transport")
+    print(
+        "model | TP | verified | kvbridge GB/s | × device copy | raw GB/s | chunks | p50 ms | "
+        "transport"
+    )
     for row in report["transfers"]:
         transport = ", ".join(row["transport"])
+        chunks = ", ".join(f"{path} {n}" for path, n in row["chunks"].items())
         print(
-            f"{row['pair']} | {row['verified']} | {row['kvbridge_gbps']} | {row['raw_gbps']} | "
-            f"{row['staged_chunks']} | {row['p50_ms']} | {transport}"
+            f"{row['model']} | {row['pair']} | {row['verified']} | {row['kvbridge_gbps']} | "
+            f"{row['vs_copy']} | {row['raw_gbps']} | {chunks} | {row['p50_ms']} | {transport}"
         )
         for process, timings in row["timings"].items():
             print(f"  {process}: " + ", ".join(f"{name} {s}" for name, s in timings.items()))
